@@ -1,0 +1,147 @@
+"""Chat rendering with token-in-token-out, and parsing of tool calls out of completions.
+
+`ChatRenderer.render` turns OpenAI messages into prompt ids. When the messages extend an earlier call
+of the same episode (that call's messages plus the exact reply we returned), the earlier call's
+`prompt_ids + completion_ids` are reused verbatim and only the new suffix is tokenised, so the model
+trains on the tokens it produced rather than on a re-tokenisation. Each render reports whether a
+fresh tokenisation would have drifted from the reused ids, and whether the history was edited so
+that no reuse was possible.
+
+This module knows the chat template and the tokenizer; it does not generate or store anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from core.records import Call
+
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+SENTINEL = "\x00swarmrl-sentinel\x00"  # cannot occur in real content, so it splits a rendering cleanly
+
+
+class TemplateError(ValueError):
+    """The messages or tools cannot be rendered by the model's chat template."""
+
+
+@dataclass
+class Rendered:
+    prompt_ids: list[int]
+    reused_prefix: int  # leading ids copied from an earlier call
+    drift: bool  # a fresh tokenisation would have given different ids than the reused ones
+    broken: bool  # the messages extend the episode's history only after an edit: no reuse possible
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        self.turn_close = self._turn_close()
+
+    def _template(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
+        try:
+            return self.tok.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except Exception as e:  # jinja errors carry the template's own message; surface it as bad input
+            raise TemplateError(f"chat template cannot render these messages: {e}") from None
+
+    def _turn_close(self) -> str:
+        """The text a template writes after an assistant message's content (ChatML: '<|im_end|>\\n')."""
+        text = self._template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}], None, False
+        )
+        return text.split(SENTINEL, 1)[1] if SENTINEL in text else ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def render(self, messages: list[dict], tools: list[dict] | None, history: list[Call] = ()) -> Rendered:
+        full_text = self._template(messages, tools, True)
+        fresh: list[int] | None = None
+        earlier, edited = _find_extended_call(messages, history)
+        if earlier is not None:
+            replied = earlier.messages + [earlier.reply]
+            prefix_text = self._template(replied, tools, False)
+            if full_text.startswith(prefix_text):
+                close = self.turn_close
+                if earlier.completion_ids and earlier.completion_ids[-1] == self.tok.eos_token_id:
+                    close = close[len(self.eos_text) :] if close.startswith(self.eos_text) else close
+                reused = earlier.prompt_ids + earlier.completion_ids
+                ids = reused + self.encode(close + full_text[len(prefix_text) :])
+                fresh = self.encode(full_text)
+                return Rendered(ids, len(reused), drift=fresh != ids, broken=False)
+            edited = True  # same messages, different rendering (tools changed): not append-only
+        fresh = self.encode(full_text)
+        return Rendered(fresh, 0, drift=False, broken=edited)
+
+    def parse_reply(self, text: str, tools_offered: bool) -> dict[str, Any]:
+        """The OpenAI assistant message for a completion's text, tool calls parsed out when tools were offered."""
+        calls = []
+        if tools_offered:
+            for block in TOOL_CALL_RE.findall(text):
+                call = _parse_tool_call(block)
+                if call is not None:
+                    calls.append(call)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        content = TOOL_CALL_RE.sub("", text).strip()
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+def _parse_tool_call(block: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(block)
+    except json.JSONDecodeError:
+        return None  # a malformed call stays visible as text rather than vanishing
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    args = data.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    return {
+        "id": "call_" + secrets.token_hex(8),
+        "type": "function",
+        "function": {"name": data["name"], "arguments": json.dumps(args)},
+    }
+
+
+def normalize(message: dict[str, Any]) -> tuple:
+    """What makes two messages the same turn: role, text and tool calls (arguments compared as JSON)."""
+    calls = []
+    for c in message.get("tool_calls") or []:
+        fn = c.get("function") or {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (json.JSONDecodeError, TypeError):
+            args = fn.get("arguments")
+        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    return (message.get("role"), message.get("content") or "", tuple(calls))
+
+
+def _find_extended_call(messages: list[dict], history: list[Call]) -> tuple[Call | None, bool]:
+    """The latest, longest earlier call that `messages` extend; and whether some call was extended only after an edit."""
+    norm = [normalize(m) for m in messages]
+    best: Call | None = None
+    edited = False
+    for call in reversed(history):
+        if call.reply is None or not call.messages:
+            continue
+        n = len(call.messages)
+        if len(norm) <= n:
+            continue
+        if [normalize(m) for m in call.messages] != norm[:n]:
+            continue
+        if normalize(call.reply) != norm[n]:
+            edited = True  # same context, but the client changed what the model said
+            continue
+        if best is None or n > len(best.messages):
+            best = call
+    return best, edited and best is None

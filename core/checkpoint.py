@@ -1,0 +1,289 @@
+"""Checkpoints of a run: weights, trainer state, versions and the finished-but-untrained episodes.
+
+Layout of one checkpoint, ``<directory>/step-00000012/``::
+
+    manifest.json                 step, versions, run config, one entry per trained model
+    episodes.json                 buffered groups (finished, not yet trained), as Episode records
+    models/<name>/model.safetensors    full fine-tune: every weight (tied ones stored once)
+    models/<name>/adapter/             LoRA: only the adapter, as a standard PEFT folder
+    models/<name>/trainer.pt      optimizer, trainer step, RNG states (loaded with weights_only)
+
+A checkpoint is written into a hidden temporary folder and renamed into place, then the
+``latest`` file is replaced atomically to name it, so a crash at any moment leaves either the old
+or the new checkpoint, never half of one. If ``latest`` names a folder that is gone (a crash
+between the two renames), ``load_latest`` falls back to the newest complete checkpoint.
+
+Resuming: build each policy from its BASE model exactly as a fresh run would (``prepare_policy``),
+build its ``Trainer`` (which snapshots the KL reference from those base weights), then call
+``restore``: it loads the trained weights and the trainer state into them. This module does not
+decide when to checkpoint, and does not re-register the buffered episodes (``Registry.restore``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import load_peft_weights
+from pydantic import BaseModel, Field, ValidationError
+from safetensors.torch import load_file, save_model
+
+from core.records import Episode
+from core.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+# Bumped when the layout changes; a checkpoint of another format is refused rather than misread.
+FORMAT = 1
+LATEST = "latest"
+STEP_PREFIX = "step-"
+MANIFEST = "manifest.json"
+EPISODES = "episodes.json"
+FULL_WEIGHTS = "model.safetensors"
+ADAPTER_DIR = "adapter"
+TRAINER_STATE = "trainer.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written, read or applied; the message names the file or model."""
+
+
+class ModelEntry(BaseModel):
+    lora: bool  # True: only the adapter was saved; the base weights come from the model source
+    trainer_step: int  # the trainer's own step count at save time
+
+
+class Manifest(BaseModel):
+    format: int = FORMAT
+    step: int  # run step at save time; a resumed run continues with step + 1
+    versions: dict[str, int] = Field(default_factory=dict)  # model -> weight version served at save time
+    config: dict[str, Any] = Field(default_factory=dict)  # the run config, for provenance and resume checks
+    models: dict[str, ModelEntry] = Field(default_factory=dict)  # trained models whose weights are saved
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read from disk; `restore` applies its weights and trainer state."""
+
+    path: Path
+    step: int
+    versions: dict[str, int]
+    config: dict[str, Any]
+    models: dict[str, ModelEntry]
+    buffered: list[list[Episode]]
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def save(
+    directory: str | Path,
+    step: int,
+    trainers: dict[str, Trainer],
+    buffered: list[list[Episode]],
+    versions: dict[str, int],
+    config: dict[str, Any],
+    keep: int | None = None,
+) -> Path:
+    """Write a checkpoint atomically and point `latest` at it; returns its folder.
+
+    `keep`: how many checkpoints to keep (oldest removed first); None keeps all.
+    """
+    if step < 0:
+        raise CheckpointError(f"step must be non-negative, got {step}")
+    if keep is not None and keep < 1:
+        raise CheckpointError(f"keep must be at least 1 (or None), got {keep}")
+    manifest = Manifest(
+        step=step,
+        versions=dict(versions),
+        config=config,
+        models={name: ModelEntry(lora=t.lora, trainer_step=t.step_count) for name, t in trainers.items()},
+    )
+    try:
+        manifest_text = manifest.model_dump_json(indent=2)
+    except (TypeError, ValueError) as e:  # checked before anything touches the disk
+        raise CheckpointError(f"run config is not JSON-serialisable: {e}") from e
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for name, trainer in trainers.items():
+            _save_model(tmp / "models" / name, trainer)
+        episodes = [[e.model_dump(mode="json") for e in group] for group in buffered]
+        (tmp / EPISODES).write_text(json.dumps(episodes))
+        # The manifest goes last: a folder with a manifest is complete.
+        (tmp / MANIFEST).write_text(manifest_text)
+        _move_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_latest(root, final.name)
+    if keep is not None:
+        _prune(root, keep, final)
+    log.info("checkpoint at step %d written to %s", step, final)
+    return final
+
+
+def _save_model(folder: Path, trainer: Trainer) -> None:
+    folder.mkdir(parents=True)
+    if trainer.lora:
+        trainer.policy.save_pretrained(str(folder / ADAPTER_DIR))
+    else:
+        save_model(trainer.policy, str(folder / FULL_WEIGHTS))
+    torch.save(trainer.state_dict(), folder / TRAINER_STATE)
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    if not final.exists():
+        tmp.rename(final)
+        return
+    # Same step saved again (e.g. periodic and shutdown checkpoints coincide): swap, then drop the old.
+    old = final.with_name(f".old-{final.name}-{uuid.uuid4().hex[:8]}")
+    final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def _complete(root: Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first."""
+    found = [p for p in root.glob(f"{STEP_PREFIX}*") if p.is_dir() and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _prune(root: Path, keep: int, just_written: Path) -> None:
+    for old in _complete(root)[:-keep]:
+        if old != just_written:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+# -- reading -------------------------------------------------------------------------------------
+def load_latest(directory: str | Path) -> Checkpoint | None:
+    """The newest checkpoint under `directory`, or None when there is none."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if (named / MANIFEST).is_file():
+            return load(named)
+        log.warning("%s names %s, which is missing or incomplete; using the newest complete checkpoint", pointer, named)
+    complete = _complete(root)
+    return load(complete[-1]) if complete else None
+
+
+def load(path: str | Path) -> Checkpoint:
+    """Read one checkpoint folder's manifest and buffered episodes (weights load in `restore`)."""
+    folder = Path(path)
+    manifest_file = folder / MANIFEST
+    try:
+        manifest = Manifest.model_validate_json(manifest_file.read_text())
+    except (OSError, ValidationError) as e:
+        raise CheckpointError(f"cannot read checkpoint manifest {manifest_file}: {e}") from e
+    if manifest.format != FORMAT:
+        raise CheckpointError(f"{manifest_file} has format {manifest.format}; this swarmrl reads format {FORMAT}")
+    episodes_file = folder / EPISODES
+    try:
+        raw = json.loads(episodes_file.read_text())
+        buffered = [[Episode.model_validate(e) for e in group] for group in raw]
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"cannot read buffered episodes {episodes_file}: {e}") from e
+    return Checkpoint(
+        path=folder,
+        step=manifest.step,
+        versions=manifest.versions,
+        config=manifest.config,
+        models=manifest.models,
+        buffered=buffered,
+    )
+
+
+def restore(ckpt: Checkpoint, trainers: dict[str, Trainer]) -> None:
+    """Load saved weights and trainer state into freshly built trainers (see the module doc).
+
+    Every file is read and checked before any trainer changes, so a bad checkpoint leaves the
+    trainers as they were.
+    """
+    if set(trainers) != set(ckpt.models):
+        raise CheckpointError(
+            f"checkpoint {ckpt.path} holds models {sorted(ckpt.models)}, the run trains {sorted(trainers)}"
+        )
+    loaded: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+    for name, trainer in trainers.items():
+        entry = ckpt.models[name]
+        if entry.lora != trainer.lora:
+            raise CheckpointError(
+                f"model {name!r} was saved with lora={entry.lora} but is now configured with lora={trainer.lora}"
+            )
+        folder = ckpt.path / "models" / name
+        try:
+            state = torch.load(folder / TRAINER_STATE, weights_only=True)
+            if entry.lora:
+                weights = load_peft_weights(str(folder / ADAPTER_DIR))
+                _check_adapter(trainer.policy, weights, name)
+            else:
+                weights = load_file(folder / FULL_WEIGHTS)
+                _check_full_weights(trainer.policy, weights, name)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"cannot read model {name!r} from {folder}: {e}") from e
+        loaded[name] = (weights, state)
+
+    for name, trainer in trainers.items():
+        weights, state = loaded[name]
+        if trainer.lora:
+            _load_adapter(trainer.policy, weights, name)
+        else:
+            # strict=False only for tied weights, which are stored once and checked above.
+            trainer.policy.load_state_dict(weights, strict=False)
+        trainer.load_state_dict(state)
+    log.info("restored %s from %s (step %d)", sorted(trainers), ckpt.path, ckpt.step)
+
+
+def _check_full_weights(policy: torch.nn.Module, weights: dict[str, torch.Tensor], name: str) -> None:
+    """Every saved tensor fits the policy; every policy tensor is saved or tied to a saved one."""
+    own = policy.state_dict()
+    unexpected = sorted(k for k in weights if k not in own)
+    wrong = sorted(k for k in weights if k in own and own[k].shape != weights[k].shape)
+    saved_storage = {own[k].untyped_storage().data_ptr() for k in weights if k in own}
+    missing = sorted(k for k in own if k not in weights and own[k].untyped_storage().data_ptr() not in saved_storage)
+    if unexpected or wrong or missing:
+        raise CheckpointError(
+            f"weights of {name!r} do not fit the model: unexpected {unexpected[:5]}, "
+            f"wrong shape {wrong[:5]}, missing {missing[:5]}"
+        )
+
+
+def _check_adapter(policy: torch.nn.Module, adapter: dict[str, torch.Tensor], name: str) -> None:
+    """The saved adapter has exactly the policy's adapter tensors, with the same shapes (same r, targets)."""
+    own = get_peft_model_state_dict(policy)
+    if set(own) != set(adapter) or any(own[k].shape != adapter[k].shape for k in own):
+        differ = sorted(set(own) ^ set(adapter)) or sorted(k for k in own if own[k].shape != adapter[k].shape)
+        raise CheckpointError(
+            f"saved adapter of {name!r} does not fit the policy's LoRA config (rank or target modules changed?): "
+            f"differs at {differ[:5]}"
+        )
+
+
+def _load_adapter(policy: torch.nn.Module, adapter: dict[str, torch.Tensor], name: str) -> None:
+    result = set_peft_model_state_dict(policy, adapter)
+    if result.unexpected_keys:
+        raise CheckpointError(f"adapter of {name!r} does not fit the policy: unexpected {result.unexpected_keys[:5]}")
+

@@ -1,0 +1,178 @@
+"""The `swarm` command: run, serve, attach clients, hot-swap them, inspect status, list models.
+
+    swarm serve --model tiny --port 8000        # a quick server, the way `vllm serve MODEL` works
+    swarm serve configs/tiny.yaml               # server and trainer from a run config
+    swarm run configs/tiny.yaml                 # server, trainer and local clients, until the steps are done
+    swarm status http://127.0.0.1:8000
+
+Commands parse arguments and print; the work happens in `core.server`, `core.run` and `core.sandbox`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from core.config import ConfigError, RunConfig, load_config
+
+app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+console = Console(stderr=True)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "urllib3", "alembic", "mlflow", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hidden network: models come from presets or local folders
+
+
+def _config(path: Path | None, overrides: list[str]) -> RunConfig:
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(
+    config: Path = typer.Argument(None, help="run config YAML; optional when --model is given"),
+    model: str = typer.Option(None, "--model", "-m", help="a preset (see `swarm models`) or a local HF folder"),
+    name: str = typer.Option(None, help="name clients use for the model (default: --model)"),
+    host: str = typer.Option(None, help="bind address (default 127.0.0.1)"),
+    port: int = typer.Option(None, help="port (default 8000; 0 picks a free one)"),
+    engine: str = typer.Option(None, help="hf | vllm | null"),
+    train: bool = typer.Option(None, "--train/--no-train", help="run the trainer on finished groups (default: on with a config, off with --model alone)"),
+    overrides: list[str] = typer.Option([], "--set", help="dotted.key=value config overrides"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """Start a swarm server (and its trainer, with --train)."""
+    _setup_logging(verbose)
+    if config is None and model is None:
+        console.print("[red]give a run config or --model[/red]")
+        raise typer.Exit(2)
+    extra = list(overrides)
+    if model is not None:
+        extra[:0] = [f"models=[{{name: {json.dumps(name or model)}, source: {json.dumps(model)}}}]"]
+    for key, value in (("server.host", host), ("server.port", port), ("engine.kind", engine)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    cfg = _config(config, extra)
+    from core.run import serve as serve_run
+
+    serve_run(cfg, train=train if train is not None else config is not None)
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., help="run config YAML"),
+    overrides: list[str] = typer.Option([], "--set", help="dotted.key=value config overrides"),
+    tags: list[str] = typer.Option([], "--tag", help="key=value MLflow tags for this run"),
+    experiment: str = typer.Option(None, help="MLflow experiment (default: telemetry.experiment)"),
+    run_name: str = typer.Option(None, help="MLflow run name"),
+    run_id_file: Path = typer.Option(None, help="write the MLflow run id here as soon as it exists"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint in trainer.checkpoint_dir"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no live progress line"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """A whole manual core run: server, trainer and the configured clients, until the steps are done."""
+    _setup_logging(verbose)
+    extra = list(overrides)
+    if experiment:
+        extra.append(f"telemetry.experiment={json.dumps(experiment)}")
+    if run_name:
+        extra.append(f"telemetry.run_name={json.dumps(run_name)}")
+    for tag in tags:
+        if "=" not in tag:
+            console.print(f"[red]--tag {tag!r} must look like key=value[/red]")
+            raise typer.Exit(2)
+        k, v = tag.split("=", 1)
+        extra.append(f"telemetry.tags.{k}={json.dumps(v)}")
+    cfg = _config(config, extra)
+    from core.run import run as run_core
+
+    code = run_core(cfg, resume=resume, run_id_file=run_id_file, progress=not quiet)
+    raise typer.Exit(code)
+
+
+@app.command()
+def client(
+    sandbox: str = typer.Argument(..., help="a sandbox folder name under sandboxes/, a path, or module:function"),
+    server: str = typer.Option(..., "--server", help="swarm server URL"),
+    concurrency: int = typer.Option(4, help="episodes in flight"),
+    episodes: int = typer.Option(0, help="stop after this many episodes (0: run until interrupted)"),
+    group_size: int = typer.Option(None, help="episodes per task group (default: the server's)"),
+    kind: str = typer.Option("train", help="train | eval | debug"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """Attach a client to a running server."""
+    _setup_logging(verbose)
+    from core.sandbox import run_client
+
+    sys.exit(run_client(sandbox, server, concurrency=concurrency, episodes=episodes, group_size=group_size, kind=kind))
+
+
+@app.command()
+def swap(
+    sandbox: str = typer.Argument(..., help="the sandbox whose new code should take over"),
+    server: str = typer.Option(..., "--server", help="swarm server URL"),
+    concurrency: int = typer.Option(4, help="episodes in flight for the new version"),
+):
+    """Hot-swap a client: start the new code, let the old process drain, then stop it."""
+    _setup_logging(False)
+    from core.sandbox import swap as swap_client
+
+    sys.exit(swap_client(sandbox, server, concurrency=concurrency))
+
+
+@app.command()
+def status(url: str = typer.Argument("http://127.0.0.1:8000", help="swarm server URL"), as_json: bool = typer.Option(False, "--json")):
+    """Show a server's state, models, buffer, episodes and throughput."""
+    try:
+        data = httpx.get(url.rstrip("/") + "/swarm/v1/status", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        console.print(f"[red]cannot reach {url}: {e}[/red]")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"{url} — {data['state']}")
+    table.add_column("model")
+    table.add_column("version", justify="right")
+    table.add_column("step", justify="right")
+    for n, m in data["models"].items():
+        table.add_row(n, str(m["version"]), str(m["step"]))
+    Console().print(table)
+    t = data["throughput"]
+    Console().print(
+        f"open episodes {data['open_episodes']}  ready groups {data['buffer']['ready_groups']}  "
+        f"episodes {data['episodes']}\ncalls {t['calls']} ({t['calls_per_s']:.1f}/s)  tokens/s {t['tokens_per_s']:.1f}  "
+        f"token-in-token-out {t['tito']}"
+    )
+
+
+@app.command()
+def models():
+    """List the model presets; any local Hugging Face folder works too."""
+    from core.models import PRESETS, cache_dir
+
+    table = Table(title="model presets")
+    table.add_column("name")
+    table.add_column("what it is")
+    for p in PRESETS.values():
+        table.add_row(p.name, p.description)
+    Console().print(table)
+    Console().print(f"any local HF folder is accepted as a source; converted presets are cached under {cache_dir()}")
+
+
+if __name__ == "__main__":
+    app()

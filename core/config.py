@@ -1,0 +1,204 @@
+"""The run configuration: pydantic models loaded from YAML, and the one home of every default.
+
+A run config names the policies to host, how the engine and server behave, how the trainer
+optimises, which local clients to start and where telemetry goes. Unknown keys are errors that
+name the key. This module validates and merges; it does not start anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraConfig(Strict):
+    r: int = Field(16, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class ModelConfig(Strict):
+    name: str = "policy"  # what clients pass as `model`; also the MLflow metric prefix for multi-model runs
+    source: str = "tiny"  # a preset (`swarm models`) or a local Hugging Face folder
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_context: int | None = Field(None, ge=16)  # None: the model's own limit
+    lora: LoraConfig | None = None
+    trainable: bool = True
+    seed: int = 0  # seeds the `tiny` preset's random weights
+
+
+class EngineConfig(Strict):
+    kind: Literal["hf", "vllm", "null"] = "hf"
+    max_batch: int = Field(32, ge=1)  # most sequences decoded together in one forward pass
+    batch_window_ms: float = Field(2.0, ge=0)  # how long the first request of a batch waits for company
+    default_max_tokens: int = Field(256, ge=1)  # for requests that do not say
+    default_temperature: float = Field(1.0, ge=0, le=2)  # for requests that do not say
+
+
+class ServerConfig(Strict):
+    host: str = "127.0.0.1"  # loopback unless told otherwise: no hidden network
+    port: int = Field(8000, ge=0, le=65535)  # 0 picks a free port
+    allow_anonymous: bool = True  # serve requests without an episode key (never recorded)
+    admin_token: str | None = None  # None: a random token is generated and logged at start
+    lease_s: float = Field(60.0, gt=0)
+    max_open_episodes: int = Field(512, ge=1)
+
+
+class TrainerConfig(Strict):
+    steps: int = Field(10, ge=0)
+    batch_groups: int = Field(4, ge=1)  # ready groups per optimizer step
+    group_size: int = Field(4, ge=1)  # default episodes per group when a client does not say
+    lr: float = Field(1e-5, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+    clip_low: float = Field(0.2, ge=0)
+    clip_high: float = Field(0.2, ge=0)  # > clip_low for asymmetric ("clip-higher") bounds
+    kl_coef: float = Field(0.0, ge=0)  # k3 KL to the reference (the base model; adapters off with LoRA)
+    episode_weighting: bool = False  # weight each episode 1/its-sample-count so long ones do not dominate
+    merge: Literal["none", "linear", "tree"] = "linear"
+    micro_batch_tokens: int = Field(4096, ge=16)
+    grad_clip: float = Field(1.0, gt=0)
+    max_staleness: int = Field(1, ge=0)  # drop episodes opened more than this many versions ago
+    checkpoint_every: int = Field(0, ge=0)  # 0: only on clean shutdown
+    checkpoint_dir: str = "checkpoints"
+    seed: int = 0
+
+
+class ClientConfig(Strict):
+    """A local client started by `swarm run`: an agent function or a sandbox folder."""
+
+    agent: str  # "sandbox:NAME" (a folder under sandboxes/) or an importable module with tasks() and rollout()
+    isolate: bool = False  # run as its own OS process (`swarm client`) rather than inside the run
+    concurrency: int = Field(4, ge=1)  # episodes in flight
+    group_size: int | None = Field(None, ge=1)  # None: trainer.group_size
+    split: str = "train"
+    mix: float = Field(1.0, gt=0)  # share of episode openings relative to other clients
+    kind: Literal["train", "eval", "debug"] = "train"
+    tasks: int | None = Field(None, ge=1)  # stop after this many tasks (None: cycle until the run ends)
+
+
+class TelemetryConfig(Strict):
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
+    experiment: str = "swarmrl"
+    run_name: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    trajectories_per_step: int = Field(4, ge=0)
+
+
+class RunConfig(Strict):
+    models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig()])
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    clients: list[ClientConfig] = Field(default_factory=list)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
+        if not models:
+            raise ValueError("at least one model is required")
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return models
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the offending key."""
+
+
+def _format_validation(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid run config {origin}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.lr=1e-4` -> (["trainer", "lr"], 1e-4); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like dotted.key=value")
+    key, raw = text.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"override {text!r} has an empty key")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node: Any = data
+        for i, part in enumerate(path[:-1]):
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ConfigError(f"override {text!r}: {'.'.join(path[: i + 1])} is not a valid list index")
+                node = node[int(part)]
+            else:
+                node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(f"override {text!r}: {'.'.join(path[: i + 1])} is not a section")
+        last = path[-1]
+        if isinstance(node, list):
+            if not last.isdigit() or int(last) >= len(node):
+                raise ConfigError(f"override {text!r}: {last} is not a valid list index")
+            node[int(last)] = value
+        else:
+            node[last] = value
+    return data
+
+
+def load_config(source: str | Path | dict[str, Any] | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Load a run config from a YAML path (or a dict), apply `key=value` overrides, validate."""
+    origin = "(defaults)"
+    data: dict[str, Any] = {}
+    if isinstance(source, dict):
+        data, origin = source, "(dict)"
+    elif source is not None:
+        path = Path(source)
+        origin = str(path)
+        if not path.is_file():
+            raise ConfigError(f"run config {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"run config {path} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"run config {path} must be a mapping at the top level")
+    data = apply_overrides(_plain(data), list(overrides))
+    if "models" not in data:
+        data["models"] = [ModelConfig().model_dump()]
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, origin)) from None
+
+
+def _plain(data: dict[str, Any]) -> dict[str, Any]:
+    return yaml.safe_load(yaml.safe_dump(data))  # a deep copy that keeps only YAML types
+
+
+def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """The config as `a.b.c -> value` strings: MLflow params and config diffs."""
+    data = cfg.model_dump() if isinstance(cfg, BaseModel) else cfg
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, v in enumerate(value):
+                out.update(flatten(v, f"{name}.{i}."))
+        else:
+            out[name] = str(value)
+    return out

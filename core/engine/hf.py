@@ -1,0 +1,298 @@
+"""The transformers engine: continuous batching of concurrent requests on one HF causal LM.
+
+One worker thread owns the model while generating. Requests queue up; at every decode step the
+worker admits waiting requests (a batched prefill, left-padded), merges their KV cache into the
+running batch, decodes one token for every active row, and retires rows that finished. Sixteen agents
+calling at once therefore share forward passes instead of running one after another.
+
+Sampling is per row (temperature, top_p, stop strings, seed). Logprobs are those of the
+temperature-1 policy, the distribution the trainer optimises. This is not a paged-attention server:
+padding columns are kept until every row that needs them leaves, which is fine at CPU batch sizes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from core.config import EngineConfig
+from core.engine import Generation, SamplingParams
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05  # how often an idle worker looks up from its queue to notice close()
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    on_token: Callable[[int], None] | None = None  # called on the request's event loop, for streaming
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Row:
+    req: _Request
+    generator: torch.Generator | None
+    position: int  # position id of the next token fed
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+    stop_string: str | None = None
+
+
+class HFEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.max_context = max_context
+        self.version = 0
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = {int(e) for e in eos_ids if e is not None}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._queue: queue.Queue[_Request] = queue.Queue()
+        self._admitting = threading.Event()
+        self._admitting.set()
+        self._drained = threading.Event()
+        self._closed = threading.Event()
+        self._rng = torch.Generator().manual_seed(0)
+        self.stats = {"batches": 0, "max_rows": 0, "tokens": 0}
+        self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
+    ) -> Generation:
+        if self._closed.is_set():
+            raise RuntimeError("engine is closed")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put(_Request(list(prompt_ids), params, fut, loop, on_token))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            fut.cancel()  # a client that hung up frees its row at the next step
+            raise
+
+    async def pause(self) -> None:
+        self._drained.clear()
+        self._admitting.clear()
+        await asyncio.to_thread(self._drained.wait)
+
+    def pause_blocking(self) -> None:
+        self._drained.clear()
+        self._admitting.clear()
+        self._drained.wait()
+
+    def resume(self, new_version: int | None = None) -> None:
+        if new_version is not None:
+            self.version = new_version
+        self._admitting.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._admitting.set()
+        self._thread.join(timeout=5)
+
+    # -- worker ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        rows: list[_Row] = []
+        cache: DynamicCache | None = None
+        mask: torch.Tensor | None = None
+        while not self._closed.is_set():
+            try:
+                if not self._admitting.is_set() and not rows:
+                    self._drained.set()
+                    self._admitting.wait(IDLE_POLL_S)
+                    continue
+                new = self._take(block=not rows)
+                if new:
+                    new_rows, new_cache, new_mask = self._prefill(new)
+                    rows, cache, mask = _merge(rows, cache, mask, new_rows, new_cache, new_mask)
+                    self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
+                if rows:
+                    rows, cache, mask = self._retire(rows, cache, mask)
+                if rows:
+                    self._decode(rows, cache, mask)
+                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+                    rows, cache, mask = self._retire(rows, cache, mask)
+            except Exception as e:  # a broken batch fails its requests, never the worker
+                log.exception("engine batch failed")
+                for row in rows:
+                    _resolve(row.req, exc=e)
+                rows, cache, mask = [], None, None
+
+    def _take(self, block: bool) -> list[_Request]:
+        room = self.cfg.max_batch
+        if not self._admitting.is_set():
+            return []
+        taken: list[_Request] = []
+        if block:
+            try:
+                taken.append(self._queue.get(timeout=IDLE_POLL_S))
+            except queue.Empty:
+                return []
+            deadline = time.perf_counter() + self.cfg.batch_window_ms / 1000
+            while len(taken) < room and (left := deadline - time.perf_counter()) > 0:
+                try:
+                    taken.append(self._queue.get(timeout=left))
+                except queue.Empty:
+                    break
+        while len(taken) < room:
+            try:
+                taken.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return [r for r in taken if not r.future.cancelled()]
+
+    @torch.inference_mode()
+    def _prefill(self, reqs: list[_Request]) -> tuple[list[_Row], DynamicCache, torch.Tensor]:
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[i, width - len(r.prompt_ids) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        rows = [
+            _Row(req=r, generator=_generator(r.params.seed), position=len(r.prompt_ids)) for r in reqs
+        ]
+        self._sample(rows, out.logits[:, -1, :])
+        self.stats["batches"] += 1
+        return rows, out.past_key_values, mask
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
+        ids = torch.tensor([[r.token_ids[-1]] for r in rows], dtype=torch.long)
+        positions = torch.tensor([[r.position] for r in rows], dtype=torch.long)
+        full_mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        out = self.model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        for r in rows:
+            r.position += 1
+        self._sample(rows, out.logits[:, -1, :])
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        logits = logits.float()
+        logp = torch.log_softmax(logits, dim=-1)
+        for i, row in enumerate(rows):
+            p = row.req.params
+            if p.temperature <= 0:
+                token = int(torch.argmax(logits[i]))
+            else:
+                probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+                if p.top_p < 1.0:
+                    probs = _top_p(probs, p.top_p)
+                token = int(torch.multinomial(probs, 1, generator=row.generator or self._rng))
+            row.token_ids.append(token)
+            row.logprobs.append(float(logp[i, token]))
+            self.stats["tokens"] += 1
+            self._check_finish(row, token)
+            if row.req.future.cancelled():
+                row.finish = "length"
+            elif row.req.on_token is not None:
+                row.req.loop.call_soon_threadsafe(row.req.on_token, token)
+
+    def _check_finish(self, row: _Row, token: int) -> None:
+        p = row.req.params
+        if token in self.eos_ids:
+            row.finish = "stop"
+            return
+        if p.stop:
+            row.text += self.tokenizer.decode([token], skip_special_tokens=False)
+            tail = row.text[-(max(len(s) for s in p.stop) + 16) :]
+            for s in p.stop:
+                if s and s in tail:
+                    row.finish, row.stop_string = "stop", s
+                    return
+        if len(row.token_ids) >= p.max_tokens or row.position + 1 >= self.max_context:
+            row.finish = "length"
+
+    def _retire(self, rows, cache, mask):
+        done = [r for r in rows if r.finish]
+        if not done:
+            return rows, cache, mask
+        for r in done:
+            gen = Generation(
+                token_ids=r.token_ids,
+                logprobs=r.logprobs,
+                finish_reason=r.finish,  # type: ignore[arg-type]
+                version=self.version,
+                stop_string=r.stop_string,
+                timings={"queue_to_done_s": time.perf_counter() - r.req.submitted},
+            )
+            _resolve(r.req, result=gen)
+        keep = [i for i, r in enumerate(rows) if not r.finish]
+        if not keep:
+            return [], None, None
+        index = torch.tensor(keep, dtype=torch.long)
+        cache.batch_select_indices(index)
+        mask = mask[index]
+        # Columns that no remaining row attends to are dead weight: drop them from the left.
+        first = int((mask.sum(0) > 0).nonzero()[0])
+        if first > 0:
+            mask = mask[:, first:]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+        return [rows[i] for i in keep], cache, mask
+
+
+def _merge(rows, cache, mask, new_rows, new_cache, new_mask):
+    """Join a freshly prefilled batch to the running one, left-padding the shorter KV cache."""
+    if not rows:
+        return new_rows, new_cache, new_mask
+    t_old, t_new = mask.shape[1], new_mask.shape[1]
+    width = max(t_old, t_new)
+
+    def pad(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
+        if t == width:
+            return x
+        shape = list(x.shape)
+        shape[dim] = width - t
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    for old_layer, new_layer in zip(cache.layers, new_cache.layers):
+        old_layer.keys = torch.cat([pad(old_layer.keys, t_old, 2), pad(new_layer.keys, t_new, 2)], dim=0)
+        old_layer.values = torch.cat([pad(old_layer.values, t_old, 2), pad(new_layer.values, t_new, 2)], dim=0)
+    mask = torch.cat([pad(mask, t_old, 1), pad(new_mask, t_new, 1)], dim=0)
+    return rows + new_rows, cache, mask
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_probs, order = torch.sort(probs, descending=True)
+    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the most likely token
+    filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
+    return filtered / filtered.sum()
+
+
+def _generator(seed: int | None) -> torch.Generator | None:
+    return torch.Generator().manual_seed(seed) if seed is not None else None
+
+
+def _resolve(req: _Request, result: Generation | None = None, exc: BaseException | None = None) -> None:
+    def settle() -> None:
+        if req.future.done():
+            return
+        if exc is not None:
+            req.future.set_exception(exc)
+        else:
+            req.future.set_result(result)
+
+    req.loop.call_soon_threadsafe(settle)

@@ -1,0 +1,57 @@
+"""What the server remembers about an episode: its calls, at the token level.
+
+These are plain data. The episode registry (`core.episodes`) owns their lifecycle, the timeline
+merger (`core.timelines`) turns them into training samples, and checkpoints serialise them.
+Nothing here talks to a model or the network.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+EpisodeKind = Literal["train", "eval", "debug"]
+EpisodeState = Literal["open", "finished", "aborted", "expired"]
+
+
+class Call(BaseModel):
+    """One LLM call made inside an episode, exactly as the engine saw and produced it."""
+
+    model: str  # name of the policy that served the call
+    version: int  # weight version that generated the completion
+    messages: list[dict[str, Any]] = Field(default_factory=list)  # request messages ([] for /v1/completions)
+    prompt_ids: list[int]  # exact ids fed to the engine, template included
+    completion_ids: list[int]  # exact ids the engine sampled, EOS included if it stopped on EOS
+    completion_logprobs: list[float]  # behaviour logprob of each completion id (temperature 1 policy)
+    finish_reason: str = "stop"
+    reused_prefix: int = 0  # leading prompt ids copied from an earlier call (token-in-token-out)
+    reply: dict[str, Any] | None = None  # the assistant message returned to the client
+
+
+class Episode(BaseModel):
+    """An agent's attempt at one task: a lease, a key, a group, its calls and its reward."""
+
+    id: str
+    sandbox: str
+    task_id: str
+    group_size: int
+    kind: EpisodeKind = "train"
+    client_id: str = ""
+    client_version: str = ""  # code version of the client (a git commit for sandboxes)
+    state: EpisodeState = "open"
+    opened_at: float
+    lease_expires_at: float
+    opened_versions: dict[str, int] = Field(default_factory=dict)  # model -> version at open
+    calls: list[Call] = Field(default_factory=list)
+    reward: dict[str, float] | None = None  # model -> reward, set by finish
+    metrics: dict[str, float] = Field(default_factory=dict)
+    finish_body: dict[str, Any] | None = None  # remembered so a repeated finish is idempotent
+    abort_reason: str | None = None
+
+    @property
+    def group_key(self) -> tuple[str, str]:
+        return (self.sandbox, self.task_id)
+
+    def calls_of(self, model: str) -> list[Call]:
+        return [c for c in self.calls if c.model == model]

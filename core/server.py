@@ -1,0 +1,178 @@
+"""The swarm server: hosted policies, the episode registry, and the HTTP app, started with uvicorn.
+
+A `Policy` is one trainable model with its tokenizer, chat renderer and engine. A `Server` hosts one
+or more policies behind one gateway (multi-model RL), owns the registry, and can run uvicorn in the
+foreground (`swarm serve`) or in a background thread (`swarm run`, tests). Training is not here: the
+run loop (`core.run`) pauses the engines, steps the trainers and bumps versions through this object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import uvicorn
+
+from core import models
+from core.chat import ChatRenderer
+from core.config import RunConfig
+from core.engine import Engine, make_engine
+from core.episodes import Registry
+
+log = logging.getLogger(__name__)
+
+EXPIRY_SWEEP_S = 1.0  # how often leases are checked when nobody is calling
+
+
+@dataclass
+class Policy:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    renderer: ChatRenderer
+    engine: Engine
+    trainable: bool = True
+    step: int = 0
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+
+@dataclass
+class Throughput:
+    """Counters the gateway bumps and `/status` reads; rates are derived, never stored."""
+
+    started: float = field(default_factory=time.time)
+    calls: int = 0
+    completion_tokens: int = 0
+    tito_reused: int = 0
+    tito_drift: int = 0  # a fresh tokenisation would have differed from the exact ids we reused
+    tito_broken: int = 0  # history edited by the client: ids re-rendered, no reuse
+
+    def as_dict(self) -> dict:
+        elapsed = max(time.time() - self.started, 1e-9)
+        return {
+            "calls": self.calls,
+            "completion_tokens": self.completion_tokens,
+            "calls_per_s": self.calls / elapsed,
+            "tokens_per_s": self.completion_tokens / elapsed,
+            "tito": {"reused": self.tito_reused, "drift": self.tito_drift, "broken": self.tito_broken},
+        }
+
+
+class Server:
+    def __init__(self, cfg: RunConfig, policies: dict[str, Policy] | None = None):
+        self.cfg = cfg
+        self.policies = policies if policies is not None else load_policies(cfg)
+        self.registry = Registry(
+            lease_s=cfg.server.lease_s,
+            default_group_size=cfg.trainer.group_size,
+            batch_groups=cfg.trainer.batch_groups,
+            max_open=cfg.server.max_open_episodes,
+            mix={c.agent: c.mix for c in cfg.clients if c.kind == "train"},
+        )
+        self.admin_token = cfg.server.admin_token or secrets.token_urlsafe(24)
+        self.throughput = Throughput()
+        self.on_checkpoint: Callable[[], str] | None = None  # set by the run loop
+        self.on_shutdown: Callable[[], None] | None = None
+        self._uvicorn: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port = cfg.server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.server.host}:{self.port}"
+
+    def versions(self) -> dict[str, int]:
+        return {name: p.version for name, p in self.policies.items()}
+
+    def app(self):
+        from core.gateway import build_app
+
+        return build_app(self)
+
+    def _uvicorn_server(self) -> uvicorn.Server:
+        if self.port == 0:
+            self.port = free_port(self.cfg.server.host)
+        config = uvicorn.Config(
+            self.app(), host=self.cfg.server.host, port=self.port, log_level="warning", access_log=False
+        )
+        return uvicorn.Server(config)
+
+    def serve_forever(self) -> None:
+        """Serve in the foreground until interrupted (`swarm serve`)."""
+        self._uvicorn = self._uvicorn_server()
+        log.info("serving %s at %s (admin token: %s)", ", ".join(self.policies), self.url, self.admin_token)
+        try:
+            self._uvicorn.run()
+        finally:
+            self.close()
+
+    def start(self) -> str:
+        """Serve from a background thread; returns the base URL once the socket accepts connections."""
+        self._uvicorn = self._uvicorn_server()
+        self._thread = threading.Thread(target=self._uvicorn.run, name="swarm-http", daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while not self._uvicorn.started:
+            if time.time() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"server did not start on {self.url}")
+            time.sleep(0.02)
+        return self.url
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.close()
+
+    def close(self) -> None:
+        for p in self.policies.values():
+            p.engine.close()
+
+    async def sweep_leases(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_SWEEP_S)
+            self.registry.expire_due()
+
+    def status(self) -> dict:
+        reg = self.registry.status()
+        return {
+            "state": "paused" if reg["paused"] else "serving",
+            "models": {n: {"version": p.version, "step": p.step, "trainable": p.trainable} for n, p in self.policies.items()},
+            "trainer": {"group_size": self.cfg.trainer.group_size, "batch_groups": self.cfg.trainer.batch_groups},
+            "buffer": {"ready_groups": reg["ready_groups"], "filling_groups": reg["filling_groups"]},
+            "open_episodes": reg["open_episodes"],
+            "clients": reg["clients"],
+            "episodes": reg["counters"],
+            "throughput": self.throughput.as_dict(),
+        }
+
+
+def load_policies(cfg: RunConfig) -> dict[str, Policy]:
+    policies = {}
+    for mc in cfg.models:
+        model, tok = models.load(mc)
+        if mc.trainable and mc.lora is not None:
+            from core.train.trainer import prepare_policy  # peft is imported only for LoRA runs
+
+            model = prepare_policy(model, mc.lora)
+        max_context = mc.max_context or min(getattr(model.config, "max_position_embeddings", 2048), 1 << 16)
+        engine = make_engine(cfg.engine.kind, model, tok, cfg.engine, max_context)
+        policies[mc.name] = Policy(mc.name, model, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
+    return policies
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

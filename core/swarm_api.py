@@ -1,0 +1,114 @@
+"""The swarm routes under `/swarm/v1`: open, heartbeat, finish, abort, status, admin.
+
+Finishing is idempotent: the same body again returns the same answer, a different body is a 409.
+Admin routes need the server's admin token. These handlers translate HTTP into registry calls and
+back; the rules themselves live in `core.episodes`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import APIRouter, Request
+
+from core.episodes import EpisodeError
+from core.server import Server
+from core.wire import AbortEpisode, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode
+
+log = logging.getLogger(__name__)
+
+
+def swarm_router(server: Server) -> APIRouter:
+    from core.gateway import APIError
+
+    router = APIRouter()
+    registry = server.registry
+
+    def state_of(ep) -> EpisodeState:
+        return EpisodeState(episode_id=ep.id, state=ep.state, lease_expires_at=ep.lease_expires_at, reward=ep.reward)
+
+    @router.post("/episodes", response_model=EpisodeOpened)
+    async def open_episode(body: OpenEpisode, request: Request):
+        ep, key = registry.open(body, server.versions())
+        base = str(request.base_url).rstrip("/")
+        return EpisodeOpened(episode_id=ep.id, api_key=key, base_url=f"{base}/episodes/{ep.id}/v1",
+                             lease_expires_at=ep.lease_expires_at, model_versions=ep.opened_versions)
+
+    @router.post("/episodes/{episode_id}/heartbeat", response_model=EpisodeState)
+    async def heartbeat(episode_id: str):
+        return state_of(registry.heartbeat(episode_id))
+
+    @router.post("/episodes/{episode_id}/finish", response_model=EpisodeState)
+    async def finish(episode_id: str, body: FinishEpisode):
+        ep = registry.get_open(episode_id) if not _ended_finished(registry, episode_id) else None
+        rewards = _rewards(server, body.reward, ep)
+        return state_of(registry.finish(episode_id, rewards, body.model_dump(exclude_none=True)))
+
+    @router.post("/episodes/{episode_id}/abort", response_model=EpisodeState)
+    async def abort(episode_id: str, body: AbortEpisode | None = None):
+        return state_of(registry.abort(episode_id, body.reason if body else ""))
+
+    @router.get("/status")
+    async def status():
+        return server.status()
+
+    def admin(request: Request) -> None:
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-admin-token", "")
+        if not token or not hmac.compare_digest(token, server.admin_token):
+            raise APIError(401, "admin routes need the admin token", "invalid_admin_token")
+
+    @router.post("/admin/pause")
+    async def pause(request: Request):
+        admin(request)
+        registry.paused = True
+        return {"state": "paused"}
+
+    @router.post("/admin/resume")
+    async def resume(request: Request):
+        admin(request)
+        registry.paused = False
+        return {"state": "serving"}
+
+    @router.post("/admin/checkpoint")
+    async def checkpoint(request: Request):
+        admin(request)
+        if server.on_checkpoint is None:
+            raise APIError(409, "this server has no trainer to checkpoint", "no_trainer")
+        import asyncio
+
+        return {"path": await asyncio.to_thread(server.on_checkpoint)}
+
+    @router.post("/admin/shutdown")
+    async def shutdown(request: Request):
+        admin(request)
+        if server.on_shutdown is not None:
+            server.on_shutdown()
+        elif server._uvicorn is not None:
+            server._uvicorn.should_exit = True
+        return {"state": "shutting_down"}
+
+    return router
+
+
+def _ended_finished(registry, episode_id: str) -> bool:
+    try:
+        registry.get_open(episode_id)
+        return False
+    except EpisodeError as e:
+        if e.status == 404:
+            raise
+        return True  # ended: let finish() decide whether this is an idempotent repeat or a conflict
+
+
+def _rewards(server: Server, reward: float | dict[str, float], ep) -> dict[str, float]:
+    from core.gateway import APIError
+
+    if isinstance(reward, dict):
+        unknown = sorted(set(reward) - set(server.policies))
+        if unknown:
+            raise APIError(400, f"reward names unknown models {unknown}; served: {sorted(server.policies)}", "invalid_reward")
+        return dict(reward)
+    called = sorted({c.model for c in ep.calls}) if ep is not None else []
+    return {m: float(reward) for m in (called or server.policies)}

@@ -1,0 +1,87 @@
+"""The policy loss: token-level PPO-clip with asymmetric bounds and an optional k3 KL penalty.
+
+For every loss-masked token t with advantage A (its episode's), weight w (its sample's) and
+ratio r = exp(logp_new - logp_behaviour):
+
+    loss_t = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3_t
+    k3_t   = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1       (Schulman's k3 estimator)
+
+and a micro-batch contributes sum_t(w_t * loss_t) / normalizer. The trainer passes the same
+normalizer (the weighted token count of the WHOLE batch) to every micro-batch, so accumulating
+gradients over micro-batches gives exactly the gradient of one big batch, however it was packed.
+
+This module computes tensors and a few detached sums for telemetry. It does not run the model,
+choose the normalizer, or step an optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Bound on |logp_new - logp_behaviour| before exponentiating. A token this far off-policy carries no
+# useful signal, and the bound keeps exp() finite (float32 overflows near 88) so one stale token
+# cannot turn the whole loss into inf.
+MAX_LOG_RATIO = 20.0
+
+
+@dataclass
+class LossTerms:
+    """One micro-batch's loss (with grad) and unweighted sums over its masked tokens."""
+
+    loss: torch.Tensor  # scalar: this micro-batch's share of the batch loss
+    pg_sum: float  # sum of the PPO-clip term
+    kl_sum: float  # sum of k3 (0 when no reference was given)
+    clipped: int  # tokens whose clipped term was selected, so they pass no gradient
+    tokens: int  # masked tokens
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    normalizer: float,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> LossTerms:
+    """PPO-clip (+ k3 KL) over [B, T] per-token tensors; `mask` is bool, True on trained tokens."""
+    shapes = {t.shape for t in (logp, old_logp, advantages, mask, weights)}
+    if ref_logp is not None:
+        shapes.add(ref_logp.shape)
+    if len(shapes) != 1:
+        raise ValueError(f"policy_loss needs per-token tensors of one shape, got {sorted(map(tuple, shapes))}")
+    if normalizer <= 0:
+        raise ValueError(f"normalizer must be positive, got {normalizer}")
+    if kl_coef > 0 and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs the reference logprobs (ref_logp)")
+
+    old = old_logp.to(logp.dtype)
+    ratio = torch.exp((logp - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    pg = per_token
+    if ref_logp is not None:
+        delta = (ref_logp.to(logp.dtype) - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        k3 = torch.exp(delta) - delta - 1.0
+        per_token = per_token + kl_coef * k3
+    else:
+        k3 = torch.zeros_like(per_token)
+
+    # torch.where, not multiplication: padding may hold anything, and NaN * 0 is still NaN.
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    loss = torch.where(mask, weights * per_token, zero).sum() / normalizer
+    with torch.no_grad():
+        return LossTerms(
+            loss=loss,
+            pg_sum=float(torch.where(mask, pg, zero).sum()),
+            kl_sum=float(torch.where(mask, k3, zero).sum()),
+            clipped=int((mask & (clipped < unclipped)).sum()),
+            tokens=int(mask.sum()),
+        )

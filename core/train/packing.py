@@ -1,0 +1,229 @@
+"""Sequence packing: training samples -> padded micro-batches, and their per-token logprobs.
+
+``pack`` groups samples into micro-batches whose padded size (rows x longest row) stays within a
+token budget, first-fit-decreasing, and builds the tensors one forward pass needs. ``token_logprobs``
+runs a Hugging Face causal LM over a micro-batch and returns each token's logprob under the model
+and the entropy of the distribution that predicted it.
+
+Linear samples use a plain 2D padding mask, so attention kernels keep their fast causal path.
+A micro-batch holding any tree sample (``Sample.parents`` set) uses a 4D mask instead: token i sees
+token j iff j is i or one of its ancestors. transformers passes a 4D mask through untouched and the
+eager Llama attention *adds* it to the scores, so the mask handed to the model is additive (0 or
+the dtype's minimum) in the model's dtype; ``sdpa`` accepts the same. In a tree the token predicting
+token i is its parent, not i - 1, so logprobs are read from the parent's logits. A dense tree mask
+costs T x T per row (a 25k-token episode is ~0.6 GB as bool, more once additive); a block-sparse
+FlexAttention mask would lift that, and is not attempted here.
+
+This module does not compute losses or advantages, and does not decide which samples to train.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from core.timelines import Sample
+
+# Filler id for padded positions; any valid id works because padding is masked out of attention and loss.
+PAD_ID = 0
+# Attention implementations known to honour a custom additive 4D mask in transformers 5.x.
+TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclass
+class MicroBatch:
+    """Padded tensors for one forward pass; B rows, T = longest row."""
+
+    input_ids: torch.Tensor  # [B, T] long, PAD_ID on padding
+    loss_mask: torch.Tensor  # [B, T] bool, False on padding
+    old_logprobs: torch.Tensor  # [B, T] float32 behaviour logprobs, 0 off the mask
+    advantages: torch.Tensor  # [B, T] float32, each sample's advantage on every position
+    weights: torch.Tensor  # [B, T] float32, each sample's weight on every position
+    position_ids: torch.Tensor  # [B, T] long: index for linear rows, depth for tree rows
+    predictor_index: torch.Tensor  # [B, T] long: position whose logits predict each token; -1 if none
+    attention_mask: torch.Tensor  # [B, T] long padding mask, or [B, 1, T, T] bool "may attend" for trees
+    rows: list[int]  # index of each row's sample in the list given to `pack`
+    lengths: list[int]  # real (unpadded) tokens of each row
+
+    @property
+    def is_tree(self) -> bool:
+        return self.attention_mask.dim() == 4
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        return MicroBatch(
+            input_ids=self.input_ids.to(device),
+            loss_mask=self.loss_mask.to(device),
+            old_logprobs=self.old_logprobs.to(device),
+            advantages=self.advantages.to(device),
+            weights=self.weights.to(device),
+            position_ids=self.position_ids.to(device),
+            predictor_index=self.predictor_index.to(device),
+            attention_mask=self.attention_mask.to(device),
+            rows=self.rows,
+            lengths=self.lengths,
+        )
+
+
+def _check(samples: Sequence[Sample], token_budget: int) -> None:
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be at least 1, got {token_budget}")
+    for i, s in enumerate(samples):
+        if not s.input_ids:
+            raise ValueError(f"sample {i} (episode {s.episode_id!r}) is empty")
+        if min(s.input_ids) < 0:
+            raise ValueError(f"sample {i} (episode {s.episode_id!r}) has a negative token id")
+        if s.parents is not None:
+            bad = [j for j, p in enumerate(s.parents) if not -1 <= p < j]
+            if bad:
+                # Depth-first order puts every parent before its children; anything else is not a tree.
+                raise ValueError(
+                    f"sample {i} (episode {s.episode_id!r}): parents must precede their children, "
+                    f"violated at positions {bad[:5]}"
+                )
+
+
+def _first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group indices so each group's rows x longest row <= budget; an oversized item stands alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        for group in groups:
+            # Sorted decreasing, so a group's first item is its longest and sets its padded width.
+            if (len(group) + 1) * lengths[group[0]] <= token_budget:
+                group.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups
+
+
+def _predictors(sample: Sample) -> list[int]:
+    if sample.parents is not None:
+        return list(sample.parents)
+    return list(range(-1, len(sample.input_ids) - 1))
+
+
+def _tree_mask(predictors: Sequence[int], width: int) -> torch.Tensor:
+    """[width, width] bool: row i is True at i and its ancestors; padding rows see only themselves."""
+    mask = torch.eye(width, dtype=torch.bool)
+    # Parents precede children, so each row copies a finished row and adds itself.
+    for i, p in enumerate(predictors):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
+    batch = [samples[r] for r in rows]
+    width = max(len(s.input_ids) for s in batch)
+    b = len(batch)
+    input_ids = torch.full((b, width), PAD_ID, dtype=torch.long)
+    loss_mask = torch.zeros((b, width), dtype=torch.bool)
+    old_logprobs = torch.zeros((b, width), dtype=torch.float32)
+    advantages = torch.zeros((b, width), dtype=torch.float32)
+    weights = torch.zeros((b, width), dtype=torch.float32)
+    position_ids = torch.zeros((b, width), dtype=torch.long)
+    predictor_index = torch.full((b, width), -1, dtype=torch.long)
+    tree = any(s.parents is not None for s in batch)
+    attention = torch.zeros((b, 1, width, width) if tree else (b, width), dtype=torch.bool)
+    for row, s in enumerate(batch):
+        n = len(s.input_ids)
+        input_ids[row, :n] = torch.tensor(s.input_ids, dtype=torch.long)
+        loss_mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        old_logprobs[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
+        advantages[row, :n] = s.advantage
+        weights[row, :n] = s.weight
+        position_ids[row, :n] = torch.tensor(s.position_ids, dtype=torch.long)
+        predictors = _predictors(s)
+        predictor_index[row, :n] = torch.tensor(predictors, dtype=torch.long)
+        if tree:
+            attention[row, 0] = _tree_mask(predictors, width)
+        else:
+            attention[row, :n] = True
+    return MicroBatch(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        weights=weights,
+        position_ids=position_ids,
+        predictor_index=predictor_index,
+        attention_mask=attention if tree else attention.long(),
+        rows=rows,
+        lengths=[len(s.input_ids) for s in batch],
+    )
+
+
+def pack(samples: Sequence[Sample], token_budget: int) -> list[MicroBatch]:
+    """Pack samples into micro-batches of at most `token_budget` padded tokens each.
+
+    A sample longer than the budget forms its own micro-batch. Every sample lands in exactly one
+    micro-batch; `MicroBatch.rows` maps rows back to `samples`.
+    """
+    _check(samples, token_budget)
+    groups = _first_fit_decreasing([len(s.input_ids) for s in samples], token_budget)
+    return [_collate(samples, group) for group in groups]
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _attention_implementation(model: torch.nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool "may attend" -> 0 where allowed, the dtype's minimum elsewhere (finite, so no NaN rows)."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, blocked)
+
+
+def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprob [B, T] (with grad) and predictive entropy [B, T] (detached, for telemetry).
+
+    Token t is scored by the logits at its predictor (t - 1 in a line, its parent in a tree).
+    Tokens without a predictor (roots, padding) get 0 in both. The micro-batch is moved to the
+    model's device.
+    """
+    mb = mb.to(next(model.parameters()).device)
+    if mb.is_tree:
+        impl = _attention_implementation(model)
+        if impl is not None and impl not in TREE_ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"tree-packed micro-batches need attention implementation in {TREE_ATTENTION_IMPLEMENTATIONS}, "
+                f"the model uses {impl!r}; use merge mode 'linear' or load the model with one of those"
+            )
+        attention_mask = _additive(mb.attention_mask, _model_dtype(model))
+    else:
+        attention_mask = mb.attention_mask
+    out = model(
+        input_ids=mb.input_ids,
+        attention_mask=attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
+    )
+    logits = out.logits.float()  # [B, T, V]; float32 so log_softmax keeps precision under bf16
+    has_predictor = mb.predictor_index >= 0
+    source = mb.predictor_index.clamp(min=0)
+    rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
+    log_norm = torch.logsumexp(logits, dim=-1)  # [B, T]
+    token_logit = logits[rows, source, mb.input_ids]  # logit of token t at its predictor
+    logprobs = torch.where(has_predictor, token_logit - log_norm[rows, source], torch.zeros_like(token_logit))
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy_at = log_norm - (probs * logits).sum(dim=-1)  # entropy of the distribution at each position
+        entropy = torch.where(has_predictor, entropy_at[rows, source], torch.zeros_like(entropy_at))
+    return logprobs, entropy

@@ -1,0 +1,290 @@
+"""The RL update of one policy: a batch of finished groups in, one optimizer step out.
+
+One `Trainer.step` is, in order:
+
+1. rewards: each episode's reward for this model (``episode.reward[model_name]``);
+2. advantages: group-relative (``core.train.advantages``), one per episode;
+3. samples: each episode's calls of this model merged into training samples (``core.timelines``),
+   carrying their episode's advantage and, with ``episode_weighting``, a weight of 1 / the
+   episode's trained tokens so that every episode counts the same however long it ran;
+4. micro-batches: samples packed to ``micro_batch_tokens`` padded tokens (``core.train.packing``);
+5. loss: token-level PPO-clip on the behaviour logprobs the engine recorded, plus an optional k3 KL
+   to the reference (a frozen copy of the initial weights, or the base model with LoRA adapters
+   off), normalised by the batch's weighted token count (``core.train.loss``);
+6. gradients accumulated over the micro-batches, clipped by norm, then one AdamW step. A non-finite
+   loss or gradient norm skips the step (gradients dropped, weights untouched, a warning logged).
+
+Samples with zero advantage contribute nothing to the PPO term, so without a KL term they are not
+run through the model at all; their tokens still count in the normaliser, as in plain GRPO.
+
+The trainer does not fetch batches, pause engines, bump weight versions, write checkpoints or log
+to MLflow; ``core.run`` does, with the metrics `step` returns (names per DESIGN §3.6).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import PeftModel, get_peft_model
+
+from core.config import LoraConfig, TrainerConfig
+from core.records import Episode
+from core.timelines import Sample, merge_calls, merge_stats
+from core.train.advantages import group_advantages
+from core.train.loss import policy_loss
+from core.train.packing import pack, token_logprobs
+
+log = logging.getLogger(__name__)
+
+# Keys of `Trainer.state_dict`; checked on load so a foreign or truncated file fails loudly.
+STATE_KEYS = ("optimizer", "step", "rng")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, Python's `random` and numpy: call once per process, before building models."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_policy(model: torch.nn.Module, lora: LoraConfig | None) -> torch.nn.Module:
+    """The module to train and to generate with: `model` wrapped with LoRA adapters, or `model` itself.
+
+    With LoRA the base weights are frozen and PEFT injects the adapters into `model` in place.
+    """
+    if lora is None:
+        model.requires_grad_(True)
+        return model
+    peft_cfg = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def _reward(episode: Episode, model_name: str) -> float:
+    if episode.reward is None:
+        raise ValueError(f"episode {episode.id} has no reward; only finished episodes can train")
+    if model_name not in episode.reward:
+        raise ValueError(
+            f"episode {episode.id} has rewards for {sorted(episode.reward)} but not for model {model_name!r}"
+        )
+    return float(episode.reward[model_name])
+
+
+class Trainer:
+    """Owns one policy's optimizer and reference; `step` applies one RL update to the policy in place."""
+
+    def __init__(self, policy: torch.nn.Module, cfg: TrainerConfig, model_name: str, lora: bool):
+        if lora != isinstance(policy, PeftModel):
+            raise ValueError(
+                f"lora={lora} but the policy is {'' if isinstance(policy, PeftModel) else 'not '}a PEFT model; "
+                "build it with prepare_policy"
+            )
+        params = [p for p in policy.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"policy {model_name!r} has no trainable parameters")
+        self.policy = policy
+        self.cfg = cfg
+        self.model_name = model_name
+        self.lora = lora
+        self.step_count = 0
+        self._params = params
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # With LoRA the reference is the same module with adapters off, so nothing is copied.
+        self.reference: torch.nn.Module | None = None
+        if cfg.kl_coef > 0 and not lora:
+            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+
+    # -- the update ------------------------------------------------------------------------------
+    def step(self, groups: list[list[Episode]]) -> dict[str, float]:
+        """One optimizer step on `groups` (each a list of finished episodes of one task)."""
+        start = time.perf_counter()
+        rewards = [[_reward(e, self.model_name) for e in group] for group in groups]
+        advantages = group_advantages(rewards, self.cfg.advantage)
+        samples, unmerged, linear = self._samples(groups, advantages)
+        normalizer = sum(s.weight * s.num_masked for s in samples)
+        # Zero-advantage tokens have a zero PPO term; without KL they need no forward pass.
+        active = samples if self.cfg.kl_coef > 0 else [s for s in samples if s.advantage != 0.0]
+
+        was_training = self.policy.training
+        self.policy.train()
+        try:
+            sums = self._accumulate(active, normalizer)
+        finally:
+            self.policy.train(was_training)
+        grad_norm, skipped = self._apply(sums["loss"])
+        self.step_count += 1
+
+        flat = [r for g in rewards for r in g]
+        trained = max(sums["masked"], 1.0)
+        metrics = {
+            "train/loss": sums["loss"],
+            "train/kl": sums["kl"] / trained,
+            "train/entropy": sums["entropy"] / trained,
+            "train/clip_frac": sums["clipped"] / trained,
+            "train/grad_norm": grad_norm,
+            "train/tokens": sums["tokens"],
+            "train/trained_tokens": sums["masked"],
+            "train/samples": float(len(samples)),
+            "train/skipped": float(skipped),
+            "train/step_time_s": time.perf_counter() - start,
+            "merge/ratio": unmerged / linear if linear else 1.0,
+            "reward/mean": float(np.mean(flat)) if flat else 0.0,
+            "reward/std": float(np.std(flat)) if flat else 0.0,
+        }
+        metrics.update(_per_sandbox_rewards(groups, rewards))
+        return metrics
+
+    def _samples(self, groups: list[list[Episode]], advantages: list[list[float]]) -> tuple[list[Sample], int, int]:
+        """Merged samples of every episode with advantage and weight set; plus merge token counts."""
+        samples: list[Sample] = []
+        unmerged = linear = 0
+        for group, group_adv in zip(groups, advantages):
+            for episode, advantage in zip(group, group_adv):
+                calls = episode.calls_of(self.model_name)
+                stats = merge_stats(calls)
+                unmerged += stats["unmerged_tokens"]
+                linear += stats["linear_tokens"]
+                episode_samples = merge_calls(calls, self.cfg.merge, episode.id)
+                tokens = sum(s.num_masked for s in episode_samples)
+                for s in episode_samples:
+                    s.advantage = advantage
+                    s.weight = 1.0 / tokens if self.cfg.episode_weighting else 1.0
+                samples.extend(episode_samples)
+        return samples, unmerged, linear
+
+    def _accumulate(self, samples: list[Sample], normalizer: float) -> dict[str, float]:
+        """Forward and backward every micro-batch; gradients sum in `.grad`. Returns detached sums."""
+        sums: dict[str, float] = defaultdict(float)
+        if not samples or normalizer <= 0:
+            return sums
+        device = next(self.policy.parameters()).device
+        for mb in pack(samples, self.cfg.micro_batch_tokens):
+            mb = mb.to(device)
+            logp, entropy = token_logprobs(self.policy, mb)
+            ref_logp = self._reference_logprobs(mb) if self.cfg.kl_coef > 0 else None
+            terms = policy_loss(
+                logp,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                mb.weights,
+                clip_low=self.cfg.clip_low,
+                clip_high=self.cfg.clip_high,
+                normalizer=normalizer,
+                ref_logp=ref_logp,
+                kl_coef=self.cfg.kl_coef,
+            )
+            sums["loss"] += float(terms.loss.detach())
+            sums["kl"] += terms.kl_sum
+            sums["clipped"] += terms.clipped
+            sums["masked"] += terms.tokens
+            sums["tokens"] += mb.num_tokens
+            sums["entropy"] += float(entropy[mb.loss_mask].sum())
+            if not math.isfinite(sums["loss"]):
+                break  # the step will be skipped; more backward passes would only cost time
+            terms.loss.backward()
+        return sums
+
+    def _reference_logprobs(self, mb: Any) -> torch.Tensor:
+        with torch.no_grad(), self._reference() as ref:
+            return token_logprobs(ref, mb)[0]
+
+    @contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        if self.lora:
+            # Eval mode so adapter dropout cannot differ between the two passes.
+            was_training = self.policy.training
+            self.policy.eval()
+            try:
+                with self.policy.disable_adapter():
+                    yield self.policy
+            finally:
+                self.policy.train(was_training)
+        else:
+            assert self.reference is not None  # built in __init__ whenever kl_coef > 0
+            yield self.reference
+
+    def _apply(self, loss: float) -> tuple[float, bool]:
+        """Clip and step; returns (pre-clip grad norm, skipped). Gradients are always cleared."""
+        have_grads = any(p.grad is not None for p in self._params)
+        if not have_grads and math.isfinite(loss):
+            return 0.0, False  # nothing in the batch could move the weights
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)) if have_grads else 0.0
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            log.warning(
+                "model %s step %d: non-finite loss (%s) or grad norm (%s); optimizer step skipped",
+                self.model_name,
+                self.step_count,
+                loss,
+                grad_norm,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            return grad_norm, True
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, False
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer, step and RNG state (not the weights: `core.checkpoint` stores those)."""
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rng": _rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [k for k in STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"trainer state for {self.model_name!r} lacks {missing}")
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise ValueError(
+                f"optimizer state does not fit policy {self.model_name!r} (LoRA setting or model changed?): {e}"
+            ) from e
+        self.step_count = int(state["step"])
+        _set_rng_state(state["rng"])
+
+
+def _per_sandbox_rewards(groups: list[list[Episode]], rewards: list[list[float]]) -> dict[str, float]:
+    by_sandbox: dict[str, list[float]] = defaultdict(list)
+    for group, group_rewards in zip(groups, rewards):
+        for episode, r in zip(group, group_rewards):
+            by_sandbox[episode.sandbox].append(r)
+    return {f"reward/{name}/mean": float(np.mean(rs)) for name, rs in by_sandbox.items()}
+
+
+def _rng_state() -> dict[str, Any]:
+    """Every RNG a step may draw from, as tensors and plain Python (loadable with weights_only)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

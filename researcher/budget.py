@@ -1,0 +1,62 @@
+"""Budget accounting: what a study has spent against its brief, and whether it may spend more.
+
+Runs and trainer steps are counted when a run is launched, at the steps it was asked for, so the
+count is the same whether or not the study was interrupted. Wall-clock counts the time between a
+round's first launch and its last run ending: time spent waiting for a person is free. Tokens are
+what the llm planner's endpoint reported. This module computes; it stops nothing itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from researcher.brief import Brief
+from researcher.records import Launch
+
+LAUNCHED = ("running", "finished", "failed", "stopped")
+
+
+@dataclass(frozen=True)
+class Spent:
+    runs: int
+    steps: int
+    tokens: int
+    wall_s: float
+
+    @classmethod
+    def of(cls, state: dict[str, Any], now: float | None = None) -> Spent:
+        launches = [Launch.model_validate(x) for x in state.get("launches", [])]
+        launched = [x for x in launches if x.status in LAUNCHED]
+        wall = float(state.get("compute_s", 0.0))
+        if state.get("round_started"):
+            wall += (now or time.time()) - float(state["round_started"])
+        return cls(runs=len(launched), steps=sum(x.steps for x in launched),
+                   tokens=int(state.get("tokens_used", 0)), wall_s=wall)
+
+    def left(self, brief: Brief) -> tuple[int, int, int]:
+        """(runs, steps, tokens) still available."""
+        b = brief.budget
+        return (max(0, b.max_runs - self.runs), max(0, b.max_total_steps - self.steps),
+                max(0, b.llm_tokens - self.tokens))
+
+    def exhausted(self, brief: Brief, llm: bool) -> str | None:
+        """Why the study may not start another round, or None."""
+        b = brief.budget
+        if self.runs >= b.max_runs:
+            return f"budget: {self.runs} of {b.max_runs} runs used"
+        if self.steps >= b.max_total_steps:
+            return f"budget: {self.steps} of {b.max_total_steps} trainer steps used"
+        if self.wall_s >= b.wall_clock:
+            return f"budget: {self.wall_s:.0f} s of {b.wall_clock:.0f} s wall-clock used"
+        if llm and self.tokens >= b.llm_tokens:
+            return f"budget: {self.tokens} of {b.llm_tokens} LLM tokens used"
+        return None
+
+    def rows(self, brief: Brief) -> list[tuple[str, str, str]]:
+        """(what, used, limit) for status output and the report."""
+        b = brief.budget
+        return [("runs", str(self.runs), str(b.max_runs)), ("trainer steps", str(self.steps), str(b.max_total_steps)),
+                ("wall-clock (s)", f"{self.wall_s:.0f}", f"{b.wall_clock:.0f}"),
+                ("LLM tokens", str(self.tokens), str(b.llm_tokens))]

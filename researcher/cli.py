@@ -1,0 +1,294 @@
+"""The `researcher` command: start, watch, review, resume, stop and report on studies.
+
+Every `researcher study` sub-command of DESIGN §4.3. Commands that change a study (approve, veto)
+write to the review surface in MLflow; a study process that is running picks the decision up by
+polling, and one that is not running is resumed in the background. The command renders with rich
+and turns every known error into one clear line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from core.config import ConfigError, flatten
+from researcher.brief import BriefError, load_brief
+from researcher.budget import Spent
+from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table
+from researcher.launcher import stop_all
+from researcher.planner import PlannerError, choose_planner
+from researcher.records import Decision
+from researcher.report import best_result, write_report
+from researcher.review import ReviewError
+from researcher.runner import Outcome, open_board, read_state, run_study, study_brief
+from researcher.store import (StudyError, StudyMeta, StudyPaths, create_study, experiment_name, list_studies,
+                              load_meta, owner_pid, resolve_tracking_uri, study_paths)
+
+# How long `stop` waits for the study process to release its lock after SIGTERM.
+_STOP_WAIT_S = 30.0
+
+app = typer.Typer(help="Automated research studies around swarmrl core runs.", no_args_is_help=True)
+study_app = typer.Typer(help="Start and manage studies.", no_args_is_help=True)
+app.add_typer(study_app, name="study")
+console = Console()
+KNOWN_ERRORS = (BriefError, StudyError, ReviewError, PlannerError, ConfigError)
+
+
+@app.callback()
+def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log INFO messages too.")) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
+
+
+@study_app.callback()
+def _study(ctx: typer.Context, studies_dir: Path = typer.Option(
+        Path("studies"), envvar="RESEARCHER_STUDIES_DIR", help="Folder that holds the studies.")) -> None:
+    ctx.obj = studies_dir.resolve()
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+def _paths(ctx: typer.Context, name: str) -> StudyPaths:
+    return study_paths(ctx.obj, name)
+
+
+def _sigterm_as_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _drive(paths: StudyPaths, wait: bool) -> None:
+    """Run the study in this process with live output."""
+    name = paths.root.name
+    printer = StudyConsole(console, name)
+    signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        outcome: Outcome = run_study(paths, printer, wait_for_review=wait)
+    except KeyboardInterrupt:
+        printer.close()
+        console.print(f"[yellow]study {name} paused[/yellow]; its core runs keep going. "
+                      f"Continue with `researcher study resume {name}`.")
+        return
+    except KNOWN_ERRORS as e:
+        printer.close()
+        raise _fail(f"{e}\nThe study is saved; fix the cause and run `researcher study resume {name}`.") from None
+    printer.close()
+    if outcome.done:
+        console.print(f"study {name} is done ({outcome.stop_reason}). Report: [bold]{outcome.report}[/bold]")
+    else:
+        console.print(f"study {name} waits for review of {', '.join(outcome.waiting)}; approve or veto, and it "
+                      "resumes.")
+
+
+def _detach(paths: StudyPaths) -> int:
+    """Resume the study in a background process of its own; its output goes to the study log."""
+    paths.state.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "researcher.cli", "study", "--studies-dir", str(paths.root.parent),
+            "resume", paths.root.name]
+    with open(paths.log, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "COLUMNS": "120"})
+    return proc.pid
+
+
+@study_app.command()
+def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The research brief (Markdown)."),
+          name: Optional[str] = typer.Option(None, help="Study name; default: the brief's file name."),
+          detach: bool = typer.Option(False, help="Run in the background (pid file and log in the study)."),
+          planner: Optional[str] = typer.Option(None, help="llm or heuristic; default llm when an endpoint is set."),
+          llm_base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL (or OPENAI_BASE_URL)."),
+          llm_model: Optional[str] = typer.Option(None, help="Model name for the llm planner (or OPENAI_MODEL)."),
+          wait: bool = typer.Option(True, help="Wait for reviews; --no-wait returns when a review is needed.")) -> None:
+    """Start a study from a brief."""
+    workdir = Path.cwd()
+    try:
+        parsed = load_brief(brief, workdir)
+        study = name or brief.stem
+        paths = _paths(ctx, study)
+        spec = choose_planner(planner, llm_base_url, llm_model)
+        meta = StudyMeta(name=study, brief_source=str(brief), workdir=str(workdir),
+                         tracking_uri=resolve_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI"), workdir),
+                         experiment=experiment_name(study), planner=spec, created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        create_study(paths, brief.read_text(), meta)
+    except KNOWN_ERRORS as e:
+        raise _fail(str(e)) from None
+    console.print(f"study [bold]{study}[/bold]: {parsed.title or brief.name}; planner {spec.kind}"
+                  + (" (offline default: no LLM configured)" if spec.kind == "heuristic" and planner is None else "")
+                  + f"; MLflow experiment {meta.experiment} at {meta.tracking_uri}")
+    if detach:
+        pid = _detach(paths)
+        console.print(f"running in the background, pid {pid}; log {paths.log}")
+        return
+    _drive(paths, wait)
+
+
+@study_app.command()
+def resume(ctx: typer.Context, name: str, detach: bool = typer.Option(False, help="Run in the background."),
+           wait: bool = typer.Option(True, help="Wait for reviews; --no-wait returns when a review is needed.")) -> None:
+    """Continue a study from its last checkpoint (after a crash, a stop or a review)."""
+    try:
+        paths = _paths(ctx, name)
+        load_meta(paths)
+    except KNOWN_ERRORS as e:
+        raise _fail(str(e)) from None
+    if detach:
+        console.print(f"resuming in the background, pid {_detach(paths)}; log {paths.log}")
+        return
+    _drive(paths, wait)
+
+
+@study_app.command("list")
+def list_(ctx: typer.Context) -> None:
+    """List the studies in the studies folder."""
+    names = list_studies(ctx.obj)
+    if not names:
+        console.print(f"no studies in {ctx.obj}")
+    for n in names:
+        values, nxt, waiting = read_state(study_paths(ctx.obj, n), n)
+        pid = owner_pid(study_paths(ctx.obj, n))
+        phase = "done" if values and not nxt else ("waiting for review" if waiting else (nxt[0] if nxt else "new"))
+        console.print(f"{n}: {phase}" + (f" (running, pid {pid})" if pid else "") + f", round {values.get('round', 0)}")
+
+
+def _load(ctx: typer.Context, name: str) -> tuple[StudyPaths, StudyMeta]:
+    try:
+        paths = _paths(ctx, name)
+        return paths, load_meta(paths)
+    except KNOWN_ERRORS as e:
+        raise _fail(str(e)) from None
+
+
+@study_app.command()
+def status(ctx: typer.Context, name: str) -> None:
+    """Phase, budget used, pending reviews and the best result so far."""
+    paths, meta = _load(ctx, name)
+    brief = study_brief(paths, meta)
+    values, nxt, waiting = read_state(paths, name)
+    pid = owner_pid(paths)
+    phase = "done" if values and not nxt else ("review: waiting for decisions" if waiting else (nxt[0] if nxt else "new"))
+    console.print(f"study [bold]{name}[/bold] ({meta.planner.kind} planner): phase {phase}, round {values.get('round', 0)}; "
+                  + (f"running (pid {pid})" if pid else "not running"))
+    if values.get("stop_reason"):
+        console.print(f"stopped: {values['stop_reason']}")
+    console.print(budget_table(Spent.of(values), brief))
+    pending = [r for r in open_board(meta).board() if r["status"] == "pending"]
+    if pending:
+        console.print(proposals_table("pending reviews", pending))
+    best = best_result(values, brief)
+    if best:
+        console.print(f"best so far: {best[0].id} {best[0].overrides}: {brief.objective.metric} {best[1].summary.fmt()}")  # type: ignore[union-attr]
+
+
+@study_app.command()
+def review(ctx: typer.Context, name: str, all_: bool = typer.Option(False, "--all", help="Show decided ones too.")) -> None:
+    """Show the proposals awaiting review (hypothesis, rationale, config diff)."""
+    _, meta = _load(ctx, name)
+    rows = [r for r in open_board(meta).board() if all_ or r["status"] not in ("approved", "vetoed")]
+    console.print(proposals_table(f"proposals of {name}", rows) if rows else "nothing awaits review")
+    console.print(f"MLflow: experiment {meta.experiment} at {meta.tracking_uri}")
+
+
+def _decide(ctx: typer.Context, name: str, ids: list[str], every: bool, verdict: str, reason: str,
+            by: Optional[str], resume_: bool) -> None:
+    paths, meta = _load(ctx, name)
+    board = open_board(meta)
+    if every:
+        ids = [r["id"] for r in board.board() if r["status"] == "pending"]
+    if not ids:
+        raise _fail("name the proposals to decide (or --all for every pending one)")
+    who = by or getpass.getuser()
+    try:
+        for pid in ids:
+            board.decide(Decision(proposal_id=pid, verdict=verdict, by=who, reason=reason, source="cli"))  # type: ignore[arg-type]
+            console.print(f"{pid}: {verdict} by {who}" + (f" ({reason})" if reason else ""))
+    except KNOWN_ERRORS as e:
+        raise _fail(str(e)) from None
+    owner = owner_pid(paths)
+    if owner:
+        console.print(f"study {name} is running (pid {owner}) and takes the decision up at its next check")
+    elif resume_:
+        console.print(f"study {name} was not running: resumed in the background, pid {_detach(paths)}; log {paths.log}")
+
+
+@study_app.command()
+def approve(ctx: typer.Context, name: str, ids: list[str] = typer.Argument(None, help="Proposal ids."),
+            all_: bool = typer.Option(False, "--all", help="Approve every pending proposal."),
+            reason: str = typer.Option("", help="Why."), by: Optional[str] = typer.Option(None, help="Reviewer; default the OS user."),
+            resume_: bool = typer.Option(True, "--resume/--no-resume", help="Resume a study that is not running.")) -> None:
+    """Approve proposals."""
+    _decide(ctx, name, ids or [], all_, "approved", reason, by, resume_)
+
+
+@study_app.command()
+def veto(ctx: typer.Context, name: str, ids: list[str] = typer.Argument(..., help="Proposal ids."),
+         reason: str = typer.Option(..., help="Why (required: it feeds the next plan)."),
+         by: Optional[str] = typer.Option(None, help="Reviewer; default the OS user."),
+         resume_: bool = typer.Option(True, "--resume/--no-resume", help="Resume a study that is not running.")) -> None:
+    """Veto proposals; a veto is final and feeds back into the next plan."""
+    if not reason.strip():
+        raise _fail("a veto needs a --reason")
+    _decide(ctx, name, ids, False, "vetoed", reason, by, resume_)
+
+
+@study_app.command()
+def stop(ctx: typer.Context, name: str,
+         kill_runs: bool = typer.Option(False, help="Also stop its running core runs (else they finish and are "
+                                                    "picked up on resume).")) -> None:
+    """Stop the study's process; `resume` continues it from its last checkpoint."""
+    paths, meta = _load(ctx, name)
+    pid = owner_pid(paths)
+    if pid and pid > 0:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + _STOP_WAIT_S
+        while owner_pid(paths) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        console.print(f"study {name} stopped (pid {pid})" if not owner_pid(paths) else
+                      f"[red]study {name} (pid {pid}) did not stop within {_STOP_WAIT_S:.0f} s[/red]")
+    else:
+        console.print(f"study {name} is not running")
+    if kill_runs:
+        brief = study_brief(paths, meta)
+        keys = stop_all(paths.state, f"stopped by {getpass.getuser()} (researcher study stop)", brief.launch.grace_s)
+        console.print(f"stopped core runs: {', '.join(keys) or 'none were running'}")
+
+
+@study_app.command()
+def report(ctx: typer.Context, name: str) -> None:
+    """Write the Markdown report of the study so far."""
+    paths, meta = _load(ctx, name)
+    brief = study_brief(paths, meta)
+    values, _, _ = read_state(paths, name)
+    base = flatten(brief.resolve_config(Path(meta.workdir)))
+    from mlflow.tracking import MlflowClient
+
+    path = write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base)
+    console.print(f"report written: [bold]{path}[/bold]")
+
+
+@study_app.command()
+def history(ctx: typer.Context, name: str) -> None:
+    """Every decision: who, when, what and why."""
+    paths, meta = _load(ctx, name)
+    values, _, _ = read_state(paths, name)
+    decisions = values.get("decisions", [])
+    taken = {d["proposal_id"] for d in decisions}
+    recorded = [r for r in open_board(meta).board() if r["status"] in ("approved", "vetoed") and r["id"] not in taken]
+    console.print(decisions_table(decisions, recorded))
+
+
+if __name__ == "__main__":
+    app()

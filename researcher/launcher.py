@@ -1,0 +1,238 @@
+"""Starting, finding and stopping core runs (`swarm run` subprocesses), idempotently.
+
+A launch writes its intent (argv, marker) to `.study/launches/<key>.json` before it spawns, and
+the pid right after. Asked again for the same key (a resumed study re-running its launch node),
+it first looks for what it already started: the recorded pid, any process whose command line
+carries the launch's unique run-id-file path (the window between spawn and writing the pid), or
+an MLflow run tagged with the key. Only when none exists does it spawn. Core runs get their own
+session, so they outlive a killed study and are adopted on resume.
+
+A finished run is judged by its exit code when it is our child, else by its MLflow run status.
+A stop records its reason in the intent before it signals, so a stop cut short by a crash is
+still reported as a stop. Linux only (/proc). It does not read metrics or decide anything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+from researcher.records import TERMINAL, Launch
+
+log = logging.getLogger(__name__)
+
+# Lines of a failed run's log kept in the study state and report.
+LOG_TAIL_LINES = 40
+# How often a stop checks whether the run has exited before escalating to SIGKILL.
+_STOP_POLL_S = 0.2
+
+Emit = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class LaunchTarget:
+    """Where and how core runs start."""
+
+    command: list[str]  # e.g. [".venv/bin/swarm", "run"]
+    workdir: Path  # the project folder the study started in: relative config paths resolve here
+    tracking_uri: str
+    experiment: str
+    study: str
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def find_process(marker: str) -> int | None:
+    """The pid of a live process whose command line contains `marker`."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and marker in _cmdline(int(entry.name)):
+            return int(entry.name)
+    return None
+
+
+def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Launcher:
+    def __init__(self, target: LaunchTarget, state_dir: Path, grace_s: float, emit: Emit) -> None:
+        self.target, self.grace_s, self.emit = target, grace_s, emit
+        self.intents = state_dir / "launches"
+        self.runs = state_dir / "runs"
+        self.intents.mkdir(parents=True, exist_ok=True)
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def run_dir(self, key: str) -> Path:
+        return self.runs / key
+
+    def argv(self, launch: Launch) -> list[str]:
+        rd, t = self.run_dir(launch.key), self.target
+        return [*t.command, launch.config_path,
+                "--set", f"trainer.seed={launch.seed}",
+                "--set", "server.port=0",  # concurrent runs must not fight over one port
+                "--set", f"trainer.checkpoint_dir={rd / 'checkpoints'}",
+                "--experiment", t.experiment, "--run-name", launch.key,
+                "--run-id-file", str(rd / "run_id"),
+                "--tag", f"swarmrl.study={t.study}", "--tag", f"swarmrl.proposal={launch.proposal_id}",
+                "--tag", f"swarmrl.launch={launch.key}", "--tag", f"swarmrl.seed={launch.seed}"]
+
+    def _intent(self, key: str) -> dict[str, Any] | None:
+        path = self.intents / f"{key}.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def _marker(self, key: str) -> str:
+        return str(self.run_dir(key) / "run_id")
+
+    def find_run_id(self, client: MlflowClient, key: str) -> str | None:
+        path = self.run_dir(key) / "run_id"
+        if path.is_file() and path.read_text().strip():
+            return path.read_text().strip()
+        exp = client.get_experiment_by_name(self.target.experiment)
+        if exp is None:
+            return None
+        runs = client.search_runs([exp.experiment_id], run_view_type=ViewType.ALL,
+                                  filter_string=f"tags.`swarmrl.launch` = '{key}' AND "
+                                                f"tags.`swarmrl.study` = '{self.target.study}'")
+        return runs[0].info.run_id if runs else None
+
+    def start(self, launch: Launch, client: MlflowClient) -> Launch:
+        """Start the run, or adopt the one an earlier attempt started. Never starts it twice."""
+        if launch.status in TERMINAL:
+            return launch
+        intent = self._intent(launch.key)
+        if intent is not None:
+            pid = intent.get("pid") or find_process(self._marker(launch.key))
+            run_id = self.find_run_id(client, launch.key)
+            if pid or run_id:
+                log.info("launch %s: adopting what an earlier attempt started (pid %s, run %s)",
+                         launch.key, pid, run_id)
+                return launch.model_copy(update={"status": "running", "pid": pid, "run_id": run_id,
+                                                 "started_at": intent.get("started_at") or time.time()})
+        rd = self.run_dir(launch.key)
+        rd.mkdir(parents=True, exist_ok=True)
+        argv = self.argv(launch)
+        started = time.time()
+        _write_json(self.intents / f"{launch.key}.json", {"key": launch.key, "argv": argv, "started_at": started})
+        self.emit("launch.intent", key=launch.key)
+        env = {**os.environ, "MLFLOW_TRACKING_URI": self.target.tracking_uri}
+        with open(rd / "run.log", "ab") as logfile:
+            try:
+                proc = subprocess.Popen(argv, cwd=self.target.workdir, stdout=logfile, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            except OSError as e:
+                return launch.model_copy(update={"status": "failed", "reason": f"could not start {argv[0]}: {e}",
+                                                 "log_path": str(rd / "run.log"), "ended_at": time.time()})
+        _write_json(self.intents / f"{launch.key}.json",
+                    {"key": launch.key, "argv": argv, "started_at": started, "pid": proc.pid})
+        self._children[launch.key] = proc
+        self.emit("launch.spawned", key=launch.key, pid=proc.pid)
+        return launch.model_copy(update={"status": "running", "pid": proc.pid, "started_at": started,
+                                         "log_path": str(rd / "run.log")})
+
+    def _alive(self, launch: Launch) -> tuple[bool, int | None]:
+        """(alive, exit code when known)."""
+        proc = self._children.get(launch.key)
+        if proc is not None:
+            code = proc.poll()
+            return code is None, code
+        pid = launch.pid or find_process(self._marker(launch.key))
+        return (pid is not None and self._marker(launch.key) in _cmdline(pid)), None
+
+    def poll(self, launch: Launch, client: MlflowClient) -> Launch:
+        """Refresh a running launch: its MLflow run id, and whether and how it ended."""
+        if launch.status != "running":
+            return launch
+        alive, code = self._alive(launch)
+        run_id = launch.run_id or self.find_run_id(client, launch.key)
+        update: dict[str, Any] = {"run_id": run_id, "log_path": str(self.run_dir(launch.key) / "run.log")}
+        if alive:
+            return launch.model_copy(update=update)
+        intent = self._intent(launch.key) or {}
+        mlflow_status = client.get_run(run_id).info.status if run_id else None
+        update["ended_at"] = time.time()
+        if intent.get("stop_reason"):
+            update.update(status="stopped", reason=intent["stop_reason"])
+        elif code == 0 or (code is None and mlflow_status == "FINISHED"):
+            update.update(status="finished")
+        else:
+            why = f"exit code {code}" if code is not None else "the process is gone"
+            update.update(status="failed", reason=f"{why}; MLflow run status {mlflow_status or '(no run)'}",
+                          log_tail=log_tail(update["log_path"]))
+        self._children.pop(launch.key, None)
+        return launch.model_copy(update=update)
+
+    def stop(self, launch: Launch, reason: str, client: MlflowClient) -> Launch:
+        """Record why, then SIGTERM the run's process group; SIGKILL after the grace period."""
+        if launch.status != "running":
+            return launch
+        intent = self._intent(launch.key) or {"key": launch.key}
+        _write_json(self.intents / f"{launch.key}.json", {**intent, "stop_reason": reason})
+        alive, _ = self._alive(launch)
+        pid = launch.pid or find_process(self._marker(launch.key))
+        if alive and pid:
+            self._signal(pid, signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            while self._alive(launch)[0] and time.monotonic() < deadline:
+                time.sleep(_STOP_POLL_S)
+            if self._alive(launch)[0]:
+                self._signal(pid, signal.SIGKILL)
+                while self._alive(launch)[0]:
+                    time.sleep(_STOP_POLL_S)
+        return self.poll(launch, client)
+
+    @staticmethod
+    def _signal(pid: int, sig: signal.Signals) -> None:
+        try:
+            os.killpg(pid, sig)  # the run is its own session leader: this reaches its workers too
+        except ProcessLookupError:
+            pass
+
+
+def stop_all(state_dir: Path, reason: str, grace_s: float) -> list[str]:
+    """Stop every live run of a study from its launch intents (for `researcher study stop --kill-runs`).
+
+    The reason is written first, so the study reports these runs as stopped when it resumes.
+    """
+    stopped = []
+    for path in sorted((state_dir / "launches").glob("*.json")):
+        intent = json.loads(path.read_text())
+        marker = str(state_dir / "runs" / intent["key"] / "run_id")
+        pid = intent.get("pid") or find_process(marker)
+        if not pid or marker not in _cmdline(pid):
+            continue
+        _write_json(path, {**intent, "stop_reason": reason})
+        Launcher._signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while marker in _cmdline(pid) and time.monotonic() < deadline:
+            time.sleep(_STOP_POLL_S)
+        if marker in _cmdline(pid):
+            Launcher._signal(pid, signal.SIGKILL)
+        stopped.append(intent["key"])
+    return stopped

@@ -1,0 +1,101 @@
+"""Planners: what to try next, given the brief and everything the study has seen so far.
+
+A planner is a `plan(PlanContext) -> PlanResult` object. `heuristic` is an offline successive-
+halving search; `llm` asks any OpenAI-compatible endpoint for structured proposals. This module
+holds the shared types and the choice between them; it does not review, launch or record.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel
+
+from researcher.brief import Brief
+from researcher.records import Decision, ExperimentResult, Proposal, ProposalDraft
+
+
+class PlannerError(RuntimeError):
+    """The planner could not produce a usable plan; the message says why and what was tried."""
+
+
+@dataclass
+class PlanContext:
+    brief: Brief
+    base_values: dict[str, Any]  # dotted key -> typed value of the resolved base run config
+    base_steps: int  # trainer.steps of the resolved base config
+    round: int  # the round being planned, from 1
+    proposals: list[Proposal] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    results: list[ExperimentResult] = field(default_factory=list)
+    runs_left: int = 0
+    steps_left: int = 0
+    tokens_left: int = 0
+
+    def verdict(self, proposal_id: str) -> Decision | None:
+        found = [d for d in self.decisions if d.proposal_id == proposal_id]
+        return found[-1] if found else None
+
+    def result(self, proposal_id: str) -> ExperimentResult | None:
+        found = [r for r in self.results if r.proposal_id == proposal_id]
+        return found[-1] if found else None
+
+    def cost(self, steps: int) -> tuple[int, int]:
+        """(runs, trainer steps) one experiment of `steps` steps spends over the brief's seeds."""
+        return len(self.brief.seeds), len(self.brief.seeds) * steps
+
+
+@dataclass
+class Planned:
+    draft: ProposalDraft
+    arm: str | None = None
+    rung: int | None = None
+
+
+@dataclass
+class PlanResult:
+    planned: list[Planned]
+    done: bool = False  # the planner has nothing more to try
+    note: str = ""  # shown to the person and kept in the report
+    tokens: int = 0  # LLM tokens spent on this plan
+
+
+class Planner(Protocol):
+    name: str
+
+    def plan(self, ctx: PlanContext) -> PlanResult: ...
+
+
+class PlannerSpec(BaseModel):
+    """How a study plans; stored with the study so a resume plans the same way. No secrets."""
+
+    kind: str = "heuristic"  # heuristic | llm
+    base_url: str | None = None
+    model: str | None = None
+
+
+def choose_planner(kind: str | None, base_url: str | None, model: str | None) -> PlannerSpec:
+    """`--planner` wins; without it, llm when an endpoint is configured, else the offline heuristic."""
+    base_url = base_url or os.environ.get("OPENAI_BASE_URL")
+    model = model or os.environ.get("OPENAI_MODEL")
+    if kind is None:
+        kind = "llm" if base_url else "heuristic"
+    if kind not in ("llm", "heuristic"):
+        raise PlannerError(f"unknown planner {kind!r}: use llm or heuristic")
+    if kind == "llm" and not (base_url and model):
+        raise PlannerError("the llm planner needs an endpoint and a model: pass --llm-base-url and "
+                           "--llm-model, or set OPENAI_BASE_URL and OPENAI_MODEL")
+    return PlannerSpec(kind=kind, base_url=base_url if kind == "llm" else None,
+                       model=model if kind == "llm" else None)
+
+
+def make_planner(spec: PlannerSpec) -> Planner:
+    if spec.kind == "llm":
+        from researcher.planner.llm import LlmPlanner
+
+        return LlmPlanner(base_url=spec.base_url or "", model=spec.model or "")
+    from researcher.planner.heuristic import HeuristicPlanner
+
+    return HeuristicPlanner()

@@ -1,0 +1,158 @@
+"""The study report: Markdown with PNG plots and a lineage table, from the study state and MLflow.
+
+Lineage reads hypothesis -> config diff -> decision -> runs -> metric for every proposal. The
+report also states the budget spent, why the study stopped, each planner's notes, the planner's
+overhead against the time spent in core runs, the best configuration with its interval over
+seeds, and the log tails of failed runs. It can be written at any time ("the study so far").
+It reads; it never changes the study.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a display
+import matplotlib.pyplot as plt  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+from researcher import analysis  # noqa: E402
+from researcher.brief import Brief  # noqa: E402
+from researcher.budget import Spent  # noqa: E402
+from researcher.records import Decision, ExperimentResult, Launch, Proposal  # noqa: E402
+from researcher.store import StudyPaths  # noqa: E402
+
+# Figure size in inches: readable in a Markdown preview at its default width.
+_FIG = (7.0, 4.0)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def best_result(state: dict[str, Any], brief: Brief) -> tuple[Proposal, ExperimentResult] | None:
+    proposals = {p["id"]: Proposal.model_validate(p) for p in state.get("proposals", [])}
+    best: tuple[Proposal, ExperimentResult] | None = None
+    for raw in state.get("results", []):
+        r = ExperimentResult.model_validate(raw)
+        if r.summary is None or not r.summary.n or r.proposal_id not in proposals:
+            continue
+        if best is None or brief.objective.better(r.summary.mean, best[1].summary.mean):  # type: ignore[union-attr]
+            best = (proposals[r.proposal_id], r)
+    return best
+
+
+def _curves(brief: Brief, launches: list[Launch], client: MlflowClient) -> dict[str, analysis.History]:
+    by_proposal: dict[str, list[analysis.History]] = {}
+    for x in launches:
+        if x.run_id and x.status in ("finished", "stopped"):
+            try:
+                history = analysis.read_history(client, x.run_id, brief.objective.metric)
+            except Exception:  # noqa: BLE001 - a deleted run must not stop a report
+                continue
+            if history:
+                by_proposal.setdefault(x.proposal_id, []).append(history)
+    return {pid: analysis.mean_curve(hs) for pid, hs in by_proposal.items()}
+
+
+def _plot(brief: Brief, curves: dict[str, analysis.History], results: list[ExperimentResult],
+          folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    if curves:
+        fig, ax = plt.subplots(figsize=_FIG)
+        for pid, curve in sorted(curves.items()):
+            ax.plot([s for s, _ in curve], [v for _, v in curve], marker=".", label=pid)
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel(f"{brief.objective.metric} (mean over seeds)")
+        ax.legend(fontsize="small", ncol=2)
+        fig.tight_layout()
+        fig.savefig(folder / "curves.png", dpi=100)
+        plt.close(fig)
+        out.append(folder / "curves.png")
+    scored = [r for r in results if r.summary and r.summary.n]
+    if scored:
+        fig, ax = plt.subplots(figsize=_FIG)
+        means = [r.summary.mean for r in scored]  # type: ignore[union-attr]
+        errs = [(r.summary.ci_high - r.summary.ci_low) / 2 for r in scored]  # type: ignore[union-attr]
+        ax.bar([r.proposal_id for r in scored], means, yerr=errs, capsize=4)
+        ax.set_ylabel(f"{brief.objective.metric} score (95% CI)")
+        ax.tick_params(axis="x", rotation=45)
+        fig.tight_layout()
+        fig.savefig(folder / "scores.png", dpi=100)
+        plt.close(fig)
+        out.append(folder / "scores.png")
+    return out
+
+
+def _runner_up(state: dict[str, Any], brief: Brief, best_id: str) -> ExperimentResult | None:
+    others = [r for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))
+              if r.proposal_id != best_id and r.summary is not None and r.summary.n]
+    ranked = sorted(others, key=lambda r: r.summary.mean,  # type: ignore[union-attr]
+                    reverse=brief.objective.direction == "maximize")
+    return ranked[0] if ranked else None
+
+
+def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
+           base_flat: dict[str, str]) -> str:
+    proposals = [Proposal.model_validate(p) for p in state.get("proposals", [])]
+    decisions = {d.proposal_id: d for d in (Decision.model_validate(x) for x in state.get("decisions", []))}
+    launches = [Launch.model_validate(x) for x in state.get("launches", [])]
+    results = {r.proposal_id: r for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))}
+    spent = Spent.of(state)
+    figures = _plot(brief, _curves(brief, launches, client), list(results.values()), paths.figures)
+
+    lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
+             f"Objective: **{brief.objective.direction} `{brief.objective.metric}`** "
+             f"(score = mean of the last {brief.objective.window} logged value(s); seeds {brief.seeds}).", "",
+             f"Status: {'stopped: ' + state['stop_reason'] if state.get('stop_reason') else 'in progress'}; "
+             f"{state.get('round', 0)} round(s), {len(proposals)} proposal(s), "
+             f"{sum(1 for x in launches if x.run_id)} core run(s).", ""]
+    best = best_result(state, brief)
+    if best:
+        p, r = best
+        assert r.summary is not None
+        lines += ["## Best so far", "", f"Proposal **{p.id}**: `{p.overrides}`, score {r.summary.fmt()}.", ""]
+        runner_up = _runner_up(state, brief, p.id)
+        if runner_up is not None:
+            other, verdict = runner_up, ("clearly better (95% intervals do not overlap)"
+                                         if analysis.clearly_better(r.summary, runner_up.summary, brief.objective)
+                                         else "not clearly better (intervals overlap: more seeds needed)")
+            lines += [f"Against the runner-up {other.proposal_id} ({other.summary.fmt()}): {verdict}.", ""]
+    lines += ["## Budget", "", "| budget | used | limit |", "| --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in spent.rows(brief)]
+    notes = state.get("notes", [])
+    plan_s = sum(n.get("plan_s", 0.0) for n in notes)
+    lines += ["", "## Planner", ""]
+    lines += [f"- round {n['round']} ({n['planner']}, {n['plan_s']:.2f} s, {n['tokens']} tokens): {n['note']}"
+              for n in notes]
+    lines += ["", f"Planner overhead: {plan_s:.2f} s over {len(notes)} plan(s) "
+              f"({plan_s / max(1, len(notes)):.2f} s per iteration) against {spent.wall_s:.0f} s in core runs.", ""]
+    lines += ["## Lineage", "", "| proposal | hypothesis | diff | decision | runs | score |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for p in proposals:
+        d = decisions.get(p.id)
+        decision = f"{d.verdict} by {d.by} at {d.at}" + (f": {d.reason}" if d.reason else "") if d else "pending"
+        runs = ", ".join(f"{x.key} {x.status}" + (f" (`{x.run_id[:8]}`)" if x.run_id else "")
+                         for x in launches if x.proposal_id == p.id) or "-"
+        r = results.get(p.id)
+        score = (r.summary.fmt() if r and r.summary else "-") + (f" ({r.status})" if r and r.status != "ok" else "")
+        lines.append(f"| {p.id} | {_cell(p.hypothesis)} | {_cell(p.diff_text(base_flat))} | {_cell(decision)} | "
+                     f"{_cell(runs)} | {_cell(score)} |")
+    for fig in figures:
+        lines += ["", f"![{fig.stem}]({fig.relative_to(paths.root).as_posix()})"]
+    failed = [x for x in launches if x.status == "failed"]
+    if failed:
+        lines += ["", "## Failed runs", ""]
+        for x in failed:
+            lines += [f"<details><summary>{x.key}: {x.reason}</summary>", "", "```", x.log_tail, "```", "",
+                      "</details>", ""]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
+                 base_flat: dict[str, str]) -> Path:
+    paths.report.write_text(render(name, brief, state, client, paths, base_flat))
+    return paths.report

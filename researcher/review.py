@@ -1,0 +1,152 @@
+"""The review surface: proposals as MLflow runs a person approves or vetoes, and the audit trail.
+
+Each proposal becomes one MLflow run in the study's experiment, in `SCHEDULED` status, tagged
+`swarmrl.proposal=<id>` and `review.status=pending`, with the hypothesis, rationale, expected
+effect and config diff as tags and as the run's description note. A decision is the tag
+`review.status` turned to `approved` or `vetoed`, written either by `researcher study approve/veto`
+(with `review.by`, `review.reason`, `review.at`, `review.source` in the same batch) or by hand in
+the MLflow UI. A waiting study polls these tags. A veto is final: a decided proposal cannot be
+decided again.
+
+It reads and writes MLflow runs; it does not wait, plan or launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mlflow.entities import Metric, Param, RunTag, ViewType
+from mlflow.tracking import MlflowClient
+
+from researcher.records import Decision, Proposal, Summary, now_iso
+
+log = logging.getLogger(__name__)
+
+# MLflow rejects longer tag values; keep notes readable rather than fail.
+_MAX_TAG = 5000
+STATUS = "review.status"
+VERDICTS = ("approved", "vetoed")
+
+
+class ReviewError(ValueError):
+    """A decision that cannot be recorded; nothing was written."""
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= _MAX_TAG else text[: _MAX_TAG - 1] + "…"
+
+
+def _note(p: Proposal, diff: str) -> str:
+    return _clip(f"### Proposal {p.id} (round {p.round}, {p.planner})\n\n**Hypothesis:** {p.hypothesis}\n\n"
+                 f"**Rationale:** {p.rationale}\n\n**Expected effect:** {p.expected_effect}\n\n"
+                 f"**Config diff:**\n```\n{diff}\n```\n\nApprove or veto with "
+                 f"`researcher study approve|veto`, or set the tag `review.status` to `approved` or "
+                 f"`vetoed` (optionally `review.by` and `review.reason`).")
+
+
+class ReviewBoard:
+    """Proposals and decisions of one study, on its MLflow experiment."""
+
+    def __init__(self, client: MlflowClient, experiment: str, study: str) -> None:
+        self.client, self.study = client, study
+        found = client.get_experiment_by_name(experiment)
+        self.experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+
+    def _runs(self, extra: str = "") -> list:
+        query = f"tags.`swarmrl.study` = '{self.study}' AND tags.`swarmrl.kind` = 'proposal'" + extra
+        return self.client.search_runs([self.experiment_id], filter_string=query,
+                                       run_view_type=ViewType.ACTIVE_ONLY, max_results=10_000)
+
+    def find(self, proposal_id: str):  # -> mlflow Run | None
+        runs = self._runs(f" AND tags.`swarmrl.proposal` = '{proposal_id}'")
+        return min(runs, key=lambda r: r.info.start_time) if runs else None
+
+    def publish(self, p: Proposal, diff: str) -> str:
+        """Create the proposal's SCHEDULED run, or return the one an earlier attempt created."""
+        run = self.find(p.id)
+        if run is None:
+            tags = {"swarmrl.kind": "proposal", "swarmrl.study": self.study, "swarmrl.proposal": p.id,
+                    STATUS: "pending", "review.hypothesis": _clip(p.hypothesis),
+                    "review.rationale": _clip(p.rationale), "review.expected_effect": _clip(p.expected_effect),
+                    "review.diff": _clip(diff), "review.priority": str(p.priority),
+                    "review.needs_code_change": str(p.needs_code_change).lower(),
+                    "review.planner": p.planner, "mlflow.note.content": _note(p, diff)}
+            run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"proposal {p.id}")
+            params = [Param(k, _clip(str(v))) for k, v in sorted(p.overrides.items())]
+            if params:
+                self.client.log_batch(run.info.run_id, params=params)
+        if run.info.status == "RUNNING" and run.data.tags.get(STATUS, "pending") == "pending":
+            self.client.update_run(run.info.run_id, status="SCHEDULED")
+        return run.info.run_id
+
+    def decide(self, d: Decision) -> None:
+        """Record a decision on the proposal's run; refuses a second decision on the same proposal."""
+        run = self.find(d.proposal_id)
+        if run is None:
+            raise ReviewError(f"proposal {d.proposal_id} is not on the review board of study {self.study}")
+        current = run.data.tags.get(STATUS, "pending")
+        if current in VERDICTS:
+            same = current == d.verdict and run.data.tags.get("review.by") == d.by
+            if same:
+                return  # a repeated write of the same decision (a resumed node) is harmless
+            raise ReviewError(f"proposal {d.proposal_id} is already {current} by "
+                              f"{run.data.tags.get('review.by', '?')}; a decision is final")
+        tags = [RunTag("review.by", d.by), RunTag("review.at", d.at), RunTag("review.reason", _clip(d.reason)),
+                RunTag("review.source", d.source), RunTag(STATUS, d.verdict)]
+        self.client.log_batch(run.info.run_id, tags=tags)
+        if d.verdict == "vetoed":
+            self.client.set_terminated(run.info.run_id, status="KILLED")
+
+    def collect(self, pending: list[str]) -> list[Decision]:
+        """Decisions present on MLflow for the given pending proposals (from the CLI or the UI)."""
+        wanted, found = set(pending), []
+        for run in self._runs():
+            tags = run.data.tags
+            pid = tags.get("swarmrl.proposal", "")
+            if pid not in wanted:
+                continue
+            status = tags.get(STATUS, "pending").strip().lower()
+            if status in VERDICTS:
+                found.append(Decision(proposal_id=pid, verdict=status,  # type: ignore[arg-type]
+                                      by=tags.get("review.by") or "mlflow-ui", at=tags.get("review.at") or now_iso(),
+                                      reason=tags.get("review.reason", ""), source=tags.get("review.source") or "mlflow"))
+            elif status != "pending" and tags.get("review.error", "").find(repr(status)) < 0:
+                message = f"unknown review.status {status!r}: set it to approved or vetoed"
+                log.warning("proposal %s: %s", pid, message)
+                self.client.set_tag(run.info.run_id, "review.error", message)
+        return sorted(found, key=lambda d: d.proposal_id)
+
+    def close(self, proposal_id: str, summary: Summary | None, status: str = "FINISHED",
+              reason: str = "") -> None:
+        """After analysis (or when it cannot run): the proposal's result, and a terminal status."""
+        run = self.find(proposal_id)
+        if run is None:
+            return
+        run_id = run.info.run_id
+        if reason:
+            self.client.set_tag(run_id, "review.outcome", _clip(reason))
+        if summary is not None and summary.n:
+            stamp = int(time.time() * 1000)
+            metrics = [Metric(f"study/objective_{k}", float(getattr(summary, k)), stamp, 0)
+                       for k in ("mean", "std", "ci_low", "ci_high")]
+            self.client.log_batch(run_id, metrics=metrics + [Metric("study/seeds", float(summary.n), stamp, 0)])
+        if self.client.get_run(run_id).info.status in ("SCHEDULED", "RUNNING"):
+            self.client.set_terminated(run_id, status=status)
+
+    def mark_running(self, proposal_id: str) -> None:
+        run = self.find(proposal_id)
+        if run is not None and run.info.status == "SCHEDULED":
+            self.client.update_run(run.info.run_id, status="RUNNING")
+
+    def board(self) -> list[dict[str, str]]:
+        """Every proposal of the study with its review tags, for `review`, `status` and `history`."""
+        rows = []
+        for run in sorted(self._runs(), key=lambda r: r.data.tags.get("swarmrl.proposal", "")):
+            tags = run.data.tags
+            rows.append({"id": tags.get("swarmrl.proposal", ""), "status": tags.get(STATUS, "pending"),
+                         "run_status": run.info.status, "run_id": run.info.run_id,
+                         "hypothesis": tags.get("review.hypothesis", ""), "diff": tags.get("review.diff", ""),
+                         "by": tags.get("review.by", ""), "at": tags.get("review.at", ""),
+                         "reason": tags.get("review.reason", ""), "error": tags.get("review.error", "")})
+        return rows

@@ -1,0 +1,134 @@
+"""Driving a study: build its context, run the graph under the checkpointer, wait for reviews.
+
+`run_study` owns the study (its lock) for as long as it runs. It compiles the graph with a
+`SqliteSaver` (one thread per study, `durability="sync"`), starts or resumes it, and whenever the
+graph stops at the review interrupt it polls MLflow for decisions (from `researcher study
+approve/veto` or a tag edited in the UI) and resumes with `Command(resume=decisions)`. Between
+polls it sleeps, so a wait of days costs no CPU. With `wait_for_review=False` it returns at the
+interrupt instead; a later `approve` or `resume` picks the study up where it stopped.
+
+It does not print (events go to the `emit` callback) and installs no signal handlers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from langgraph.checkpoint.sqlite import SqliteSaver
+from langgraph.types import Command
+from mlflow.tracking import MlflowClient
+
+from researcher.brief import Brief, load_brief
+from researcher.graph import StudyContext, build_graph
+from researcher.launcher import Emit, Launcher, LaunchTarget
+from researcher.planner import make_planner
+from researcher.review import ReviewBoard
+from researcher.store import StudyLock, StudyMeta, StudyPaths, default_swarm_command, load_meta
+
+log = logging.getLogger(__name__)
+
+# LangGraph stops a thread after this many super-steps per invoke; a study loops through its
+# nodes for days, so the bound must never be what ends it (the brief's budgets do).
+RECURSION_LIMIT = 1_000_000
+
+
+@dataclass
+class Outcome:
+    done: bool  # the study reached its report
+    stop_reason: str = ""
+    report: str | None = None
+    waiting: list[str] = field(default_factory=list)  # proposals awaiting a decision when it returned
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def thread_config(name: str) -> dict[str, Any]:
+    return {"configurable": {"thread_id": name}, "recursion_limit": RECURSION_LIMIT}
+
+
+def study_brief(paths: StudyPaths, meta: StudyMeta) -> Brief:
+    return load_brief(paths.brief, Path(meta.workdir))
+
+
+def open_board(meta: StudyMeta) -> ReviewBoard:
+    return ReviewBoard(MlflowClient(meta.tracking_uri), meta.experiment, meta.name)
+
+
+def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit) -> StudyContext:
+    brief = study_brief(paths, meta)
+    client = MlflowClient(meta.tracking_uri)
+    target = LaunchTarget(command=brief.launch.command or default_swarm_command(), workdir=Path(meta.workdir),
+                          tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name)
+    return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
+                        board=ReviewBoard(client, meta.experiment, meta.name),
+                        launcher=Launcher(target, paths.state, brief.launch.grace_s, emit),
+                        planner=make_planner(meta.planner), emit=emit)
+
+
+@contextmanager
+def _compiled(paths: StudyPaths, ctx: StudyContext | None) -> Iterator[Any]:
+    paths.state.mkdir(parents=True, exist_ok=True)
+    with SqliteSaver.from_conn_string(str(paths.db)) as saver:
+        yield build_graph(ctx).compile(checkpointer=saver)
+
+
+def read_state(paths: StudyPaths, name: str) -> tuple[dict[str, Any], tuple[str, ...], list[str]]:
+    """(state values, next nodes, proposals the review interrupt waits on) without running anything."""
+    if not paths.db.exists():
+        return {}, (), []
+    with _compiled(paths, None) as app:
+        snap = app.get_state(thread_config(name))
+        waiting = [pid for i in snap.interrupts for pid in (i.value or {}).get("pending", [])]
+        return dict(snap.values or {}), tuple(snap.next), waiting
+
+
+def _wait_for_decisions(board: ReviewBoard, pending: list[str], poll_s: float,
+                        stop: threading.Event) -> list[dict[str, Any]] | None:
+    """Decisions for any of `pending` as soon as MLflow has one; None if asked to stop first."""
+    while not stop.is_set():
+        found = board.collect(pending)
+        if found:
+            return [d.model_dump() for d in found]
+        stop.wait(poll_s)  # sleeps; wakes early only to stop
+    return None
+
+
+def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
+              stop: threading.Event | None = None) -> Outcome:
+    """Start or resume the study at `paths` and drive it to its report (or to a review, see above)."""
+    stop = stop or threading.Event()
+    meta = load_meta(paths)
+    with StudyLock(paths):
+        ctx = build_context(paths, meta, emit)
+        cfg = thread_config(meta.name)
+        with _compiled(paths, ctx) as app:
+            snap = app.get_state(cfg)
+            fresh = not snap.values
+            if not fresh and not snap.next:
+                values = dict(snap.values)
+                return Outcome(done=True, stop_reason=values.get("stop_reason", ""), report=values.get("report"),
+                               state=values)
+            emit("study.start" if fresh else "study.resume", study=meta.name)
+            command: Any = {"study": meta.name} if fresh else None
+            while True:
+                if snap.interrupts and not fresh:
+                    pending = [pid for i in snap.interrupts for pid in (i.value or {}).get("pending", [])]
+                    if not wait_for_review:
+                        return Outcome(done=False, waiting=pending, state=dict(snap.values))
+                    emit("review.waiting", ids=pending, poll_s=ctx.brief.review.poll_s)
+                    answer = _wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop)
+                    if answer is None:
+                        return Outcome(done=False, waiting=pending, state=dict(snap.values))
+                    command = Command(resume=answer)
+                app.invoke(command, cfg, durability="sync")
+                fresh, command = False, None
+                snap = app.get_state(cfg)
+                if not snap.next:
+                    values = dict(snap.values)
+                    emit("study.done", study=meta.name, stop_reason=values.get("stop_reason", ""))
+                    return Outcome(done=True, stop_reason=values.get("stop_reason", ""),
+                                   report=values.get("report"), state=values)

@@ -1,0 +1,251 @@
+"""The trainer step on the tiny model: it learns, it is exact under packing, and it refuses bad input.
+
+Episodes are hand-built: fixed completions whose behaviour logprobs come from a forward pass of the
+current policy, exactly what an on-policy engine would have recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from core.config import LoraConfig, TrainerConfig
+from core.models import build_tiny, byte_tokenizer
+from core.records import Call, Episode
+from core.train.trainer import Trainer, prepare_policy
+
+MODEL = "policy"
+PROMPT = "<|im_start|>user\nwrite\n<|im_end|>\n<|im_start|>assistant\n"
+# Rewarded by how many 'x' bytes they hold; each group sees all four.
+CANDIDATES = ["xxab", "abab", "xbxa", "baba"]
+
+
+TOKENIZER = byte_tokenizer()  # the tiny model's tokenizer; built once, never mutated
+
+
+def encode(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+def eos_id() -> int:
+    return TOKENIZER.eos_token_id
+
+
+def behaviour_logprobs(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """log p(completion token | everything before it) under `model`, as the engine records it."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt_ids + completion_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[len(prompt_ids) + i - 1, t].item() for i, t in enumerate(completion_ids)]
+
+
+def completion_logprob(model: torch.nn.Module, text: str, prompt: str = PROMPT) -> float:
+    return sum(behaviour_logprobs(model, encode(prompt), encode(text) + [eos_id()]))
+
+
+def make_call(model: torch.nn.Module, prompt_ids: list[int], completion_ids: list[int], version: int = 0) -> Call:
+    return Call(
+        model=MODEL,
+        version=version,
+        prompt_ids=prompt_ids,
+        completion_ids=completion_ids,
+        completion_logprobs=behaviour_logprobs(model, prompt_ids, completion_ids),
+    )
+
+
+def make_episode(
+    model: torch.nn.Module, episode_id: str, completions: list[str], reward: float, task_id: str = "t0", group_size: int = 4
+) -> Episode:
+    """An episode of one call per completion; each later call continues the earlier conversation."""
+    calls, context = [], encode(PROMPT)
+    for text in completions:
+        completion = encode(text) + [eos_id()]
+        calls.append(make_call(model, context, completion))
+        context = context + completion + encode("\n<|im_start|>user\nmore\n<|im_end|>\n<|im_start|>assistant\n")
+    return Episode(
+        id=episode_id,
+        sandbox="bytes",
+        task_id=task_id,
+        group_size=group_size,
+        state="finished",
+        opened_at=0.0,
+        lease_expires_at=60.0,
+        calls=calls,
+        reward={MODEL: reward},
+    )
+
+
+def x_groups(model: torch.nn.Module, n_groups: int = 2, step: int = 0) -> list[list[Episode]]:
+    """Groups over CANDIDATES, rewarded by the share of 'x' bytes, with on-policy logprobs."""
+    return [
+        [
+            make_episode(model, f"s{step}-g{g}-e{i}", [text], text.count("x") / len(text), task_id=f"t{g}")
+            for i, text in enumerate(CANDIDATES)
+        ]
+        for g in range(n_groups)
+    ]
+
+
+def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> set[str]:
+    return {k for k, v in model.state_dict().items() if not torch.equal(before[k], v)}
+
+
+def tiny_trainer(lora: LoraConfig | None = None, **overrides) -> Trainer:
+    model, _ = build_tiny(seed=0)
+    cfg = TrainerConfig(lr=overrides.pop("lr", 3e-3), **overrides)
+    return Trainer(prepare_policy(model, lora), cfg, MODEL, lora=lora is not None)
+
+
+def test_rewarded_completion_becomes_more_likely_after_a_few_steps():
+    trainer = tiny_trainer()
+    rewarded_before = completion_logprob(trainer.policy, "xxxx")
+    unrewarded_before = completion_logprob(trainer.policy, "baba")
+    for step in range(6):
+        metrics = trainer.step(x_groups(trainer.policy, step=step))
+        assert metrics["train/skipped"] == 0.0
+    rewarded_gain = completion_logprob(trainer.policy, "xxxx") - rewarded_before
+    unrewarded_gain = completion_logprob(trainer.policy, "baba") - unrewarded_before
+    # "xxxx" was never sampled: the policy learned that 'x' bytes pay, not one string.
+    assert rewarded_gain > 2.0
+    assert rewarded_gain > unrewarded_gain + 2.0
+    assert trainer.step_count == 6
+
+
+def test_lora_training_moves_only_the_adapters_and_learns():
+    trainer = tiny_trainer(LoraConfig(r=4, alpha=8), lr=2e-2)
+    before = weights(trainer.policy)
+    logprob_before = completion_logprob(trainer.policy, "xxxx")
+    for step in range(6):
+        trainer.step(x_groups(trainer.policy, step=step))
+    moved = changed(before, trainer.policy)
+    assert moved and all("lora_" in name for name in moved)
+    assert completion_logprob(trainer.policy, "xxxx") > logprob_before + 1.0
+
+
+def test_metrics_report_rewards_merge_ratio_and_tokens():
+    trainer = tiny_trainer()
+    # Two-call episodes: the second call's prompt extends the first call, so linear merging halves the work.
+    group = [
+        make_episode(trainer.policy, f"e{i}", ["ab", text], reward=float(i), task_id="multi", group_size=2)
+        for i, text in enumerate(["xy", "yz"])
+    ]
+    metrics = trainer.step([group])
+    assert metrics["reward/mean"] == pytest.approx(0.5)
+    assert metrics["reward/std"] == pytest.approx(0.5)
+    assert metrics["reward/bytes/mean"] == pytest.approx(0.5)
+    assert 1.4 < metrics["merge/ratio"] < 2.0  # the first call's tokens are not trained twice
+    assert metrics["train/samples"] == 2.0  # one merged sample per episode
+    assert metrics["train/trained_tokens"] == 2 * (3 + 3)  # two replies of 2 bytes + EOS each
+    assert metrics["train/clip_frac"] == 0.0  # on-policy: every ratio is 1
+    assert metrics["train/entropy"] > 0.0
+    assert metrics["train/grad_norm"] > 0.0
+    for name in ("train/loss", "train/kl", "train/tokens", "train/step_time_s"):
+        assert math.isfinite(metrics[name])
+
+
+def test_groups_with_equal_rewards_leave_the_weights_alone_but_count_as_a_step():
+    trainer = tiny_trainer()
+    before = weights(trainer.policy)
+    groups = [[make_episode(trainer.policy, f"e{i}", [t], reward=1.0) for i, t in enumerate(CANDIDATES)]]
+    metrics = trainer.step(groups)
+    assert changed(before, trainer.policy) == set()
+    assert metrics["reward/mean"] == 1.0
+    assert metrics["train/tokens"] == 0.0  # nothing could move, so nothing was run through the model
+    assert metrics["train/skipped"] == 0.0
+    assert trainer.step_count == 1
+
+
+def test_micro_batch_budget_does_not_change_the_update():
+    results = []
+    for budget in (16, 4096):
+        trainer = tiny_trainer(micro_batch_tokens=budget, kl_coef=0.05)
+        groups = x_groups(trainer.policy)
+        metrics = trainer.step(groups)
+        results.append((weights(trainer.policy), metrics))
+    (small_w, small_m), (big_w, big_m) = results
+    for name in small_w:
+        torch.testing.assert_close(small_w[name], big_w[name], rtol=1e-5, atol=1e-6)
+    assert small_m["train/loss"] == pytest.approx(big_m["train/loss"], abs=1e-6)
+
+
+def test_episode_weighting_gives_every_episode_the_same_say():
+    # On-policy the ratio is 1, so the loss is -(weighted mean advantage over tokens). GRPO advantages
+    # of a group sum to zero, so with equal episode weights the loss is zero whatever the lengths.
+    losses = {}
+    for weighting in (False, True):
+        trainer = tiny_trainer(episode_weighting=weighting)
+        group = [
+            make_episode(trainer.policy, "long", ["xxxxxxxxxxxx"], reward=1.0, group_size=2),
+            make_episode(trainer.policy, "short", ["b"], reward=0.0, group_size=2),
+        ]
+        losses[weighting] = trainer.step([group])["train/loss"]
+    assert losses[True] == pytest.approx(0.0, abs=1e-6)
+    # Token weighting: 13 tokens at advantage +1 against 2 tokens at -1.
+    assert losses[False] == pytest.approx(-(13 - 2) / 15, abs=1e-4)
+
+
+def test_kl_to_the_reference_starts_at_zero_and_grows_as_the_policy_moves():
+    for lora in (None, LoraConfig(r=4, alpha=8)):
+        trainer = tiny_trainer(lora, lr=2e-2, kl_coef=0.1)
+        first = trainer.step(x_groups(trainer.policy, step=0))
+        assert first["train/kl"] == pytest.approx(0.0, abs=1e-7)
+        for step in range(1, 4):
+            last = trainer.step(x_groups(trainer.policy, step=step))
+        assert last["train/kl"] > 1e-5, f"lora={lora is not None}"
+
+
+def test_stale_behaviour_logprobs_are_clipped():
+    trainer = tiny_trainer(clip_low=0.1, clip_high=0.1)
+    groups = x_groups(trainer.policy)
+    for group in groups:
+        for episode in group:
+            for call in episode.calls:
+                # As if an older policy had sampled these tokens far less eagerly: ratios far above 1+clip.
+                call.completion_logprobs = [lp - 1.0 for lp in call.completion_logprobs]
+    metrics = trainer.step(groups)
+    # Positive-advantage tokens sit above 1 + clip_high and pass no gradient; negative ones still do.
+    assert metrics["train/clip_frac"] == pytest.approx(0.5)
+
+
+def test_non_finite_loss_skips_the_optimizer_step(caplog: pytest.LogCaptureFixture):
+    trainer = tiny_trainer()
+    groups = x_groups(trainer.policy)
+    with torch.no_grad():
+        trainer.policy.model.norm.weight[0] = float("nan")
+    before = weights(trainer.policy)
+    with caplog.at_level(logging.WARNING, logger="core.train.trainer"):
+        metrics = trainer.step(groups)
+    assert metrics["train/skipped"] == 1.0
+    assert "optimizer step skipped" in caplog.text
+    assert trainer.optimizer.state == {}  # AdamW never stepped, so no moments were built
+    assert all(p.grad is None for p in trainer.policy.parameters())
+    assert changed(before, trainer.policy) <= {"model.norm.weight"}  # the NaN itself compares unequal
+    # Once the weights are healthy again the next step trains normally.
+    with torch.no_grad():
+        trainer.policy.model.norm.weight[0] = 1.0
+    assert trainer.step(x_groups(trainer.policy))["train/skipped"] == 0.0
+    assert trainer.step_count == 2
+
+
+def test_an_episode_without_this_models_reward_is_refused_before_anything_changes():
+    trainer = tiny_trainer()
+    groups = x_groups(trainer.policy)
+    groups[1][2].reward = {"critic": 1.0}
+    before = weights(trainer.policy)
+    with pytest.raises(ValueError, match=r"not for model 'policy'"):
+        trainer.step(groups)
+    assert changed(before, trainer.policy) == set()
+    assert trainer.step_count == 0
+
+
+def test_trainer_refuses_a_lora_flag_that_does_not_match_the_policy():
+    model, _ = build_tiny()
+    with pytest.raises(ValueError, match="PEFT"):
+        Trainer(prepare_policy(model, None), TrainerConfig(), MODEL, lora=True)
