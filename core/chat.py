@@ -41,6 +41,7 @@ class ChatRenderer:
         self.tok = tokenizer
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         self.turn_close = self._turn_close()
+        self._end_ids = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
 
     def _template(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         try:
@@ -56,6 +57,10 @@ class ChatRenderer:
             [{"role": "user", "content": "x"}, {"role": "assistant", "content": SENTINEL}], None, False
         )
         return text.split(SENTINEL, 1)[1] if SENTINEL in text else ""
+
+    def completion_text(self, ids: list[int]) -> str:
+        """A completion's text: end-of-turn and padding dropped, other special tokens (tool tags) kept."""
+        return self.tok.decode([t for t in ids if t not in self._end_ids], skip_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]

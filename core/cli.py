@@ -50,7 +50,7 @@ def serve(
     name: str = typer.Option(None, help="name clients use for the model (default: --model)"),
     host: str = typer.Option(None, help="bind address (default 127.0.0.1)"),
     port: int = typer.Option(None, help="port (default 8000; 0 picks a free one)"),
-    engine: str = typer.Option(None, help="hf | vllm | null"),
+    engine: str = typer.Option(None, help="hf | vllm | instant (the null engine, for benchmarks)"),
     train: bool = typer.Option(None, "--train/--no-train", help="run the trainer on finished groups (default: on with a config, off with --model alone)"),
     overrides: list[str] = typer.Option([], "--set", help="dotted.key=value config overrides"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),

@@ -36,7 +36,7 @@ class ModelConfig(Strict):
 
 
 class EngineConfig(Strict):
-    kind: Literal["hf", "vllm", "null"] = "hf"
+    kind: Literal["hf", "vllm", "instant"] = "hf"
     max_batch: int = Field(32, ge=1)  # most sequences decoded together in one forward pass
     batch_window_ms: float = Field(2.0, ge=0)  # how long the first request of a batch waits for company
     default_max_tokens: int = Field(256, ge=1)  # for requests that do not say

@@ -154,7 +154,7 @@ class _Gateway:
         ]
 
     def text_of(self, policy: Policy, gen: Generation) -> str:
-        text = policy.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        text = policy.renderer.completion_text(gen.token_ids)
         if gen.stop_string and gen.stop_string in text:
             text = text[: text.index(gen.stop_string)]
         return text

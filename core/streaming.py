@@ -49,7 +49,7 @@ async def stream_chat(gw, policy, body: ChatRequest, messages, rendered, params,
                 tokens[i].append(item)
                 if tools_offered:
                     continue
-                text = policy.tokenizer.decode(tokens[i], skip_special_tokens=True)
+                text = policy.renderer.completion_text(tokens[i])
                 safe = text[: len(text) - hold] if hold else text
                 if safe.endswith("\ufffd"):
                     continue  # half a UTF-8 character: wait for the rest

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from core.config import ConfigError, flatten
-from researcher.brief import BriefError, load_brief
+from researcher.brief import BriefError
 from researcher.budget import Spent
 from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table
 from researcher.launcher import stop_all
@@ -32,9 +32,8 @@ from researcher.planner import PlannerError, choose_planner
 from researcher.records import Decision
 from researcher.report import best_result, write_report
 from researcher.review import ReviewError
-from researcher.runner import Outcome, open_board, read_state, run_study, study_brief
-from researcher.store import (StudyError, StudyMeta, StudyPaths, create_study, experiment_name, list_studies,
-                              load_meta, owner_pid, resolve_tracking_uri, study_paths)
+from researcher.runner import Outcome, new_study, open_board, read_state, run_study, study_brief
+from researcher.store import StudyError, StudyMeta, StudyPaths, list_studies, load_meta, owner_pid, study_paths
 
 # How long `stop` waits for the study process to release its lock after SIGTERM.
 _STOP_WAIT_S = 30.0
@@ -88,7 +87,7 @@ def _drive(paths: StudyPaths, wait: bool) -> None:
         raise _fail(f"{e}\nThe study is saved; fix the cause and run `researcher study resume {name}`.") from None
     printer.close()
     if outcome.done:
-        console.print(f"study {name} is done ({outcome.stop_reason}). Report: [bold]{outcome.report}[/bold]")
+        console.print(f"study {name} is done. Report: [bold]{outcome.report}[/bold]")
     else:
         console.print(f"study {name} waits for review of {', '.join(outcome.waiting)}; approve or veto, and it "
                       "resumes.")
@@ -114,16 +113,10 @@ def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The resear
           llm_model: Optional[str] = typer.Option(None, help="Model name for the llm planner (or OPENAI_MODEL)."),
           wait: bool = typer.Option(True, help="Wait for reviews; --no-wait returns when a review is needed.")) -> None:
     """Start a study from a brief."""
-    workdir = Path.cwd()
     try:
-        parsed = load_brief(brief, workdir)
         study = name or brief.stem
-        paths = _paths(ctx, study)
         spec = choose_planner(planner, llm_base_url, llm_model)
-        meta = StudyMeta(name=study, brief_source=str(brief), workdir=str(workdir),
-                         tracking_uri=resolve_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI"), workdir),
-                         experiment=experiment_name(study), planner=spec, created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        create_study(paths, brief.read_text(), meta)
+        paths, meta, parsed = new_study(ctx.obj, brief, study, spec, Path.cwd(), os.environ.get("MLFLOW_TRACKING_URI"))
     except KNOWN_ERRORS as e:
         raise _fail(str(e)) from None
     console.print(f"study [bold]{study}[/bold]: {parsed.title or brief.name}; planner {spec.kind}"

@@ -51,7 +51,8 @@ class Proposal(ProposalDraft):
 
     def diff_text(self, base: dict[str, str]) -> str:
         """`key: old -> new` lines against the flattened base config."""
-        rows = [f"{k}: {base.get(k, '(unset)')} -> {v}" for k, v in sorted(self.overrides.items())]
+        rows = [f"{k}: {base.get(k, '(unset)')} -> {v}" for k, v in sorted(self.overrides.items())
+                if base.get(k) != str(v)]
         if self.code_change:
             rows.append(f"code: {self.code_change}")
         return "\n".join(rows) or "(no change: baseline)"

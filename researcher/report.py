@@ -12,17 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from mlflow.tracking import MlflowClient
 
-matplotlib.use("Agg")  # files only; never a display
-import matplotlib.pyplot as plt  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
-
-from researcher import analysis  # noqa: E402
-from researcher.brief import Brief  # noqa: E402
-from researcher.budget import Spent  # noqa: E402
-from researcher.records import Decision, ExperimentResult, Launch, Proposal  # noqa: E402
-from researcher.store import StudyPaths  # noqa: E402
+from researcher import analysis
+from researcher.brief import Brief
+from researcher.budget import Spent
+from researcher.records import Decision, ExperimentResult, Launch, Proposal
+from researcher.store import StudyPaths
 
 # Figure size in inches: readable in a Markdown preview at its default width.
 _FIG = (7.0, 4.0)
@@ -32,16 +28,42 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
 
 
+def _steps(p: Proposal) -> int:
+    return int(p.overrides.get("trainer.steps", 0))
+
+
 def best_result(state: dict[str, Any], brief: Brief) -> tuple[Proposal, ExperimentResult] | None:
+    """The best scored experiment among the longest-trained ones.
+
+    A score after more trainer steps is not comparable with one after fewer (successive halving
+    trains survivors longer), so the longest runs are judged first.
+    """
     proposals = {p["id"]: Proposal.model_validate(p) for p in state.get("proposals", [])}
+    scored = [(proposals[r.proposal_id], r) for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))
+              if r.summary is not None and r.summary.n and r.proposal_id in proposals]
+    if not scored:
+        return None
+    longest = max(_steps(p) for p, _ in scored)
     best: tuple[Proposal, ExperimentResult] | None = None
-    for raw in state.get("results", []):
-        r = ExperimentResult.model_validate(raw)
-        if r.summary is None or not r.summary.n or r.proposal_id not in proposals:
-            continue
-        if best is None or brief.objective.better(r.summary.mean, best[1].summary.mean):  # type: ignore[union-attr]
-            best = (proposals[r.proposal_id], r)
+    for p, r in scored:
+        if _steps(p) == longest and (best is None or brief.objective.better(r.summary.mean, best[1].summary.mean)):  # type: ignore[union-attr]
+            best = (p, r)
     return best
+
+
+def _ranking(proposals: list[Proposal], results: dict[str, ExperimentResult], brief: Brief) -> list[str]:
+    """Scores grouped by training length, best first: the comparisons that are fair."""
+    lines = []
+    for steps in sorted({_steps(p) for p in proposals}):
+        group = [(p, results[p.id]) for p in proposals if _steps(p) == steps and p.id in results
+                 and results[p.id].summary and results[p.id].summary.n]  # type: ignore[union-attr]
+        group.sort(key=lambda pr: pr[1].summary.mean,  # type: ignore[union-attr]
+                   reverse=brief.objective.direction == "maximize")
+        if group:
+            shown = "; ".join(f"{p.id} `{ {k: v for k, v in p.overrides.items() if k != 'trainer.steps'} }` "
+                              f"{r.summary.fmt()}" for p, r in group)  # type: ignore[union-attr]
+            lines.append(f"- {steps or 'base'} steps: {shown}")
+    return lines
 
 
 def _curves(brief: Brief, launches: list[Launch], client: MlflowClient) -> dict[str, analysis.History]:
@@ -59,6 +81,11 @@ def _curves(brief: Brief, launches: list[Launch], client: MlflowClient) -> dict[
 
 def _plot(brief: Brief, curves: dict[str, analysis.History], results: list[ExperimentResult],
           folder: Path) -> list[Path]:
+    import matplotlib  # imported here: only reports draw, and it is slow to import
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     if curves:
@@ -87,9 +114,12 @@ def _plot(brief: Brief, curves: dict[str, analysis.History], results: list[Exper
     return out
 
 
-def _runner_up(state: dict[str, Any], brief: Brief, best_id: str) -> ExperimentResult | None:
+def _runner_up(state: dict[str, Any], brief: Brief, best: Proposal) -> ExperimentResult | None:
+    """The best other experiment trained as long as the best one."""
+    steps = {p["id"]: _steps(Proposal.model_validate(p)) for p in state.get("proposals", [])}
     others = [r for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))
-              if r.proposal_id != best_id and r.summary is not None and r.summary.n]
+              if r.proposal_id != best.id and steps.get(r.proposal_id) == _steps(best)
+              and r.summary is not None and r.summary.n]
     ranked = sorted(others, key=lambda r: r.summary.mean,  # type: ignore[union-attr]
                     reverse=brief.objective.direction == "maximize")
     return ranked[0] if ranked else None
@@ -115,12 +145,15 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
         p, r = best
         assert r.summary is not None
         lines += ["## Best so far", "", f"Proposal **{p.id}**: `{p.overrides}`, score {r.summary.fmt()}.", ""]
-        runner_up = _runner_up(state, brief, p.id)
+        runner_up = _runner_up(state, brief, p)
         if runner_up is not None:
             other, verdict = runner_up, ("clearly better (95% intervals do not overlap)"
                                          if analysis.clearly_better(r.summary, runner_up.summary, brief.objective)
                                          else "not clearly better (intervals overlap: more seeds needed)")
             lines += [f"Against the runner-up {other.proposal_id} ({other.summary.fmt()}): {verdict}.", ""]
+    ranking = _ranking(proposals, results, brief)
+    if ranking:
+        lines += ["## Ranking by training length", "", *ranking, ""]
     lines += ["## Budget", "", "| budget | used | limit |", "| --- | --- | --- |"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in spent.rows(brief)]
     notes = state.get("notes", [])

@@ -28,7 +28,10 @@ from researcher.graph import StudyContext, build_graph
 from researcher.launcher import Emit, Launcher, LaunchTarget
 from researcher.planner import make_planner
 from researcher.review import ReviewBoard
-from researcher.store import StudyLock, StudyMeta, StudyPaths, default_swarm_command, load_meta
+from researcher.planner import PlannerSpec
+from researcher.records import now_iso
+from researcher.store import (StudyLock, StudyMeta, StudyPaths, create_study, default_swarm_command, experiment_name,
+                              load_meta, resolve_tracking_uri, study_paths)
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,18 @@ class Outcome:
     report: str | None = None
     waiting: list[str] = field(default_factory=list)  # proposals awaiting a decision when it returned
     state: dict[str, Any] = field(default_factory=dict)
+
+
+def new_study(studies_dir: Path, brief_path: Path, name: str, planner: PlannerSpec, workdir: Path,
+              tracking_uri: str | None) -> tuple[StudyPaths, StudyMeta, Brief]:
+    """Validate the brief and create the study's folder; nothing runs yet."""
+    brief = load_brief(brief_path, workdir)
+    paths = study_paths(studies_dir, name)
+    meta = StudyMeta(name=name, brief_source=str(brief_path), workdir=str(workdir),
+                     tracking_uri=resolve_tracking_uri(tracking_uri, workdir), experiment=experiment_name(name),
+                     planner=planner, created_at=now_iso())
+    create_study(paths, brief_path.read_text(), meta)
+    return paths, meta, brief
 
 
 def thread_config(name: str) -> dict[str, Any]:
@@ -117,10 +132,10 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
             while True:
                 if snap.interrupts and not fresh:
                     pending = [pid for i in snap.interrupts for pid in (i.value or {}).get("pending", [])]
-                    if not wait_for_review:
-                        return Outcome(done=False, waiting=pending, state=dict(snap.values))
-                    emit("review.waiting", ids=pending, poll_s=ctx.brief.review.poll_s)
-                    answer = _wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop)
+                    answer = [d.model_dump() for d in ctx.board.collect(pending)] or None
+                    if answer is None and wait_for_review:
+                        emit("review.waiting", ids=pending, poll_s=ctx.brief.review.poll_s)
+                        answer = _wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop)
                     if answer is None:
                         return Outcome(done=False, waiting=pending, state=dict(snap.values))
                     command = Command(resume=answer)

@@ -2,7 +2,7 @@
 
 An engine knows nothing of chat, episodes or HTTP. It generates from prompt ids, reports the weight
 version that generated, and can be paused and drained so that a trainer may change its weights.
-Implementations: `hf` (transformers, CPU default, dynamic batching), `null` (answers instantly, for
+Implementations: `hf` (transformers, CPU default, dynamic batching), `instant` (the null engine, for
 gateway benchmarks), `vllm` (GPU, optional extra).
 """
 
@@ -57,7 +57,7 @@ def make_engine(kind: str, model, tokenizer, cfg, max_context: int) -> Engine:
         from core.engine.hf import HFEngine
 
         return HFEngine(model, tokenizer, cfg, max_context)
-    if kind == "null":
+    if kind == "instant":
         from core.engine.null import NullEngine
 
         return NullEngine(tokenizer, max_context)

@@ -15,7 +15,7 @@ import torch
 from core.config import LoraConfig, TrainerConfig
 from core.models import build_tiny, byte_tokenizer
 from core.records import Call, Episode
-from core.train.trainer import Trainer, prepare_policy
+from core.train.trainer import Trainer, prepare_policy, seed_everything
 
 MODEL = "policy"
 PROMPT = "<|im_start|>user\nwrite\n<|im_end|>\n<|im_start|>assistant\n"
@@ -98,6 +98,7 @@ def changed(before: dict[str, torch.Tensor], model: torch.nn.Module) -> set[str]
 
 
 def tiny_trainer(lora: LoraConfig | None = None, **overrides) -> Trainer:
+    seed_everything(0)  # LoRA's initial adapter weights come from the global RNG
     model, _ = build_tiny(seed=0)
     cfg = TrainerConfig(lr=overrides.pop("lr", 3e-3), **overrides)
     return Trainer(prepare_policy(model, lora), cfg, MODEL, lora=lora is not None)
@@ -121,12 +122,15 @@ def test_rewarded_completion_becomes_more_likely_after_a_few_steps():
 def test_lora_training_moves_only_the_adapters_and_learns():
     trainer = tiny_trainer(LoraConfig(r=4, alpha=8), lr=2e-2)
     before = weights(trainer.policy)
-    logprob_before = completion_logprob(trainer.policy, "xxxx")
+    rewarded_before = completion_logprob(trainer.policy, "xxxx")
+    unrewarded_before = completion_logprob(trainer.policy, "baba")
     for step in range(6):
         trainer.step(x_groups(trainer.policy, step=step))
     moved = changed(before, trainer.policy)
     assert moved and all("lora_" in name for name in moved)
-    assert completion_logprob(trainer.policy, "xxxx") > logprob_before + 1.0
+    rewarded_gain = completion_logprob(trainer.policy, "xxxx") - rewarded_before
+    unrewarded_gain = completion_logprob(trainer.policy, "baba") - unrewarded_before
+    assert rewarded_gain > unrewarded_gain + 1.0
 
 
 def test_metrics_report_rewards_merge_ratio_and_tokens():
@@ -170,9 +174,13 @@ def test_micro_batch_budget_does_not_change_the_update():
         metrics = trainer.step(groups)
         results.append((weights(trainer.policy), metrics))
     (small_w, small_m), (big_w, big_m) = results
-    for name in small_w:
-        torch.testing.assert_close(small_w[name], big_w[name], rtol=1e-5, atol=1e-6)
     assert small_m["train/loss"] == pytest.approx(big_m["train/loss"], abs=1e-6)
+    # The pre-clip norm is read off the accumulated gradient: the same gradient, however packed.
+    assert small_m["train/grad_norm"] == pytest.approx(big_m["train/grad_norm"], rel=1e-5)
+    # Adam's first step is ~lr * sign(grad), so float noise on near-zero gradients may flip an
+    # element's sign; anything beyond that noise (an lr-sized 3e-3) would be a real difference.
+    for name in small_w:
+        torch.testing.assert_close(small_w[name], big_w[name], rtol=0, atol=1e-5)
 
 
 def test_episode_weighting_gives_every_episode_the_same_say():

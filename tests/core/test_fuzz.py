@@ -1,0 +1,72 @@
+"""Bad input, generated: no request a client can send yields a 5xx or kills the server.
+
+Schemathesis derives requests from the app's own OpenAPI schema (valid and invalid ones); hypothesis
+throws arbitrary JSON at the chat route. The null engine answers instantly, so the fuzzing time is
+spent on validation, rendering, recording and the swarm routes rather than on sampling.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from starlette.testclient import TestClient
+
+from core.config import load_config
+from core.models import build_tiny
+from core.server import Server
+from tests.support import tiny_policy
+
+
+def _app():
+    model, tok = build_tiny()
+    cfg = load_config(overrides=["engine.kind=instant", "engine.default_max_tokens=8"])
+    return Server(cfg, policies={"policy": tiny_policy(model, tok, engine="instant")}).app()
+
+
+APP = _app()
+schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_generated_request_gets_a_server_error(case):
+    response = case.call()
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert "error" in response.json()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=20,
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool", "system", "developer", "bogus"])},
+        optional={"content": json_values, "tool_calls": json_values, "tool_call_id": json_values},
+    ),
+    max_size=4,
+)
+chat_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from(["policy", "other", ""]), "messages": messages},
+    optional={"max_tokens": json_values, "temperature": json_values, "tools": json_values, "n": json_values,
+              "stop": json_values, "stream": st.booleans(), "seed": json_values, "top_p": json_values},
+)
+
+
+@pytest.mark.slow
+@given(body=chat_bodies | json_values)
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+def test_arbitrary_json_on_the_chat_route_never_breaks_the_server(body):
+    with TestClient(APP) as client:
+        r = client.post("/v1/chat/completions", content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code < 500, r.text
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) >= {"message", "type", "code"}
+        assert client.get("/v1/models").status_code == 200

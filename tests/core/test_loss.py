@@ -1,0 +1,90 @@
+"""The PPO-clip + k3 loss on hand-made per-token tensors, where every value can be worked out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.train.loss import policy_loss
+
+
+def tensors(logp, old, adv, mask, weights=None):
+    as_t = lambda xs: torch.tensor([xs], dtype=torch.float32)  # noqa: E731
+    new = as_t(logp).requires_grad_(True)
+    return (
+        new,
+        as_t(old),
+        as_t(adv),
+        torch.tensor([mask]),
+        as_t(weights if weights is not None else [1.0] * len(logp)),
+    )
+
+
+def loss_of(logp, old, adv, mask, weights=None, normalizer=None, **kw):
+    new, old_t, adv_t, mask_t, w = tensors(logp, old, adv, mask, weights)
+    kw.setdefault("clip_low", 0.2)
+    kw.setdefault("clip_high", 0.2)
+    terms = policy_loss(new, old_t, adv_t, mask_t, w, normalizer=normalizer or float(sum(mask)), **kw)
+    terms.loss.backward()
+    return terms, new.grad[0].tolist()
+
+
+def test_on_policy_loss_is_minus_the_weighted_mean_advantage_and_gradient_is_the_advantage():
+    terms, grad = loss_of([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0], [2.0, -1.0, 5.0], [True, True, False], [1.0, 3.0, 1.0], normalizer=4.0)
+    assert terms.loss.item() == pytest.approx(-(2.0 * 1 + (-1.0) * 3) / 4)
+    # d/dlogp of -w*A*exp(logp - old) at ratio 1 is -w*A/normalizer; the masked-out token gets nothing.
+    assert grad == pytest.approx([-2.0 / 4, 3.0 / 4, 0.0])
+    assert terms.tokens == 2 and terms.clipped == 0 and terms.kl_sum == 0.0
+
+
+def test_ratios_beyond_the_bound_in_the_advantages_direction_pass_no_gradient():
+    up = math.log(1.5)  # ratio 1.5, past 1 + 0.2
+    terms, grad = loss_of([up, up, -up, -up], [0.0] * 4, [1.0, -1.0, 1.0, -1.0], [True] * 4)
+    # Positive advantage above the bound and negative advantage below it are clipped; the others are not.
+    assert grad[0] == 0.0 and grad[3] == 0.0
+    assert grad[1] == pytest.approx(1.5 / 4) and grad[2] == pytest.approx(-(1 / 1.5) / 4)
+    assert terms.clipped == 2
+
+
+def test_asymmetric_bounds_let_positive_advantages_climb_further():
+    up = math.log(1.25)
+    _, tight = loss_of([up], [0.0], [1.0], [True], clip_low=0.2, clip_high=0.2)
+    _, loose = loss_of([up], [0.0], [1.0], [True], clip_low=0.2, clip_high=0.28)
+    assert tight == [0.0]
+    assert loose == pytest.approx([-1.25])
+
+
+def test_k3_is_zero_at_the_reference_and_positive_away_from_it():
+    base = dict(old=[-1.0, -1.0], adv=[0.0, 0.0], mask=[True, True], kl_coef=0.5)
+    at_ref, _ = loss_of([-1.0, -1.0], ref_logp=torch.tensor([[-1.0, -1.0]]), **base)
+    assert at_ref.kl_sum == 0.0 and at_ref.loss.item() == 0.0
+    away, grad = loss_of([-1.0, -1.0], ref_logp=torch.tensor([[-2.0, -0.5]]), **base)
+    d = [-1.0, 0.5]  # ref - new
+    expected = [math.exp(x) - x - 1 for x in d]
+    assert away.kl_sum == pytest.approx(sum(expected))
+    assert away.loss.item() == pytest.approx(0.5 * sum(expected) / 2)
+    # d k3 / d logp = 1 - exp(ref - new): the penalty pulls the policy toward the reference.
+    assert grad == pytest.approx([0.5 * (1 - math.exp(x)) / 2 for x in d])
+
+
+def test_garbage_on_padding_does_not_leak_into_the_loss():
+    terms, grad = loss_of([-1.0, float("nan")], [-1.0, float("inf")], [1.0, float("nan")], [True, False])
+    assert math.isfinite(terms.loss.item())
+    assert grad[0] == pytest.approx(-1.0) and grad[1] == 0.0
+
+
+def test_a_far_off_policy_token_stays_finite():
+    terms, grad = loss_of([0.0], [-500.0], [-1.0], [True])
+    assert math.isfinite(terms.loss.item()) and all(math.isfinite(g) for g in grad)
+
+
+def test_bad_arguments_are_refused_with_a_reason():
+    new, old, adv, mask, w = tensors([-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0], [True, True])
+    with pytest.raises(ValueError, match="one shape"):
+        policy_loss(new, old[:, :1], adv, mask, w, clip_low=0.2, clip_high=0.2, normalizer=2.0)
+    with pytest.raises(ValueError, match="normalizer must be positive"):
+        policy_loss(new, old, adv, mask, w, clip_low=0.2, clip_high=0.2, normalizer=0.0)
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(new, old, adv, mask, w, clip_low=0.2, clip_high=0.2, normalizer=2.0, kl_coef=0.1)

@@ -1,0 +1,120 @@
+"""Helpers for the researcher's integration tests: real CLI processes, real MLflow, real studies.
+
+Studies run with the repository as their folder (so `configs/tiny.yaml` and `sandboxes/` resolve
+as in `make demo`), while their state and MLflow store live in the test's temporary folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import ViewType
+from mlflow.tracking import MlflowClient
+
+from researcher.runner import read_state
+from researcher.store import study_paths
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+SWARM = BIN / "swarm"
+
+# A study brief that runs the real `swarm run` on the tiny config, kept as short as it can be.
+TINY_BRIEF = """---
+title: {title}
+objective: {{metric: reward/mean, direction: maximize}}
+budget: {{max_runs: 8, max_rounds: {rounds}}}
+run:
+  base_config: configs/tiny.yaml
+  overrides: {{trainer.steps: 4, trainer.batch_groups: 2}}
+search_space:
+  trainer.lr: {{kind: choice, values: [0.0, 0.01]}}
+seeds: {seeds}
+approval: {{config_only: {approval}}}
+planner: {{seed: 0, heuristic: {{arms: 2, eta: 2, min_steps: 2}}}}
+launch: {{concurrency: 2}}
+monitor: {{poll_s: 0.5, collapse_drop: null}}
+review: {{poll_s: 0.5}}
+---
+Integration test study.
+"""
+
+
+@functools.cache
+def swarm_ready() -> bool:
+    """Whether the core's `swarm run` can run here (it is built in parallel with the researcher)."""
+    if not SWARM.exists() or not (ROOT / "configs" / "tiny.yaml").is_file():
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import core.run"], cwd=ROOT, capture_output=True)
+    return probe.returncode == 0
+
+
+def require_swarm() -> None:
+    """Skip the calling test while the core's `swarm run` cannot run here (checked once per session)."""
+    import pytest
+
+    if not swarm_ready():
+        pytest.skip("the core's `swarm run` is not available yet")
+
+
+def write_brief(folder: Path, name: str = "brief", *, approval: str = "auto", rounds: int = 2,
+                seeds: str = "[0]", title: str = "tiny test") -> Path:
+    path = folder / f"{name}.md"
+    path.write_text(TINY_BRIEF.format(approval=approval, rounds=rounds, seeds=seeds, title=title))
+    return path
+
+
+@dataclass
+class Project:
+    """A test's studies folder and MLflow store, with the repository as the working folder."""
+
+    tmp: Path
+
+    @property
+    def studies(self) -> Path:
+        return self.tmp / "studies"
+
+    @property
+    def tracking_uri(self) -> str:
+        return f"sqlite:///{self.tmp / 'mlflow.db'}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200", **extra}
+
+    def cli(self, *args: str, timeout: float = 600, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+        argv = [str(BIN / "researcher"), "study", "--studies-dir", str(self.studies), *args]
+        done = subprocess.run(argv, cwd=ROOT, env=self.env(**env), capture_output=True, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+        return done
+
+    def state(self, name: str) -> tuple[dict[str, Any], tuple[str, ...], list[str]]:
+        return read_state(study_paths(self.studies, name), name)
+
+    def wait_done(self, name: str, timeout: float = 600) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            values, nxt, _ = self.state(name)
+            if values and not nxt:
+                return values
+            time.sleep(1)
+        raise AssertionError(f"study {name} did not finish in {timeout} s")
+
+    def runs(self, study: str) -> list[Any]:
+        client = MlflowClient(self.tracking_uri)
+        exp = client.get_experiment_by_name(f"study-{study}")
+        return client.search_runs([exp.experiment_id], run_view_type=ViewType.ALL) if exp else []
+
+
+def lineage(values: dict[str, Any]) -> dict[str, Any]:
+    """What must be identical between an interrupted and an uninterrupted study."""
+    return {"proposals": [(p["id"], p["overrides"]) for p in values.get("proposals", [])],
+            "decisions": [(d["proposal_id"], d["verdict"], d["by"], d["source"]) for d in values.get("decisions", [])],
+            "launches": [(x["key"], x["status"]) for x in values.get("launches", [])]}

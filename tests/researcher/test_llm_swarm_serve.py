@@ -1,0 +1,65 @@
+"""The llm planner against the project's own OpenAI-compatible server (`swarm serve --model tiny`).
+
+The tiny model is random, so its output is garbage: the planner must retry cleanly, feeding the
+error back, and then fail with a clear message. No stand-in: real server, real HTTP.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from researcher.graph import _typed_values
+from researcher.planner import PlanContext, PlannerError
+from researcher.planner.llm import LlmPlanner
+from tests.researcher.harness import BIN, ROOT, require_swarm
+from tests.researcher.helpers import make_brief
+from tests.researcher.scripted_llm import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def swarm_serve(tmp_path: Path) -> Iterator[str]:
+    require_swarm()
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(BIN / "swarm"), "serve", "--model", "tiny", "--port", str(port)], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"swarm serve exited:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("swarm serve did not come up")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_garbage_from_a_real_server_ends_in_clean_retries_then_a_clear_failure(tmp_path: Path, swarm_serve: str) -> None:
+    brief = make_brief(tmp_path, "  trainer.lr:\n    kind: choice\n    values: [0.0, 0.001]",
+                       "planner:\n  llm: {max_retries: 2, max_tokens: 64}")
+    base = brief.resolve_config(tmp_path)
+    ctx = PlanContext(brief=brief, base_values=_typed_values(base.model_dump()), base_steps=8, round=1,
+                      runs_left=10, steps_left=100, tokens_left=100_000)
+    model = httpx.get(f"{swarm_serve}/models").json()["data"][0]["id"]
+    with pytest.raises(PlannerError) as err:
+        LlmPlanner(swarm_serve, model).plan(ctx)
+    message = str(err.value)
+    assert "gave no valid plan after 3 attempts" in message
+    assert all(f"attempt {i}:" in message for i in (1, 2, 3))
+    assert "endpoint error" not in message  # the server answered; the output was the problem

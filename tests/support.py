@@ -1,0 +1,72 @@
+"""Shared test helpers: starting servers in-process, and teaching the tiny model to call a tool."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from core.chat import ChatRenderer
+from core.config import load_config
+from core.engine import make_engine
+from core.models import build_tiny
+from core.server import Policy, Server
+
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"]},
+    },
+}
+TOOL_CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+ANSWER_TEXT = "The sum is 5."
+USER_PROMPTS = ["What is 2 + 3?", "Add 2 and 3.", "Please compute 2+3", "2 plus 3?", "sum of two and three"]
+
+
+def serve_policies(policies: dict[str, Policy] | None = None, **overrides) -> Server:
+    sets = [f"{k.replace('__', '.')}={json.dumps(v)}" for k, v in overrides.items()]
+    cfg = load_config(overrides=["server.port=0", "engine.default_max_tokens=16", *sets])
+    server = Server(cfg, policies=policies)
+    server.start()
+    return server
+
+
+def tiny_policy(model, tok, name: str = "policy", engine: str = "hf") -> Policy:
+    cfg = load_config()
+    return Policy(name, model, tok, ChatRenderer(tok), make_engine(engine, model, tok, cfg.engine, 2048))
+
+
+def tool_calling_tiny(steps: int = 150, seed: int = 0):
+    """Overfit the tiny model on a two-step tool conversation; returns (model, tokenizer)."""
+    model, tok = build_tiny(seed=seed)
+    examples = []
+    for i, prompt in enumerate(USER_PROMPTS):
+        tools = [ADD_TOOL] if i % 2 == 0 else [{"type": "function", "function": {**ADD_TOOL["function"], "description": "adds"}}]
+        user = [{"role": "user", "content": prompt}]
+        call_msg = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}
+        after_tool = user + [call_msg, {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+        for msgs, target in ((user, TOOL_CALL_TEXT), (after_tool, ANSWER_TEXT)):
+            prompt_text = tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+            p = tok(prompt_text, add_special_tokens=False)["input_ids"]
+            t = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            examples.append((p, t))
+    opt = torch.optim.Adam(model.parameters(), lr=5e-3)
+    model.train()
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randperm(len(examples), generator=g)[:4].tolist()
+        loss = 0.0
+        for i in idx:
+            p, t = examples[i]
+            ids = torch.tensor([p + t])
+            logits = model(ids).logits[0, len(p) - 1 : -1]
+            loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(t))
+        opt.zero_grad()
+        (loss / len(idx)).backward()
+        opt.step()
+    model.eval()
+    return model, tok
