@@ -30,7 +30,7 @@ console = Console(stderr=True)
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("httpx", "urllib3", "alembic", "mlflow", "filelock"):
+    for noisy in ("httpx", "httpx2", "httpcore", "openai", "urllib3", "alembic", "mlflow", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hidden network: models come from presets or local folders
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
@@ -74,6 +75,14 @@ def find_process(marker: str) -> int | None:
     return None
 
 
+def _config_tags(config_path: str) -> dict[str, str]:
+    try:
+        data = yaml.safe_load(Path(config_path).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {str(k): str(v) for k, v in ((data.get("telemetry") or {}).get("tags") or {}).items()}
+
+
 def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
@@ -94,14 +103,17 @@ class Launcher:
 
     def argv(self, launch: Launch) -> list[str]:
         rd, t = self.run_dir(launch.key), self.target
+        # Tags go in as one `telemetry.tags` mapping rather than `--tag k=v`: the dotted tag names of
+        # the telemetry contract (swarmrl.study) would otherwise be split into nested config keys.
+        tags = {**_config_tags(launch.config_path), "swarmrl.study": t.study, "swarmrl.proposal": launch.proposal_id,
+                "swarmrl.launch": launch.key, "swarmrl.seed": str(launch.seed)}
         return [*t.command, launch.config_path,
                 "--set", f"trainer.seed={launch.seed}",
                 "--set", "server.port=0",  # concurrent runs must not fight over one port
                 "--set", f"trainer.checkpoint_dir={rd / 'checkpoints'}",
+                "--set", f"telemetry.tags={json.dumps(tags)}",
                 "--experiment", t.experiment, "--run-name", launch.key,
-                "--run-id-file", str(rd / "run_id"),
-                "--tag", f"swarmrl.study={t.study}", "--tag", f"swarmrl.proposal={launch.proposal_id}",
-                "--tag", f"swarmrl.launch={launch.key}", "--tag", f"swarmrl.seed={launch.seed}"]
+                "--run-id-file", str(rd / "run_id"), "--quiet"]
 
     def _intent(self, key: str) -> dict[str, Any] | None:
         path = self.intents / f"{key}.json"

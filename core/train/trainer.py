@@ -256,7 +256,7 @@ class Trainer:
                 f"optimizer state does not fit policy {self.model_name!r} (LoRA setting or model changed?): {e}"
             ) from e
         self.step_count = int(state["step"])
-        pass
+        _set_rng_state(state["rng"])
 
 
 def _per_sandbox_rewards(groups: list[list[Episode]], rewards: list[list[float]]) -> dict[str, float]:

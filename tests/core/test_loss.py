@@ -32,7 +32,8 @@ def loss_of(logp, old, adv, mask, weights=None, normalizer=None, **kw):
 
 
 def test_on_policy_loss_is_minus_the_weighted_mean_advantage_and_gradient_is_the_advantage():
-    terms, grad = loss_of([-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0], [2.0, -1.0, 5.0], [True, True, False], [1.0, 3.0, 1.0], normalizer=4.0)
+    logp = [-1.0, -2.0, -3.0]
+    terms, grad = loss_of(logp, logp, [2.0, -1.0, 5.0], [True, True, False], [1.0, 3.0, 1.0], normalizer=4.0)
     assert terms.loss.item() == pytest.approx(-(2.0 * 1 + (-1.0) * 3) / 4)
     # d/dlogp of -w*A*exp(logp - old) at ratio 1 is -w*A/normalizer; the masked-out token gets nothing.
     assert grad == pytest.approx([-2.0 / 4, 3.0 / 4, 0.0])

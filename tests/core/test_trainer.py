@@ -57,7 +57,12 @@ def make_call(model: torch.nn.Module, prompt_ids: list[int], completion_ids: lis
 
 
 def make_episode(
-    model: torch.nn.Module, episode_id: str, completions: list[str], reward: float, task_id: str = "t0", group_size: int = 4
+    model: torch.nn.Module,
+    episode_id: str,
+    completions: list[str],
+    reward: float,
+    task_id: str = "t0",
+    group_size: int = 4,
 ) -> Episode:
     """An episode of one call per completion; each later call continues the earlier conversation."""
     calls, context = [], encode(PROMPT)

@@ -25,7 +25,7 @@ def project(tmp_path: Path) -> Project:
 
 
 def test_auto_approved_study_runs_to_its_report(project: Project) -> None:
-    brief = write_brief(project.tmp)
+    brief = write_brief(project.tmp, rounds=3)
     done = project.cli("start", str(brief), "--name", "auto", "--planner", "heuristic")
     assert "is done" in done.stdout and "report.md" in done.stdout
     values, _, _ = project.state("auto")
