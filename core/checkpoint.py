@@ -31,8 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
-from peft.utils import load_peft_weights
 from pydantic import BaseModel, Field, ValidationError
 from safetensors.torch import load_file, save_model
 
@@ -235,8 +233,10 @@ def restore(ckpt: Checkpoint, trainers: dict[str, Trainer]) -> None:
             )
         folder = ckpt.path / "models" / name
         try:
-            state = torch.load(folder / TRAINER_STATE, weights_only=True)
+            state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
             if entry.lora:
+                from peft.utils import load_peft_weights  # peft loads only for LoRA runs
+
                 weights = load_peft_weights(str(folder / ADAPTER_DIR))
                 _check_adapter(trainer.policy, weights, name)
             else:
@@ -273,6 +273,8 @@ def _check_full_weights(policy: torch.nn.Module, weights: dict[str, torch.Tensor
 
 def _check_adapter(policy: torch.nn.Module, adapter: dict[str, torch.Tensor], name: str) -> None:
     """The saved adapter has exactly the policy's adapter tensors, with the same shapes (same r, targets)."""
+    from peft import get_peft_model_state_dict
+
     own = get_peft_model_state_dict(policy)
     if set(own) != set(adapter) or any(own[k].shape != adapter[k].shape for k in own):
         differ = sorted(set(own) ^ set(adapter)) or sorted(k for k in own if own[k].shape != adapter[k].shape)
@@ -283,6 +285,8 @@ def _check_adapter(policy: torch.nn.Module, adapter: dict[str, torch.Tensor], na
 
 
 def _load_adapter(policy: torch.nn.Module, adapter: dict[str, torch.Tensor], name: str) -> None:
+    from peft import set_peft_model_state_dict
+
     result = set_peft_model_state_dict(policy, adapter)
     if result.unexpected_keys:
         raise CheckpointError(f"adapter of {name!r} does not fit the policy: unexpected {result.unexpected_keys[:5]}")

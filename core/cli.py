@@ -91,13 +91,12 @@ def run(
         extra.append(f"telemetry.experiment={json.dumps(experiment)}")
     if run_name:
         extra.append(f"telemetry.run_name={json.dumps(run_name)}")
-    for tag in tags:
-        if "=" not in tag:
-            console.print(f"[red]--tag {tag!r} must look like key=value[/red]")
-            raise typer.Exit(2)
-        k, v = tag.split("=", 1)
-        extra.append(f"telemetry.tags.{k}={json.dumps(v)}")
+    bad = [t for t in tags if "=" not in t]
+    if bad:
+        console.print(f"[red]--tag {bad[0]!r} must look like key=value[/red]")
+        raise typer.Exit(2)
     cfg = _config(config, extra)
+    cfg.telemetry.tags.update(dict(t.split("=", 1) for t in tags))  # tag keys have dots: not overrides
     from core.run import run as run_core
 
     code = run_core(cfg, resume=resume, run_id_file=run_id_file, progress=not quiet)

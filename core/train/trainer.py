@@ -27,6 +27,7 @@ import copy
 import logging
 import math
 import random
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -35,9 +36,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
-
 from core.config import LoraConfig, TrainerConfig
 from core.records import Episode
 from core.timelines import Sample, merge_calls, merge_stats
@@ -66,6 +64,9 @@ def prepare_policy(model: torch.nn.Module, lora: LoraConfig | None) -> torch.nn.
     if lora is None:
         model.requires_grad_(True)
         return model
+    from peft import LoraConfig as PeftLoraConfig  # peft loads (~0.5 s) only for LoRA runs
+    from peft import get_peft_model
+
     peft_cfg = PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -74,6 +75,12 @@ def prepare_policy(model: torch.nn.Module, lora: LoraConfig | None) -> torch.nn.
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def _is_peft(module: torch.nn.Module) -> bool:
+    # A module can only be a PeftModel if peft was imported, so full fine-tunes never import it.
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
 
 
 def _reward(episode: Episode, model_name: str) -> float:
@@ -90,9 +97,9 @@ class Trainer:
     """Owns one policy's optimizer and reference; `step` applies one RL update to the policy in place."""
 
     def __init__(self, policy: torch.nn.Module, cfg: TrainerConfig, model_name: str, lora: bool):
-        if lora != isinstance(policy, PeftModel):
+        if lora != _is_peft(policy):
             raise ValueError(
-                f"lora={lora} but the policy is {'' if isinstance(policy, PeftModel) else 'not '}a PEFT model; "
+                f"lora={lora} but the policy is {'not ' if lora else ''}a PEFT model; "
                 "build it with prepare_policy"
             )
         params = [p for p in policy.parameters() if p.requires_grad]

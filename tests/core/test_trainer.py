@@ -188,6 +188,25 @@ def test_micro_batch_budget_does_not_change_the_update():
         torch.testing.assert_close(small_w[name], big_w[name], rtol=0, atol=1e-5)
 
 
+def test_merge_modes_train_the_same_tokens_to_the_same_gradient():
+    # Every generated token is trained once, in the same context, whether calls are kept apart,
+    # merged into lines or packed as a tree; only the work differs.
+    results = {}
+    for mode in ("none", "linear", "tree"):
+        trainer = tiny_trainer(merge=mode)
+        chain = make_episode(trainer.policy, "chain", ["ab", "xy", "c"], reward=1.0, group_size=2)
+        # A retry: the same prompt answered twice, so the episode branches after the prompt.
+        retry = make_episode(trainer.policy, "retry", ["ab"], reward=0.0, group_size=2)
+        prompt = retry.calls[0].prompt_ids
+        retry.calls.append(make_call(trainer.policy, prompt, encode("yz") + [eos_id()]))
+        results[mode] = trainer.step([[chain, retry]])
+    assert {m["train/trained_tokens"] for m in results.values()} == {14.0}
+    for mode in ("linear", "tree"):
+        assert results[mode]["train/grad_norm"] == pytest.approx(results["none"]["train/grad_norm"], rel=1e-4)
+        assert results[mode]["train/loss"] == pytest.approx(results["none"]["train/loss"], abs=1e-6)
+    assert results["tree"]["train/tokens"] < results["linear"]["train/tokens"] < results["none"]["train/tokens"]
+
+
 def test_episode_weighting_gives_every_episode_the_same_say():
     # On-policy the ratio is 1, so the loss is -(weighted mean advantage over tokens). GRPO advantages
     # of a group sum to zero, so with equal episode weights the loss is zero whatever the lengths.
@@ -260,5 +279,5 @@ def test_an_episode_without_this_models_reward_is_refused_before_anything_change
 
 def test_trainer_refuses_a_lora_flag_that_does_not_match_the_policy():
     model, _ = build_tiny()
-    with pytest.raises(ValueError, match="PEFT"):
+    with pytest.raises(ValueError, match="lora=True but the policy is not a PEFT model"):
         Trainer(prepare_policy(model, None), TrainerConfig(), MODEL, lora=True)

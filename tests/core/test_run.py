@@ -1,0 +1,97 @@
+"""Whole core runs: `swarm run` as users run it, and the RL loop learning with the tiny model."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from core import checkpoint
+from core.config import ConfigError, load_config
+from core.run import CoreRun
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiny(tmp_path: Path, *extra: str):
+    return load_config(ROOT / "configs" / "tiny.yaml", [f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", *extra])
+
+
+@pytest.mark.slow
+def test_tiny_policy_learns_the_dense_reward(tmp_path):
+    cfg = _tiny(tmp_path, "trainer.steps=16")
+    core = CoreRun(cfg)
+    rewards = []
+    core.server.start()
+    try:
+        core.start_clients()
+        core.train(on_step=lambda step, m: rewards.append(m["reward/mean"]))
+    finally:
+        core.stop_clients()
+        core.server.stop()
+    assert len(rewards) == 16
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.15, rewards
+
+
+@pytest.mark.slow
+def test_swarm_run_exits_zero_and_logs_the_metric_contract(tmp_path):
+    run_id_file = tmp_path / "run_id"
+    cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
+           "--set", "trainer.steps=3", "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
+           "--experiment", "contract", "--tag", "swarmrl.study=s1", "--run-id-file", str(run_id_file)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = MlflowClient().get_run(run_id_file.read_text())
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["swarmrl.study"] == "s1" and run.data.tags["swarmrl.kind"] == "core-run"
+    assert run.data.params["trainer.steps"] == "3"
+    for name in ("reward/mean", "reward/std", "reward/letters/mean", "train/loss", "train/kl", "train/entropy",
+                 "train/clip_frac", "train/grad_norm", "train/tokens", "train/step_time_s", "merge/ratio",
+                 "rollout/episodes_per_s", "rollout/tokens_per_s", "episodes/aborted", "episodes/expired"):
+        history = MlflowClient().get_metric_history(run.info.run_id, name)
+        assert [m.step for m in history] == [1, 2, 3], name
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_and_resume_continues_the_step_count(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
+           "--set", "trainer.steps=1000", "--set", f"trainer.checkpoint_dir={ckpt}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and "step 2 " not in (line := proc.stdout.readline()):
+        assert line or proc.poll() is None, "run ended before its second step"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    saved = checkpoint.load_latest(ckpt)
+    assert saved is not None and saved.step >= 2
+    resumed = subprocess.run([*cmd[:-4], "--set", f"trainer.steps={saved.step + 1}", "--set", f"trainer.checkpoint_dir={ckpt}",
+                              "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    assert checkpoint.load_latest(ckpt).step == saved.step + 1
+
+
+def test_unknown_config_keys_are_errors_that_name_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  steps: 3\n  learning_rate: 0.1\nclients:\n  - agent: x\n    concurency: 2\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert "trainer.learning_rate: unknown key" in str(e.value)
+    assert "clients.0.concurency: unknown key" in str(e.value)
+    done = subprocess.run([sys.executable, "-m", "core.cli", "run", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "learning_rate" in done.stderr
+
+
+def test_bad_values_are_errors_that_name_the_key():
+    with pytest.raises(ConfigError, match=r"trainer.lr: Input should be greater than or equal to 0"):
+        load_config(overrides=["trainer.lr=-1"])
+    with pytest.raises(ConfigError, match="not a valid list index"):
+        load_config(ROOT / "configs" / "tiny.yaml", ["clients.3.concurrency=2"])
