@@ -33,6 +33,7 @@ def _setup_logging(verbose: bool) -> None:
     for noisy in ("httpx", "httpx2", "httpcore", "openai", "urllib3", "alembic", "mlflow", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hidden network: models come from presets or local folders
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a down tracking server must not stall training
 
 
 def _config(path: Path | None, overrides: list[str]) -> RunConfig:
@@ -50,7 +51,7 @@ def serve(
     name: str = typer.Option(None, help="name clients use for the model (default: --model)"),
     host: str = typer.Option(None, help="bind address (default 127.0.0.1)"),
     port: int = typer.Option(None, help="port (default 8000; 0 picks a free one)"),
-    engine: str = typer.Option(None, help="hf | vllm | instant (the null engine, for benchmarks)"),
+    engine: str = typer.Option(None, help="hf | instant (the null engine, for benchmarks)"),
     train: bool = typer.Option(None, "--train/--no-train", help="run the trainer on finished groups (default: on with a config, off with --model alone)"),
     overrides: list[str] = typer.Option([], "--set", help="dotted.key=value config overrides"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),

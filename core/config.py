@@ -36,7 +36,7 @@ class ModelConfig(Strict):
 
 
 class EngineConfig(Strict):
-    kind: Literal["hf", "vllm", "instant"] = "hf"
+    kind: Literal["hf", "instant"] = "hf"  # instant: the null engine, answers at once (benchmarks)
     max_batch: int = Field(32, ge=1)  # most sequences decoded together in one forward pass
     batch_window_ms: float = Field(2.0, ge=0)  # how long the first request of a batch waits for company
     default_max_tokens: int = Field(256, ge=1)  # for requests that do not say
@@ -62,13 +62,14 @@ class TrainerConfig(Strict):
     clip_low: float = Field(0.2, ge=0)
     clip_high: float = Field(0.2, ge=0)  # > clip_low for asymmetric ("clip-higher") bounds
     kl_coef: float = Field(0.0, ge=0)  # k3 KL to the reference (the base model; adapters off with LoRA)
-    episode_weighting: bool = False  # weight each episode 1/its-sample-count so long ones do not dominate
+    episode_weighting: bool = False  # weight each episode 1/its trained tokens so long ones do not dominate
     merge: Literal["none", "linear", "tree"] = "linear"
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
     max_staleness: int = Field(1, ge=0)  # drop episodes opened more than this many versions ago
     checkpoint_every: int = Field(0, ge=0)  # 0: only on clean shutdown
     checkpoint_dir: str = "checkpoints"
+    keep_checkpoints: int | None = Field(3, ge=1)  # oldest removed first; None keeps all (SmolLM2 is ~0.5 GB each)
     seed: int = 0
 
 

@@ -80,7 +80,7 @@ class CoreRun:
     def checkpoint(self) -> str:
         path = checkpoint.save(
             self.cfg.trainer.checkpoint_dir, self.step, self.trainers, self.server.registry.buffered(),
-            self.server.versions(), self.cfg.model_dump(),
+            self.server.versions(), self.cfg.model_dump(), keep=self.cfg.trainer.keep_checkpoints,
         )
         log.info("checkpoint written to %s", path)
         return str(path)
@@ -151,8 +151,12 @@ class CoreRun:
                 policy.engine.pause_blocking()  # drain in-flight generations; new ones queue (latency, not errors)
                 try:
                     step_metrics = trainer.step(groups)
-                finally:
-                    policy.engine.resume(policy.version + 1)
+                except ValueError as e:  # a malformed episode: skip this batch for this model, keep the run
+                    log.error("step %d of %s skipped: %s", self.step + 1, name, e)
+                    policy.engine.resume()
+                    metrics[f"{name}/train/failed"] = 1.0
+                    continue
+                policy.engine.resume(policy.version + 1)
                 policy.step += 1
                 prefix = "" if len(self.trainers) == 1 else f"{name}/"
                 metrics.update({prefix + k: v for k, v in step_metrics.items()})

@@ -2,8 +2,8 @@
 
 An engine knows nothing of chat, episodes or HTTP. It generates from prompt ids, reports the weight
 version that generated, and can be paused and drained so that a trainer may change its weights.
-Implementations: `hf` (transformers, CPU default, dynamic batching), `instant` (the null engine, for
-gateway benchmarks), `vllm` (GPU, optional extra).
+Implementations: `hf` (transformers, CPU default, dynamic batching) and `instant` (the null engine,
+for gateway benchmarks). A vLLM engine (the `gpu` extra) is planned behind the same protocol.
 """
 
 from __future__ import annotations
@@ -61,8 +61,4 @@ def make_engine(kind: str, model, tokenizer, cfg, max_context: int) -> Engine:
         from core.engine.null import NullEngine
 
         return NullEngine(tokenizer, max_context)
-    if kind == "vllm":
-        from core.engine.vllm import VLLMEngine
-
-        return VLLMEngine(model, tokenizer, cfg, max_context)
     raise ValueError(f"unknown engine kind {kind!r}")

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # Bad output echoed back on a retry is cut to this many characters: enough to see the mistake,
 # not enough to blow the context of a small model.
-_ECHO_CHARS = 1500
+_ECHO_CHARS = 500
 # Without a `usage` field from the server, tokens are estimated at this many characters each.
 _CHARS_PER_TOKEN = 4
 # A planning call that takes longer than this is treated as a failed attempt.
@@ -47,14 +47,20 @@ class LlmPlan(BaseModel):
     stop_reason: str = ""
 
 
+# The reply format as a compact example rather than a JSON schema dump: small models follow an
+# example better, and the prompt must fit small contexts (the project's own `tiny` model: 2048).
+FORMAT = ('{"proposals": [{"hypothesis": "...", "rationale": "...", "overrides": {"search.key": value}, '
+          '"expected_effect": "...", "priority": 1, "needs_code_change": false, "code_change": null}], '
+          '"stop": false, "stop_reason": ""}')
+
 SYSTEM = """You plan experiments for a reinforcement-learning research study.
-Reply with ONE JSON object and nothing else, matching this JSON schema:
-{schema}
+Reply with ONE JSON object and nothing else, shaped like:
+{format}
 Rules:
 - `overrides` keys must be search-space keys; values must lie inside their range or choices.
 - A code change sets needs_code_change=true and code_change="AREA: what to change", AREA being a
   code area of the search space. Code changes always wait for a human.
-- Never repeat a configuration that a reviewer vetoed; learn from the veto reasons.
+- priority: 1 (run first) to 10. Never repeat a configuration a reviewer vetoed; learn from the reasons.
 - At most {n} proposals. Set "stop": true when nothing more is worth the budget."""
 
 
@@ -86,8 +92,7 @@ def _describe_history(ctx: PlanContext) -> str:
 
 def build_messages(ctx: PlanContext) -> list[dict[str, str]]:
     brief = ctx.brief
-    system = SYSTEM.format(schema=json.dumps(LlmPlan.model_json_schema()),
-                           n=brief.planner.llm.proposals_per_round)
+    system = SYSTEM.format(format=FORMAT, n=brief.planner.llm.proposals_per_round)
     user = (f"# Brief\n{brief.title}\n{brief.body}\n\n"
             f"# Objective\n{brief.objective.direction} {brief.objective.metric}\n\n"
             f"# Search space\n{_describe_space(ctx)}\n\n"

@@ -63,3 +63,4 @@ def test_garbage_from_a_real_server_ends_in_clean_retries_then_a_clear_failure(t
     assert "gave no valid plan after 3 attempts" in message
     assert all(f"attempt {i}:" in message for i in (1, 2, 3))
     assert "endpoint error" not in message  # the server answered; the output was the problem
+    assert "tokens spent" in message and "(0 tokens spent)" not in message
