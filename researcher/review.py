@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
@@ -48,10 +49,16 @@ def _note(p: Proposal, diff: str) -> str:
 class ReviewBoard:
     """Proposals and decisions of one study, on its MLflow experiment."""
 
-    def __init__(self, client: MlflowClient, experiment: str, study: str) -> None:
+    def __init__(self, client: MlflowClient, experiment: str, study: str, artifacts: Path | None = None) -> None:
+        """`artifacts`: where a new experiment keeps its artifacts (a local store's default is ./mlruns
+        of whichever folder a run starts in; a study keeps its own with it)."""
         self.client, self.study = client, study
         found = client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+        if found is None:
+            location = artifacts.resolve().as_uri() if artifacts is not None else None
+            self.experiment_id = client.create_experiment(experiment, artifact_location=location)
+        else:
+            self.experiment_id = found.experiment_id
 
     def _runs(self, extra: str = "") -> list:
         query = f"tags.`swarmrl.study` = '{self.study}' AND tags.`swarmrl.kind` = 'proposal'" + extra

@@ -69,6 +69,11 @@ def study_brief(paths: StudyPaths, meta: StudyMeta) -> Brief:
     return load_brief(paths.brief, Path(meta.workdir))
 
 
+def _artifacts(paths: StudyPaths, meta: StudyMeta) -> Path | None:
+    """The study's own artifact folder when the store is local; a server keeps its own default."""
+    return None if meta.tracking_uri.startswith(("http://", "https://", "databricks")) else paths.state / "artifacts"
+
+
 def open_board(meta: StudyMeta) -> ReviewBoard:
     return ReviewBoard(MlflowClient(meta.tracking_uri), meta.experiment, meta.name)
 
@@ -79,7 +84,7 @@ def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit) -> StudyContex
     target = LaunchTarget(command=brief.launch.command or default_swarm_command(), workdir=Path(meta.workdir),
                           tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name)
     return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
-                        board=ReviewBoard(client, meta.experiment, meta.name),
+                        board=ReviewBoard(client, meta.experiment, meta.name, _artifacts(paths, meta)),
                         launcher=Launcher(target, paths.state, brief.launch.grace_s, emit),
                         planner=make_planner(meta.planner), emit=emit)
 

@@ -47,5 +47,6 @@ def reward(task, text: str) -> float:
 
 
 async def rollout(task, llm) -> float:
-    reply = await llm.chat.completions.create(model=MODEL, messages=messages(task), max_tokens=MAX_TOKENS, temperature=1.0)
+    # No temperature here: the server's engine.default_temperature applies, so studies can vary it.
+    reply = await llm.chat.completions.create(model=MODEL, messages=messages(task), max_tokens=MAX_TOKENS)
     return reward(task, reply.choices[0].message.content or "")

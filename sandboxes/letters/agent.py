@@ -25,6 +25,6 @@ def reward(text: str) -> float:
 
 async def rollout(task, llm) -> float:
     reply = await llm.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": task["prompt"]}], max_tokens=MAX_TOKENS, temperature=1.0
+        model=MODEL, messages=[{"role": "user", "content": task["prompt"]}], max_tokens=MAX_TOKENS
     )
     return reward(reply.choices[0].message.content or "")

@@ -6,6 +6,7 @@ error back, and then fail with a clear message. No stand-in: real server, real H
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 from researcher.graph import _typed_values
 from researcher.planner import PlanContext, PlannerError
 from researcher.planner.llm import LlmPlanner
-from tests.researcher.harness import BIN, ROOT, require_swarm
+from tests.researcher.harness import BIN, require_swarm
 from tests.researcher.helpers import make_brief
 from tests.researcher.scripted_llm import free_port
 
@@ -30,8 +31,9 @@ def swarm_serve(tmp_path: Path) -> Iterator[str]:
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(BIN / "swarm"), "serve", "--model", "tiny", "--port", str(port)], cwd=ROOT,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([str(BIN / "swarm"), "serve", "--model", "tiny", "--port", str(port)], cwd=tmp_path,
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
     url = f"http://127.0.0.1:{port}/v1"
     try:
         deadline = time.monotonic() + 180
