@@ -100,8 +100,9 @@ class SwarmClient:
         return Episode(self, opened)
 
     def aepisode(self, task_id: str, sandbox: str = "default", group_size: int | None = None,
-                 kind: str = "train", lease_s: float | None = None) -> AsyncEpisode:
-        return AsyncEpisode(self, self.open_body(task_id, sandbox, group_size, kind, lease_s))
+                 kind: str = "train", lease_s: float | None = None, cancel: asyncio.Event | None = None) -> AsyncEpisode:
+        """`cancel`: stop waiting for the episode to open once set (a draining client opens nothing new)."""
+        return AsyncEpisode(self, self.open_body(task_id, sandbox, group_size, kind, lease_s), cancel)
 
     def status(self) -> dict:
         return self.call("GET", "/status")
@@ -176,10 +177,11 @@ class Episode(_EpisodeBase):
 class AsyncEpisode(_EpisodeBase):
     """The asyncio twin: `async with client.aepisode(...) as ep:`; `ep.openai` is an `AsyncOpenAI`."""
 
-    def __init__(self, client: SwarmClient, body: dict):
-        self.client, self._body = client, body
+    def __init__(self, client: SwarmClient, body: dict, cancel: asyncio.Event | None = None):
+        self.client, self._body, self._cancel = client, body, cancel
         self._http = httpx.AsyncClient(timeout=30.0)
         self._beat: asyncio.Task | None = None
+        self.openai: openai.AsyncOpenAI | None = None
 
     async def call(self, path: str, json: dict | None = None) -> dict:
         start, attempt = time.monotonic(), 0
@@ -193,11 +195,17 @@ class AsyncEpisode(_EpisodeBase):
                 delay = _retry_delay(attempt, None)
             if time.monotonic() - start + delay > self.client.deadline_s:
                 raise SwarmError(503, f"gave up on {path} after {self.client.deadline_s:.0f}s")
+            if path == "/episodes" and self._cancel is not None and self._cancel.is_set():
+                raise SwarmError(503, "the client is stopping; no new episodes")
             await asyncio.sleep(delay)
             attempt += 1
 
     async def __aenter__(self) -> AsyncEpisode:
-        opened = await self.call("/episodes", self._body)
+        try:
+            opened = await self.call("/episodes", self._body)
+        except BaseException:
+            await self._http.aclose()
+            raise
         super().__init__(self.client, opened)
         self.openai = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=OPENAI_TIMEOUT_S, max_retries=2)
         self._beat = asyncio.create_task(self._heartbeat())

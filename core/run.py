@@ -60,7 +60,7 @@ class CoreRun:
         self._clients_loop: asyncio.AbstractEventLoop | None = None
         self._client_threads: list[threading.Thread] = []
         self._client_procs: list[subprocess.Popen] = []
-        self._last = (time.time(), 0, 0)  # (time, trained episodes, completion tokens) at the last step
+        self._last = (time.time(), 0)  # (time, completion tokens served) at the previous step
 
     # -- lifecycle -------------------------------------------------------------------------------
     def resume(self) -> None:
@@ -172,8 +172,8 @@ class CoreRun:
 
     def _rollout_metrics(self, trained: int) -> dict[str, float]:
         now, tokens = time.time(), self.server.throughput.completion_tokens
-        then, _, then_tokens = self._last
-        self._last = (now, trained, tokens)
+        then, then_tokens = self._last
+        self._last = (now, tokens)
         dt = max(now - then, 1e-9)
         counters = self.server.registry.counters
         out = {

@@ -153,7 +153,7 @@ async def run_agent(
         try:
             for attempt in range(EPISODE_ATTEMPTS):
                 try:
-                    async with client.aepisode(task_id, agent.name, group_size, kind) as ep:
+                    async with client.aepisode(task_id, agent.name, group_size, kind, cancel=stop) as ep:
                         out = await agent.rollout(task, ep.openai)
                         out = out if isinstance(out, Outcome) else Outcome(float(out))
                         await ep.finish(out.reward, out.metrics or None)
@@ -163,7 +163,7 @@ async def run_agent(
                     return
                 except SwarmError as e:
                     if e.status == 503:
-                        raise  # the server is gone for good: retrying the episode cannot help
+                        return  # stopping, or the server is gone for good: retrying the episode cannot help
                     log.warning("episode of task %s failed (attempt %d): %s", task_id, attempt + 1, e)
                 except Exception as e:  # agent code crashed: the episode was aborted; try the task again
                     log.warning("agent %s crashed on task %s (attempt %d): %s: %s", agent.name, task_id, attempt + 1, type(e).__name__, e)
@@ -254,7 +254,10 @@ def swap(spec: str, url: str, *, concurrency: int) -> int:
     agent = load_agent(spec)  # fail before touching the running client if the new code does not load
     old = [int(p.read_text()) for p in _pid_dir().glob(f"{_client_stem(agent.name, url)}-*.pid") if p.read_text().isdigit()]
     cmd = [sys.executable, "-m", "core.cli", "client", spec, "--server", url, "--concurrency", str(concurrency)]
-    new = subprocess.Popen(cmd, start_new_session=True)
+    _pid_dir().mkdir(parents=True, exist_ok=True)
+    log_path = _pid_dir() / f"{_client_stem(agent.name, url)}-{int(time.time())}.log"
+    with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
+        new = subprocess.Popen(cmd, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT)
     time.sleep(1.0)
     if new.poll() is not None:
         log.error("new client exited at once (code %s); the old one keeps running", new.returncode)
@@ -264,5 +267,5 @@ def swap(spec: str, url: str, *, concurrency: int) -> int:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-    log.info("new client pid %d took over %s; %d old client(s) draining", new.pid, agent.name, len(set(old)))
+    log.info("new client pid %d took over %s (log: %s); %d old client(s) draining", new.pid, agent.name, log_path, len(set(old)))
     return 0

@@ -81,15 +81,16 @@ def _dump(items: list[Any]) -> list[dict[str, Any]]:
     return [x.model_dump() for x in items]
 
 
-def _typed_values(cfg_dump: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def typed_values(cfg_dump: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A dumped run config as `a.b.c -> value` with the values' own types (planners compare them)."""
     out: dict[str, Any] = {}
     for key, value in cfg_dump.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            out.update(_typed_values(value, name + "."))
+            out.update(typed_values(value, name + "."))
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             for i, v in enumerate(value):
-                out.update(_typed_values(v, f"{name}.{i}."))
+                out.update(typed_values(v, f"{name}.{i}."))
         else:
             out[name] = value
     return out
@@ -100,7 +101,7 @@ class StudyNodes:
         self.ctx = ctx
         base = ctx.brief.resolve_config(ctx.workdir)
         self.base_flat = flatten(base)
-        self.base_values = _typed_values(base.model_dump())
+        self.base_values = typed_values(base.model_dump())
         self.base_steps = base.trainer.steps
 
     # -- helpers ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from core.config import flatten
 from researcher.analysis import summarize
-from researcher.graph import _typed_values
+from researcher.graph import typed_values
 from researcher.planner import PlanContext, PlanResult
 from researcher.planner.heuristic import HeuristicPlanner, candidate_arms, rung_sizes
 from researcher.records import Decision, ExperimentResult, Proposal
@@ -36,7 +36,7 @@ def planted(overrides: dict, seed: int) -> float:
 def simulate(brief, workdir: Path, reward: Reward = planted, veto: Callable[[Proposal], bool] = lambda p: False,
              rounds: int = 20) -> tuple[list[Proposal], list[ExperimentResult], PlanResult]:
     base = brief.resolve_config(workdir)
-    values = _typed_values(base.model_dump())
+    values = typed_values(base.model_dump())
     planner, proposals, decisions, results = HeuristicPlanner(), [], [], []
     for number in range(1, rounds + 1):
         ctx = PlanContext(brief=brief, base_values=values, base_steps=base.trainer.steps, round=number,
@@ -112,7 +112,7 @@ def test_a_vetoed_configuration_is_replaced_and_never_proposed_again(tmp_path: P
 def test_budget_limits_what_is_proposed(tmp_path: Path) -> None:
     brief = make_brief(tmp_path, LR_CHOICE, "seeds: 2\nplanner:\n  heuristic: {arms: 4}")
     base = brief.resolve_config(tmp_path)
-    ctx = PlanContext(brief=brief, base_values=_typed_values(base.model_dump()), base_steps=8, round=1,
+    ctx = PlanContext(brief=brief, base_values=typed_values(base.model_dump()), base_steps=8, round=1,
                       runs_left=5, steps_left=1000)
     plan = HeuristicPlanner().plan(ctx)
     assert len(plan.planned) == 2 and "left out for budget" in plan.note
@@ -124,7 +124,7 @@ def test_budget_limits_what_is_proposed(tmp_path: Path) -> None:
 def test_baseline_is_the_first_arm(tmp_path: Path) -> None:
     brief = make_brief(tmp_path, LR_CHOICE)
     base = brief.resolve_config(tmp_path)
-    ctx = PlanContext(brief=brief, base_values=_typed_values(base.model_dump()), base_steps=8, round=1)
+    ctx = PlanContext(brief=brief, base_values=typed_values(base.model_dump()), base_steps=8, round=1)
     arms = list(candidate_arms(ctx))
     assert arms[0] == {"trainer.lr": float(flatten(base)["trainer.lr"])}
     assert len(arms) == 5  # baseline + the four choices, no repeats

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from researcher.graph import _typed_values
+from researcher.graph import typed_values
 from researcher.planner import PlanContext, PlannerError, choose_planner
 from researcher.planner.llm import LlmPlanner, extract_json
 from researcher.records import Decision, Proposal
@@ -30,7 +30,7 @@ def reply(*drafts: dict, stop: bool = False) -> str:
 def context(tmp_path: Path, extra: str = "", **kw: object) -> PlanContext:
     brief = make_brief(tmp_path, SPACE, extra)
     base = brief.resolve_config(tmp_path)
-    args = dict(brief=brief, base_values=_typed_values(base.model_dump()), base_steps=8, round=1,
+    args = dict(brief=brief, base_values=typed_values(base.model_dump()), base_steps=8, round=1,
                 runs_left=10, steps_left=1000, tokens_left=10_000)
     return PlanContext(**{**args, **kw})  # type: ignore[arg-type]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from researcher.graph import _typed_values
+from researcher.graph import typed_values
 from researcher.planner import PlanContext, PlannerError
 from researcher.planner.llm import LlmPlanner
 from tests.researcher.harness import BIN, require_swarm
@@ -56,7 +56,7 @@ def test_garbage_from_a_real_server_ends_in_clean_retries_then_a_clear_failure(t
     brief = make_brief(tmp_path, "  trainer.lr:\n    kind: choice\n    values: [0.0, 0.001]",
                        "planner:\n  llm: {max_retries: 2, max_tokens: 64}")
     base = brief.resolve_config(tmp_path)
-    ctx = PlanContext(brief=brief, base_values=_typed_values(base.model_dump()), base_steps=8, round=1,
+    ctx = PlanContext(brief=brief, base_values=typed_values(base.model_dump()), base_steps=8, round=1,
                       runs_left=10, steps_left=100, tokens_left=100_000)
     model = httpx.get(f"{swarm_serve}/models").json()["data"][0]["id"]
     with pytest.raises(PlannerError) as err:
