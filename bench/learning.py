@@ -1,10 +1,10 @@
-"""Proof that the core learns: SmolLM2-135M on short arithmetic, reward curve saved as a PNG.
+"""Proof that the core learns: SmolLM2-135M on a format-following task, reward curve saved as a PNG.
 
-Runs the real loop (server, sandbox client, trainer) from `configs/smollm2-arith.yaml` and reports
+Runs the real loop (server, sandbox client, trainer) from `configs/smollm2-oneword.yaml` and reports
 the mean reward of the first and last 5 steps, the step-to-step noise, and the margin in units of
 that noise.
 
-    .venv/bin/python bench/learning.py [--config configs/smollm2-arith.yaml] [--steps 60] [--out bench/out]
+    .venv/bin/python bench/learning.py [--config configs/smollm2-oneword.yaml] [--steps 40] [--out bench/out]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from core.run import CoreRun  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="configs/smollm2-arith.yaml")
+    ap.add_argument("--config", default="configs/smollm2-oneword.yaml")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default="bench/out")
     ap.add_argument("--set", action="append", default=[], dest="overrides")

@@ -31,7 +31,7 @@ from core.train.packing import pack, token_logprobs  # noqa: E402
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
-TOKEN_BUDGET = 8192  # padded tokens per micro-batch for the timed update
+TOKEN_BUDGET = 2048  # padded tokens per micro-batch: SmolLM2's 49k-entry logits make bigger ones memory-bound
 
 
 async def episode(client: SwarmClient, turns: int, max_tokens: int, branch: bool, seed: int) -> str:
@@ -108,6 +108,7 @@ def main() -> None:
                 model.eval()
                 rows.append((turns, "branching" if branch else "linear", sum(len(c) for c in logs), unmerged, linear, tree,
                              t_none, t_linear, t_tree))
+                print("measured", rows[-1], flush=True)
     finally:
         client.close()
         server.stop()
