@@ -7,7 +7,7 @@ line. For each set it reports the actor-update tokens of every mode against the 
 unique-token lower bound, and times one actor update (forward + backward over the packed
 micro-batches) unmerged against linear-merged, in the same process, back to back.
 
-    .venv/bin/python bench/merge.py [--turns 5 10 20] [--episodes 2] [--max-tokens 16]
+    .venv/bin/python bench/merge.py [--turns 5 10 20] [--episodes 2] [--max-tokens 16] [--kinds linear branching] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--kinds", nargs="+", choices=["linear", "branching"], default=["linear", "branching"])
+    ap.add_argument("--repeats", type=int, default=2, help="timed updates per mode; the best counts")
     args = ap.parse_args()
     cfg = load_config(overrides=[f"models=[{{name: policy, source: {args.model}}}]", "server.port=0", "server.lease_s=3600",
                                  "trainer.batch_groups=1"])
@@ -88,7 +90,7 @@ def main() -> None:
     rows = []
     try:
         for turns in args.turns:
-            for branch in (False, True):
+            for branch in [k == "branching" for k in args.kinds]:
                 async def record():
                     return await asyncio.gather(*(episode(client, turns, args.max_tokens, branch, s) for s in range(args.episodes)))
                 ids = asyncio.run(record())
@@ -102,9 +104,10 @@ def main() -> None:
                 tree = sum(s["tree_tokens"] for s in stats)
                 model = server.policies["policy"].model
                 model.train()
-                t_none = actor_update_seconds(model, [x for c in logs for x in merge_calls(c, "none")])
-                t_linear = actor_update_seconds(model, [x for c in logs for x in merge_calls(c, "linear")])
-                t_tree = actor_update_seconds(model, [x for c in logs for x in merge_calls(c, "tree")])
+                t_none, t_linear, t_tree = (
+                    actor_update_seconds(model, [x for c in logs for x in merge_calls(c, mode)], args.repeats)
+                    for mode in ("none", "linear", "tree")
+                )
                 model.eval()
                 rows.append((turns, "branching" if branch else "linear", sum(len(c) for c in logs), unmerged, linear, tree,
                              t_none, t_linear, t_tree))
