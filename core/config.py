@@ -85,6 +85,11 @@ class ClientConfig(Strict):
     kind: Literal["train", "eval", "debug"] = "train"
     tasks: int | None = Field(None, ge=1)  # stop after this many tasks (None: cycle until the run ends)
 
+    @property
+    def sandbox_name(self) -> str:
+        """The name its episodes carry (groups and mix quotas key on it): the folder or module's last part."""
+        return Path(self.agent.removeprefix("sandbox:")).name.rsplit(".", 1)[-1]
+
 
 class TelemetryConfig(Strict):
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db

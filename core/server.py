@@ -77,7 +77,7 @@ class Server:
             default_group_size=cfg.trainer.group_size,
             batch_groups=cfg.trainer.batch_groups,
             max_open=cfg.server.max_open_episodes,
-            mix={c.agent: c.mix for c in cfg.clients if c.kind == "train"},
+            mix={c.sandbox_name: c.mix for c in cfg.clients if c.kind == "train"},
         )
         self.admin_token = cfg.server.admin_token or secrets.token_urlsafe(24)
         self.throughput = Throughput()

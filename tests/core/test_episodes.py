@@ -1,0 +1,75 @@
+"""The episode registry's rules, on a fake clock: groups, staleness, back-pressure and mix quotas."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.episodes import EpisodeError, Registry
+from core.records import Call
+from core.wire import OpenEpisode
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def finish_group(reg, sandbox, task, size, version=0):
+    for _ in range(size):
+        ep, _ = reg.open(OpenEpisode(sandbox=sandbox, task_id=task, group_size=size), {"policy": version})
+        reg.record(ep, Call(model="policy", version=version, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1]))
+        reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
+
+
+def test_a_group_is_ready_only_when_all_its_episodes_finished():
+    reg = Registry(lease_s=60, default_group_size=2, batch_groups=1, clock=Clock())
+    ep, _ = reg.open(OpenEpisode(task_id="t"), {"policy": 0})
+    reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
+    assert reg.ready_groups() == 0
+    ep2, _ = reg.open(OpenEpisode(task_id="t"), {"policy": 0})
+    reg.abort(ep2.id, "crashed")  # an aborted episode never fills the group
+    assert reg.ready_groups() == 0
+    ep3, _ = reg.open(OpenEpisode(task_id="t"), {"policy": 0})
+    reg.finish(ep3.id, {"policy": 0.0}, {"reward": 0.0})
+    assert reg.ready_groups() == 1
+
+
+def test_stale_episodes_are_dropped_from_the_batch():
+    reg = Registry(lease_s=60, default_group_size=2, batch_groups=2, clock=Clock())
+    finish_group(reg, "s", "old", 2, version=0)
+    finish_group(reg, "s", "new", 2, version=3)
+    batch = reg.take_batch({"policy": 3}, max_staleness=1)
+    assert [g[0].task_id for g in batch.groups] == ["new"] and batch.dropped_stale == 2
+
+
+def test_expired_leases_free_their_key_with_a_409():
+    clock = Clock()
+    reg = Registry(lease_s=5, default_group_size=1, batch_groups=1, clock=clock)
+    ep, key = reg.open(OpenEpisode(task_id="t"), {"policy": 0})
+    clock.now += 6
+    with pytest.raises(EpisodeError) as e:
+        reg.by_key(key)
+    assert e.value.status == 409 and reg.counters["expired"] == 1
+
+
+def test_back_pressure_when_the_trainer_falls_behind():
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=Clock())
+    finish_group(reg, "s", "a", 1)
+    finish_group(reg, "s", "b", 1)
+    with pytest.raises(EpisodeError) as e:
+        reg.open(OpenEpisode(task_id="c"), {"policy": 0})
+    assert e.value.status == 503 and e.value.retry_after
+
+
+def test_a_sandbox_above_its_mix_share_waits_while_others_may_open():
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=8, mix={"big": 3.0, "small": 1.0}, clock=Clock())
+    opened = 0
+    with pytest.raises(EpisodeError) as e:
+        while opened < 100:
+            reg.open(OpenEpisode(sandbox="small", task_id=f"t{opened}"), {"policy": 0})
+            opened += 1
+    assert e.value.code == "mix_quota"
+    assert reg.open(OpenEpisode(sandbox="big", task_id="x"), {"policy": 0})
