@@ -1,7 +1,7 @@
 """A toy task with a dense reward, so that the random `tiny` model has something to learn quickly.
 
-The reward is the share of lowercase ASCII letters in the reply. A random byte-level model earns
-about 0.1 by chance, every group has reward variance, and a working trainer drives it up within a few
+The reward is the share of lowercase ASCII letters in the reply, at most 1. A random byte-level
+model earns about 0.1 by chance, every group has reward variance, and a working trainer drives it up within a few
 dozen steps. It checks the learning loop end to end; it says nothing about language ability.
 """
 
@@ -20,7 +20,9 @@ def tasks(split: str = "train"):
 
 
 def reward(text: str) -> float:
-    return sum(ch in string.ascii_lowercase for ch in text) / MAX_TOKENS
+    # Normalised by the reply's own length (at least MAX_TOKENS): special tokens such as <tool_call>
+    # decode to several letters each, and a per-token count let a policy farm them (seen in a demo run).
+    return sum(ch in string.ascii_lowercase for ch in text) / max(len(text), MAX_TOKENS)
 
 
 async def rollout(task, llm) -> float:

