@@ -29,3 +29,21 @@ Test brief.
 def make_brief(workdir: Path, space: str, extra: str = "", **kw: str) -> Brief:
     (workdir / "base.yaml").write_text(BASE_CONFIG)
     return parse_brief(brief_text(space, extra, **kw), workdir=workdir)
+
+
+def wait_until_up(url: str, what: str, timeout_s: float, proc=None, log=None) -> None:
+    """Poll `url` until it answers 200; fail early if `proc` exits (showing the tail of `log`)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what} exited:\n{log.read_text()[-3000:] if log else ''}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise AssertionError(f"{what} did not come up")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from researcher.graph import typed_values
 from researcher.planner import PlanContext, PlannerError
 from researcher.planner.llm import LlmPlanner
 from tests.researcher.harness import BIN, require_swarm
-from tests.researcher.helpers import make_brief
+from tests.researcher.helpers import make_brief, wait_until_up
 from tests.researcher.scripted_llm import free_port
 
 pytestmark = pytest.mark.slow
@@ -36,16 +35,7 @@ def swarm_serve(tmp_path: Path) -> Iterator[str]:
                                 env={**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"})
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"swarm serve exited:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("swarm serve did not come up")
+        wait_until_up(f"{url}/models", "swarm serve", 180, proc, log)
         yield url
     finally:
         proc.terminate()

@@ -15,6 +15,7 @@ import pytest
 
 from tests.researcher.harness import BIN, ROOT, Project, require_swarm, write_brief
 from tests.researcher.scripted_llm import free_port
+from tests.researcher.helpers import wait_until_up
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +34,7 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
                              "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("mlflow server did not come up")
+        wait_until_up(f"{url}/health", "mlflow server", 120)
         yield url
     finally:
         proc.terminate()
