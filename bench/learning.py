@@ -2,15 +2,19 @@
 
 Runs the real loop (server, sandbox client, trainer) from `configs/smollm2-oneword.yaml` and reports
 the mean reward of the first and last 5 steps, the step-to-step noise, and the margin in units of
-that noise.
+that noise. `--from-log` makes the same table and curve from the printed log of a run that was
+stopped early (its `step N reward R (Ts)` lines), so a run cut short by a deadline still reports
+exactly what it reached.
 
     .venv/bin/python bench/learning.py [--config configs/smollm2-oneword.yaml] [--steps 40] [--out bench/out]
+    .venv/bin/python bench/learning.py --config configs/smollm2-guess.yaml --from-log run.log
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -23,18 +27,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from core.config import load_config  # noqa: E402
-from core.run import CoreRun  # noqa: E402
+
+STEP_LINE = re.compile(r"^step +(\d+) reward (-?[\d.]+) \((\d+)s\)")  # what a run prints per step
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default="configs/smollm2-oneword.yaml")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--out", default="bench/out")
-    ap.add_argument("--set", action="append", default=[], dest="overrides")
-    args = ap.parse_args()
-    overrides = list(args.overrides) + ([f"trainer.steps={args.steps}"] if args.steps else [])
-    cfg = load_config(args.config, overrides)
+def run(config: str, overrides: list[str]) -> tuple[list[float], float]:
+    """Train from `config` through the real server, clients and trainer: (reward per step, wall seconds)."""
+    from core.run import CoreRun  # the whole core (torch, the server): only a live run needs it, not --from-log
+
+    cfg = load_config(config, overrides)
     core = CoreRun(cfg)
     rewards: list[float] = []
     start = time.time()
@@ -46,7 +47,29 @@ def main() -> None:
     finally:
         core.stop_clients()
         core.server.stop()
-    wall = time.time() - start
+    return rewards, time.time() - start
+
+
+def from_log(path: Path) -> tuple[list[float], float]:
+    """(reward per step, wall seconds at the last step) from the printed log of a run."""
+    steps = [STEP_LINE.match(line) for line in path.read_text().splitlines()]
+    found = [(int(m.group(1)), float(m.group(2)), float(m.group(3))) for m in steps if m]
+    if not found or [s for s, _, _ in found] != list(range(1, len(found) + 1)):
+        raise SystemExit(f"{path}: no consecutive `step N reward R (Ts)` lines from step 1")
+    return [r for _, r, _ in found], found[-1][2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/smollm2-oneword.yaml")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--set", action="append", default=[], dest="overrides")
+    ap.add_argument("--from-log", type=Path, help="report a stopped run from its printed log instead of training")
+    args = ap.parse_args()
+    overrides = list(args.overrides) + ([f"trainer.steps={args.steps}"] if args.steps else [])
+    cfg = load_config(args.config, overrides)
+    rewards, wall = from_log(args.from_log) if args.from_log else run(args.config, overrides)
     first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
     noise = statistics.pstdev([b - a for a, b in zip(rewards, rewards[1:])]) if len(rewards) > 2 else float("nan")
     out = Path(args.out)

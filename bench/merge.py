@@ -7,7 +7,11 @@ line. For each set it reports the actor-update tokens of every mode against the 
 unique-token lower bound, and times one actor update (forward + backward over the packed
 micro-batches) unmerged against linear-merged, in the same process, back to back.
 
+With `--sandbox NAME` it records that sandbox's own episodes instead (its first `--episodes` tasks,
+run by its `rollout` through an episode), e.g. the multi-turn `guess` game.
+
     .venv/bin/python bench/merge.py [--turns 5 10 20] [--episodes 2] [--max-tokens 16] [--kinds linear branching] [--repeats 2]
+    .venv/bin/python bench/merge.py --sandbox guess --episodes 8
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch  # noqa: E402
 
 from core.client import SwarmClient  # noqa: E402
 from core.config import load_config  # noqa: E402
+from core.sandbox import Agent, load_agent  # noqa: E402
 from core.server import Server  # noqa: E402
 from core.timelines import merge_calls, merge_stats  # noqa: E402
 from core.train.packing import pack, token_logprobs  # noqa: E402
@@ -59,6 +64,12 @@ async def episode(client: SwarmClient, turns: int, max_tokens: int, branch: bool
         return ep.id
 
 
+async def sandbox_episode(client: SwarmClient, agent: Agent, task: dict) -> str:
+    async with client.aepisode(task_id=str(task["id"]), sandbox=agent.name, group_size=1) as ep:
+        await ep.finish(float(await agent.rollout(task, ep.openai)))
+        return ep.id
+
+
 def actor_update_seconds(model, samples, repeats: int = 2) -> float:
     for s in samples:
         s.advantage = 1.0
@@ -81,7 +92,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--kinds", nargs="+", choices=["linear", "branching"], default=["linear", "branching"])
     ap.add_argument("--repeats", type=int, default=2, help="timed updates per mode; the best counts")
+    ap.add_argument("--sandbox", help="record this sandbox's episodes instead of the tool-use agent's")
     args = ap.parse_args()
+    agent = load_agent(f"sandbox:{args.sandbox}") if args.sandbox else None
     cfg = load_config(overrides=[f"models=[{{name: policy, source: {args.model}}}]", "server.port=0", "server.lease_s=3600",
                                  "trainer.batch_groups=1"])
     server = Server(cfg)
@@ -89,29 +102,33 @@ def main() -> None:
     client = SwarmClient(server.url)
     rows = []
     try:
-        for turns in args.turns:
-            for branch in [k == "branching" for k in args.kinds]:
-                async def record():
-                    return await asyncio.gather(*(episode(client, turns, args.max_tokens, branch, s) for s in range(args.episodes)))
-                ids = asyncio.run(record())
-                finished = {}
-                while (batch := server.registry.take_batch(server.versions(), max_staleness=0)) is not None:
-                    finished.update({e.id: e for e in batch.episodes})  # group_size 1: each episode is a ready group
-                logs = [finished[i].calls for i in ids]
-                stats = [merge_stats(c) for c in logs]
-                unmerged = sum(s["unmerged_tokens"] for s in stats)
-                linear = sum(s["linear_tokens"] for s in stats)
-                tree = sum(s["tree_tokens"] for s in stats)
-                model = server.policies["policy"].model
-                model.train()
-                t_none, t_linear, t_tree = (
-                    actor_update_seconds(model, [x for c in logs for x in merge_calls(c, mode)], args.repeats)
-                    for mode in ("none", "linear", "tree")
-                )
-                model.eval()
-                rows.append((turns, "branching" if branch else "linear", sum(len(c) for c in logs), unmerged, linear, tree,
-                             t_none, t_linear, t_tree))
-                print("measured", rows[-1], flush=True)
+        sets = [(turns, branch) for turns in args.turns for branch in [k == "branching" for k in args.kinds]]
+        for turns, branch in ([("sandbox", False)] if agent else sets):
+            async def record():
+                if agent:
+                    tasks = list(agent.tasks("train"))[: args.episodes]
+                    return await asyncio.gather(*(sandbox_episode(client, agent, t) for t in tasks))
+                return await asyncio.gather(*(episode(client, turns, args.max_tokens, branch, s) for s in range(args.episodes)))
+            ids = asyncio.run(record())
+            finished = {}
+            while (batch := server.registry.take_batch(server.versions(), max_staleness=0)) is not None:
+                finished.update({e.id: e for e in batch.episodes})  # group_size 1: each episode is a ready group
+            logs = [finished[i].calls for i in ids]
+            stats = [merge_stats(c) for c in logs]
+            unmerged = sum(s["unmerged_tokens"] for s in stats)
+            linear = sum(s["linear_tokens"] for s in stats)
+            tree = sum(s["tree_tokens"] for s in stats)
+            model = server.policies["policy"].model
+            model.train()
+            t_none, t_linear, t_tree = (
+                actor_update_seconds(model, [x for c in logs for x in merge_calls(c, mode)], args.repeats)
+                for mode in ("none", "linear", "tree")
+            )
+            model.eval()
+            kind = args.sandbox if agent else ("branching" if branch else "linear")
+            rows.append((turns, kind, sum(len(c) for c in logs), unmerged, linear, tree,
+                         t_none, t_linear, t_tree))
+            print("measured", rows[-1], flush=True)
     finally:
         client.close()
         server.stop()

@@ -2,7 +2,7 @@
 
 Layout of one checkpoint, ``<directory>/step-00000012/``::
 
-    manifest.json                 step, versions, run config, one entry per trained model
+    manifest.json                 step, versions, run config, the MLflow run, one entry per trained model
     episodes.json                 buffered groups (finished, not yet trained), as Episode records
     models/<name>/model.safetensors    full fine-tune: every weight (tied ones stored once)
     models/<name>/adapter/             LoRA: only the adapter, as a standard PEFT folder
@@ -11,12 +11,17 @@ Layout of one checkpoint, ``<directory>/step-00000012/``::
 A checkpoint is written into a hidden temporary folder and renamed into place, then the
 ``latest`` file is replaced atomically to name it, so a crash at any moment leaves either the old
 or the new checkpoint, never half of one. If ``latest`` names a folder that is gone (a crash
-between the two renames), ``load_latest`` falls back to the newest complete checkpoint.
+between the two renames), ``load_latest`` falls back to the newest complete checkpoint. A
+``latest`` that names anything but a checkpoint folder directly inside the directory (``../x``, an
+absolute path) is refused: no crash writes that, so it is tampering or a mistake, not a fallback case.
 
 Resuming: build each policy from its BASE model exactly as a fresh run would (``prepare_policy``),
 build its ``Trainer`` (which snapshots the KL reference from those base weights), then call
 ``restore``: it loads the trained weights and the trainer state into them. This module does not
 decide when to checkpoint, and does not re-register the buffered episodes (``Registry.restore``).
+
+The manifest names the MLflow run the run logs to (``mlflow``), so ``swarm run --resume`` continues
+that run (``core.telemetry``); this module only stores the reference.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 from safetensors.torch import load_file, save_model
 
+from core.config import redacted
 from core.records import Episode
 from core.train.trainer import Trainer
 
@@ -48,6 +55,8 @@ EPISODES = "episodes.json"
 FULL_WEIGHTS = "model.safetensors"
 ADAPTER_DIR = "adapter"
 TRAINER_STATE = "trainer.pt"
+# What `latest` may name: one checkpoint folder of this directory, never a path that leaves it.
+LATEST_NAME = re.compile(re.escape(STEP_PREFIX) + r"[0-9]+")
 
 
 class CheckpointError(RuntimeError):
@@ -59,12 +68,19 @@ class ModelEntry(BaseModel):
     trainer_step: int  # the trainer's own step count at save time
 
 
+class MlflowRun(BaseModel):
+    run_id: str  # the MLflow run the checkpointed run logs to; a resume reopens it
+    tracking_uri: str  # its store, with a sqlite path made absolute; another store at resume means a new run
+
+
 class Manifest(BaseModel):
     format: int = FORMAT
     step: int  # run step at save time; a resumed run continues with step + 1
     versions: dict[str, int] = Field(default_factory=dict)  # model -> weight version served at save time
     config: dict[str, Any] = Field(default_factory=dict)  # the run config, for provenance and resume checks
     models: dict[str, ModelEntry] = Field(default_factory=dict)  # trained models whose weights are saved
+    # None in checkpoints of runs without telemetry, and in those written before runs were recorded.
+    mlflow: MlflowRun | None = None
 
 
 @dataclass
@@ -77,6 +93,7 @@ class Checkpoint:
     config: dict[str, Any]
     models: dict[str, ModelEntry]
     buffered: list[list[Episode]]
+    mlflow: MlflowRun | None = None
 
 
 def step_dir_name(step: int) -> str:
@@ -91,10 +108,12 @@ def save(
     versions: dict[str, int],
     config: dict[str, Any],
     keep: int | None = None,
+    mlflow: MlflowRun | None = None,
 ) -> Path:
     """Write a checkpoint atomically and point `latest` at it; returns its folder.
 
     `keep`: how many checkpoints to keep (oldest removed first); None keeps all.
+    `mlflow`: the MLflow run the run logs to, for a resume to reopen.
     """
     if step < 0:
         raise CheckpointError(f"step must be non-negative, got {step}")
@@ -103,8 +122,9 @@ def save(
     manifest = Manifest(
         step=step,
         versions=dict(versions),
-        config=config,
+        config=redacted(config),  # provenance without credentials: a checkpoint may be shared
         models={name: ModelEntry(lora=t.lora, trainer_step=t.step_count) for name, t in trainers.items()},
+        mlflow=mlflow,
     )
     try:
         manifest_text = manifest.model_dump_json(indent=2)
@@ -180,7 +200,11 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
         return None
     pointer = root / LATEST
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
+        name = pointer.read_text().strip()
+        if not LATEST_NAME.fullmatch(name):
+            raise CheckpointError(f"{pointer} names {name!r}, not a checkpoint folder of {root} "
+                                  f"(expected {STEP_PREFIX}<step>); refusing to load it")
+        named = root / name
         if (named / MANIFEST).is_file():
             return load(named)
         log.warning("%s names %s, which is missing or incomplete; using the newest complete checkpoint", pointer, named)
@@ -211,6 +235,7 @@ def load(path: str | Path) -> Checkpoint:
         config=manifest.config,
         models=manifest.models,
         buffered=buffered,
+        mlflow=manifest.mlflow,
     )
 
 

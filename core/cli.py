@@ -5,7 +5,8 @@
     swarm run configs/tiny.yaml                 # server, trainer and local clients, until the steps are done
     swarm status http://127.0.0.1:8000
 
-Commands parse arguments and print; the work happens in `core.server`, `core.run` and `core.sandbox`.
+Commands parse arguments and print; the work happens in `core.server`, `core.entrypoints` (run, serve), `core.runner`
+and `core.swap`.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def serve(
         if value is not None:
             extra.append(f"{key}={value}")
     cfg = _config(config, extra)
-    from core.run import serve as serve_run
+    from core.entrypoints import serve as serve_run
 
     serve_run(cfg, train=train if train is not None else config is not None)
 
@@ -98,7 +99,7 @@ def run(
         raise typer.Exit(2)
     cfg = _config(config, extra)
     cfg.telemetry.tags.update(dict(t.split("=", 1) for t in tags))  # tag keys have dots: not overrides
-    from core.run import run as run_core
+    from core.entrypoints import run as run_core
 
     code = run_core(cfg, resume=resume, run_id_file=run_id_file, progress=not quiet)
     raise typer.Exit(code)
@@ -112,13 +113,16 @@ def client(
     episodes: int = typer.Option(0, help="stop after this many episodes (0: run until interrupted)"),
     group_size: int = typer.Option(None, help="episodes per task group (default: the server's)"),
     kind: str = typer.Option("train", help="train | eval | debug"),
+    max_consecutive_failures: int = typer.Option(  # 20: core.runner.MAX_CONSECUTIVE_FAILURES (not imported: start-up time)
+        20, min=0, help="give up (exit 2) after this many failed episodes in a row; 0: never"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
-    """Attach a client to a running server."""
+    """Attach a client to a running server; SIGTERM drains (at most one lease), a second SIGTERM or SIGINT exits now."""
     _setup_logging(verbose)
-    from core.sandbox import run_client
+    from core.runner import run_client
 
-    sys.exit(run_client(sandbox, server, concurrency=concurrency, episodes=episodes, group_size=group_size, kind=kind))
+    sys.exit(run_client(sandbox, server, concurrency=concurrency, episodes=episodes, group_size=group_size, kind=kind,
+                        max_consecutive_failures=max_consecutive_failures))
 
 
 @app.command()
@@ -129,7 +133,7 @@ def swap(
 ):
     """Hot-swap a client: start the new code, let the old process drain, then stop it."""
     _setup_logging(False)
-    from core.sandbox import swap as swap_client
+    from core.swap import swap as swap_client
 
     sys.exit(swap_client(sandbox, server, concurrency=concurrency))
 

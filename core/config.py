@@ -7,6 +7,7 @@ name the key. This module validates and merges; it does not start anything.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,15 +29,25 @@ class LoraConfig(Strict):
 class ModelConfig(Strict):
     name: str = "policy"  # what clients pass as `model`; also the MLflow metric prefix for multi-model runs
     source: str = "tiny"  # a preset (`swarm models`) or a local Hugging Face folder
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Where the model lives: auto (CUDA when available), cpu, cuda or cuda:N. Its engine and its
+    # trainer share it, as colocated training does on CPU.
+    device: str = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: bfloat16 on a GPU, float32 on CPU
     max_context: int | None = Field(None, ge=16)  # None: the model's own limit
     lora: LoraConfig | None = None
     trainable: bool = True
     seed: int = 0  # seeds the `tiny` preset's random weights
 
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+        return device
+
 
 class EngineConfig(Strict):
-    kind: Literal["hf", "instant"] = "hf"  # instant: the null engine, answers at once (benchmarks)
+    kind: Literal["hf", "instant", "vllm"] = "hf"  # instant: the null engine, answers at once (benchmarks)
     max_batch: int = Field(32, ge=1)  # most sequences decoded together in one forward pass
     batch_window_ms: float = Field(2.0, ge=0)  # how long the first request of a batch waits for company
     default_max_tokens: int = Field(256, ge=1)  # for requests that do not say
@@ -47,7 +58,7 @@ class ServerConfig(Strict):
     host: str = "127.0.0.1"  # loopback unless told otherwise: no hidden network
     port: int = Field(8000, ge=0, le=65535)  # 0 picks a free port
     allow_anonymous: bool = True  # serve requests without an episode key (never recorded)
-    admin_token: str | None = None  # None: a random token is generated and logged at start
+    admin_token: str | None = None  # None: a random token, printed once at start (never logged in full)
     lease_s: float = Field(60.0, gt=0)
     max_open_episodes: int = Field(512, ge=1)
 
@@ -66,7 +77,13 @@ class TrainerConfig(Strict):
     merge: Literal["none", "linear", "tree"] = "linear"
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
-    max_staleness: int = Field(1, ge=0)  # drop episodes opened more than this many versions ago
+    # Drop episodes whose oldest generating weights are more than this many versions behind; >= 1
+    # also overlaps generation with the train step, and sizes admission control (DESIGN §3.3).
+    max_staleness: int = Field(1, ge=0)
+    # Truncated importance sampling: replace PPO-clip by the policy gradient weighted with
+    # min(pi_theta / pi_behaviour, tis_cap), so off-policy (stale) tokens count by how likely they
+    # still are instead of being clipped out. None: plain PPO-clip.
+    tis_cap: float | None = Field(None, gt=0)
     checkpoint_every: int = Field(0, ge=0)  # 0: only on clean shutdown
     checkpoint_dir: str = "checkpoints"
     keep_checkpoints: int | None = Field(3, ge=1)  # oldest removed first; None keeps all (SmolLM2 is ~0.5 GB each)
@@ -194,9 +211,26 @@ def _plain(data: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(yaml.safe_dump(data))  # a deep copy that keeps only YAML types
 
 
+# Config fields that are credentials, as (section, field): `redacted` blanks them wherever a config
+# is written down (MLflow params, checkpoint manifests), so a shared run never shares its token.
+SECRET_FIELDS = (("server", "admin_token"),)
+REDACTED = "<redacted>"
+
+
+def redacted(data: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a dumped run config whose set credentials read REDACTED (unset ones stay None)."""
+    out = dict(data)
+    for section, name in SECRET_FIELDS:
+        if isinstance(out.get(section), dict) and out[section].get(name) is not None:
+            out[section] = {**out[section], name: REDACTED}
+    return out
+
+
 def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """The config as `a.b.c -> value` strings: MLflow params and config diffs."""
+    """The config as `a.b.c -> value` strings, credentials redacted: MLflow params and config diffs."""
     data = cfg.model_dump() if isinstance(cfg, BaseModel) else cfg
+    if not prefix:
+        data = redacted(data)
     out: dict[str, str] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"

@@ -4,6 +4,13 @@ Lifecycle: open -> (calls...) -> finished | aborted | expired. Finished train ep
 group, keyed by (sandbox, task_id); a group with `group_size` finished episodes is ready, and the
 trainer takes ready groups in arrival order. Eval and debug episodes never train.
 
+Staleness counts by the weights that generated an episode: the oldest version among its calls.
+Admission control (on once a trainer calls `admit_within`) keeps generation from being wasted: an
+episode that starts a new group is refused (503 + Retry-After) while the groups already started
+would fill every step the staleness budget allows, `max_staleness + 1` steps, one fewer while an
+overlapped step is between taking its batch and its weight sync. An episode that completes a
+started group is always admitted, so a partial group can never block the trainer.
+
 All state sits behind one lock because HTTP handlers and the trainer thread both touch it. The
 registry does not render, generate or train; it only keeps the books.
 """
@@ -18,12 +25,15 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from core.auth import path_secret, same_secret
 from core.records import Call, Episode
 from core.wire import OpenEpisode
 
 KEY_PREFIX = "sk-swarm-"
 TOMBSTONES = 20_000  # ended episodes remembered so late calls get 409 and repeated finishes stay idempotent
 READY_FACTOR = 2  # more than this many batches of ready groups waiting means clients outrun the trainer
+# Seconds a refused open is told to wait: about one short train step; HTTP allows whole seconds only.
+ADMISSION_RETRY_S = 1.0
 
 
 class EpisodeError(Exception):
@@ -64,12 +74,20 @@ class Registry:
         self._open: dict[str, Episode] = {}
         self._keys: dict[str, str] = {}  # api key -> episode id
         self._key_of: dict[str, str] = {}  # episode id -> api key
+        self._path_key = secrets.token_bytes(32)  # per server: path secrets cannot be precomputed
+        self._paths: dict[str, str] = {}  # path secret -> episode id (the path form's credential)
+        self._path_of: dict[str, str] = {}  # episode id -> path secret
         self._ended: OrderedDict[str, Episode] = OrderedDict()  # tombstones, calls dropped
         self._filling: dict[tuple[str, str], list[Episode]] = {}
         self._ready: deque[list[Episode]] = deque()
         self._finished_eval: list[Episode] = []
         self.paused = False
-        self.counters = {"opened": 0, "finished": 0, "aborted": 0, "expired": 0, "calls": 0, "trained": 0}
+        self.max_staleness: int | None = None  # None: no admission control (no trainer consumes steps)
+        self._overlapped_steps = 0  # steps that took their batch while generation goes on, not yet synced
+        # generated: train episodes that ended having made a call; wasted: those never trained
+        # (stale at batch time, or aborted/expired after generating).
+        self.counters = {"opened": 0, "finished": 0, "aborted": 0, "expired": 0, "calls": 0, "trained": 0,
+                         "stale": 0, "generated": 0, "wasted": 0, "refused": 0}
 
     # -- client side ---------------------------------------------------------------------------
     def open(self, req: OpenEpisode, versions: dict[str, int]) -> tuple[Episode, str]:
@@ -81,6 +99,7 @@ class Registry:
                 raise EpisodeError(503, "too many open episodes", "busy", retry_after=1.0)
             if req.kind == "train":
                 self._check_quota(req.sandbox)
+                self._check_admission(req)
             now = self.clock()
             ep = Episode(
                 id="ep_" + secrets.token_hex(8),
@@ -98,6 +117,9 @@ class Registry:
             self._open[ep.id] = ep
             self._keys[key] = ep.id
             self._key_of[ep.id] = key
+            secret = path_secret(self._path_key, key)
+            self._paths[secret] = ep.id
+            self._path_of[ep.id] = secret
             self.counters["opened"] += 1
             return ep, key
 
@@ -118,12 +140,77 @@ class Registry:
         if mine >= math.ceil(share * max(total, capacity)) + self.default_group_size:
             raise EpisodeError(503, f"sandbox {sandbox!r} is above its mix share", "mix_quota", retry_after=0.5)
 
+    def admit_within(self, max_staleness: int) -> None:
+        """Turn admission control on, for a trainer that drops episodes older than `max_staleness`."""
+        with self._lock:
+            self.max_staleness = max_staleness
+
+    def step_started(self) -> None:
+        """An overlapped step took its batch: episodes generated now will be one version old at once."""
+        with self._lock:
+            self._overlapped_steps += 1
+
+    def step_synced(self) -> None:
+        with self._lock:
+            self._overlapped_steps = max(0, self._overlapped_steps - 1)
+
+    def _check_admission(self, req: OpenEpisode) -> None:
+        if self.max_staleness is None:
+            return
+        size = req.group_size or self.default_group_size
+        started: dict[tuple[str, str], int] = {}
+        sizes: dict[tuple[str, str], int] = {}
+        for e in self._open.values():
+            if e.kind == "train":
+                started[e.group_key] = started.get(e.group_key, 0) + 1
+                sizes[e.group_key] = e.group_size
+        abandoned_before = self.clock() - self.lease_s
+        for key, group in self._filling.items():
+            # A partial group nobody touched for a lease is abandoned: it stops holding a slot.
+            if key in started or max(e.ended_at or 0.0 for e in group) > abandoned_before:
+                started[key] = started.get(key, 0) + len(group)
+                sizes[key] = group[0].group_size
+        if started.get((req.sandbox, req.task_id), 0) % size:
+            return  # completes a started group
+        groups = len(self._ready) + sum(math.ceil(n / sizes[k]) for k, n in started.items())
+        budget = self.batch_groups * (self.max_staleness + 1 - self._overlapped_steps)
+        if groups >= budget:
+            raise EpisodeError(503, f"{groups} groups already fill the next {self.max_staleness + 1} steps; "
+                               "retry after the weight sync", "admission", retry_after=ADMISSION_RETRY_S)
+
+    def note_refused(self) -> None:
+        """Count an open that admission control finally refused (after any wait for room)."""
+        with self._lock:
+            self.counters["refused"] += 1
+
     def by_key(self, key: str) -> Episode:
         with self._lock:
             episode_id = self._keys.get(key)
             if episode_id is None:
                 raise EpisodeError(401, "unknown or missing episode key", "invalid_api_key")
             return self.get_open(episode_id)
+
+    def by_path(self, secret: str) -> Episode:
+        """The open episode whose path-form secret this is (401 for anything else, a bare id included)."""
+        with self._lock:
+            episode_id = self._paths.get(secret)
+            if episode_id is None:
+                raise EpisodeError(401, "unknown episode path: use the base_url returned on open", "invalid_api_key")
+            return self.get_open(episode_id)
+
+    def path_of(self, episode_id: str) -> str:
+        with self._lock:
+            return self._path_of[episode_id]
+
+    def authorize(self, episode_id: str, key: str) -> None:
+        """Check that `key` is this episode's key: 404 for an id never seen (or long forgotten), 401 otherwise."""
+        with self._lock:
+            expected = self._key_of.get(episode_id)
+            if expected is None:
+                raise EpisodeError(404, f"unknown episode {episode_id}", "episode_not_found")
+            if not same_secret(key, expected):
+                raise EpisodeError(401, f"episode {episode_id} needs its key (Authorization: Bearer sk-swarm-...)",
+                                   "invalid_api_key")
 
     def get_open(self, episode_id: str) -> Episode:
         with self._lock:
@@ -183,11 +270,17 @@ class Registry:
 
     def _close(self, ep: Episode) -> None:
         del self._open[ep.id]
+        ep.ended_at = self.clock()
+        if ep.kind == "train" and ep.calls:
+            self.counters["generated"] += 1
+            if ep.state != "finished":
+                self.counters["wasted"] += 1
         # The key stays mapped while the tombstone lives, so late calls learn the episode ended (409).
         self._ended[ep.id] = ep.model_copy(update={"calls": []})
         while len(self._ended) > TOMBSTONES:
             old_id, _ = self._ended.popitem(last=False)
             self._keys.pop(self._key_of.pop(old_id, ""), None)
+            self._paths.pop(self._path_of.pop(old_id, ""), None)
 
     def _expire_due(self) -> None:
         now = self.clock()
@@ -218,6 +311,8 @@ class Registry:
                 if fresh:
                     groups.append(fresh)
             self.counters["trained"] += sum(len(g) for g in groups)
+            self.counters["stale"] += dropped
+            self.counters["wasted"] += dropped
             return Batch(groups, dropped) if groups else None
 
     def take_eval(self) -> list[Episode]:
@@ -252,7 +347,10 @@ class Registry:
 
 
 def _staleness(ep: Episode, current: dict[str, int]) -> int:
-    """Versions between the oldest weights that served this episode and the current ones."""
+    """Versions between the oldest weights that generated this episode's tokens and the current ones.
+
+    A call's version is the one that prefilled it (the oldest behind any of its tokens), so an
+    episode opened before a weight sync whose calls all ran after it is not stale."""
     oldest: dict[str, int] = {}
     for call in ep.calls:
         oldest[call.model] = min(oldest.get(call.model, call.version), call.version)

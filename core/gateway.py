@@ -1,7 +1,8 @@
 """The HTTP gateway: OpenAI-compatible routes, swarm routes, and OpenAI-shaped errors.
 
 A request belongs to an episode through its bearer key (or the path form
-`/episodes/{id}/v1/...` for clients that cannot set one); its tokens are then recorded on that
+`/episodes/{secret}/v1/...`, the secret derived from the key, for clients that cannot set one;
+never the bare episode id, see `core.auth`); its tokens are then recorded on that
 episode. Requests without a key are served, unrecorded, only when the server allows anonymous use.
 No input a client can send reaches a bare 500: validation, template, context and episode errors all
 map to OpenAI-style JSON. The gateway renders and records; engines generate, the registry keeps books.
@@ -22,11 +23,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from core.auth import bearer
 from core.chat import TemplateError
 from core.engine import Generation, SamplingParams
 from core.episodes import KEY_PREFIX, EpisodeError
 from core.records import Call, Episode
 from core.server import Policy, Server
+from core.swarm_api import swarm_router
 from core.wire import ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
@@ -87,31 +90,31 @@ def build_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def list_models():
         now = int(server.throughput.started)
-        data = [{"id": n, "object": "model", "created": now, "owned_by": "swarmrl"} for n in server.policies]
+        # max_model_len as vLLM reports it: clients (the researcher's planner) fit requests to the context
+        data = [{"id": n, "object": "model", "created": now, "owned_by": "swarmrl", "max_model_len": p.engine.max_context}
+                for n, p in server.policies.items()]
         return {"object": "list", "data": data}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         return await gw.chat(body, gw.episode_from_key(request))
 
-    @app.post("/episodes/{episode_id}/v1/chat/completions")
-    async def chat_path(episode_id: str, body: ChatRequest):
-        return await gw.chat(body, server.registry.get_open(episode_id))
+    @app.post("/episodes/{secret}/v1/chat/completions")
+    async def chat_path(secret: str, body: ChatRequest):
+        return await gw.chat(body, server.registry.by_path(secret))
 
     @app.post("/v1/completions")
     async def complete(body: CompletionRequest, request: Request):
         return await gw.complete(body, gw.episode_from_key(request))
 
-    @app.post("/episodes/{episode_id}/v1/completions")
-    async def complete_path(episode_id: str, body: CompletionRequest):
-        return await gw.complete(body, server.registry.get_open(episode_id))
+    @app.post("/episodes/{secret}/v1/completions")
+    async def complete_path(secret: str, body: CompletionRequest):
+        return await gw.complete(body, server.registry.by_path(secret))
 
-    @app.get("/episodes/{episode_id}/v1/models")
-    async def list_models_path(episode_id: str):
-        server.registry.get_open(episode_id)
+    @app.get("/episodes/{secret}/v1/models")
+    async def list_models_path(secret: str):
+        server.registry.by_path(secret)
         return await list_models()
-
-    from core.swarm_api import swarm_router
 
     app.include_router(swarm_router(server), prefix="/swarm/v1")
     return app
@@ -122,8 +125,7 @@ class _Gateway:
         self.server = server
 
     def episode_from_key(self, request: Request) -> Episode | None:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        key = bearer(request)
         if key.startswith(KEY_PREFIX):
             return self.server.registry.by_key(key)
         if not self.server.cfg.server.allow_anonymous:
@@ -133,7 +135,8 @@ class _Gateway:
     def policy(self, name: str) -> Policy:
         policy = self.server.policies.get(name)
         if policy is None:
-            raise APIError(404, f"model {name!r} is not served here; see /v1/models", "model_not_found")
+            raise APIError(404, f"model {name!r} is not served here; served: {sorted(self.server.policies)}",
+                           "model_not_found")
         return policy
 
     def sampling(self, body, policy: Policy, prompt_len: int, requested: int | None) -> list[SamplingParams]:
@@ -205,7 +208,7 @@ class _Gateway:
         return Call(
             model=policy.name, version=gen.version, messages=messages, prompt_ids=rendered.prompt_ids,
             completion_ids=gen.token_ids, completion_logprobs=gen.logprobs, finish_reason=gen.finish_reason,
-            reused_prefix=rendered.reused_prefix, reply=reply,
+            temperature=gen.temperature, top_p=gen.top_p, reused_prefix=rendered.reused_prefix, reply=reply,
         )
 
     async def complete(self, body: CompletionRequest, episode: Episode | None):
@@ -226,7 +229,8 @@ class _Gateway:
             text = self.text_of(policy, gen)
             self.record(episode, Call(
                 model=policy.name, version=gen.version, prompt_ids=prompt_ids, completion_ids=gen.token_ids,
-                completion_logprobs=gen.logprobs, finish_reason=gen.finish_reason,
+                completion_logprobs=gen.logprobs, finish_reason=gen.finish_reason, temperature=gen.temperature,
+                top_p=gen.top_p,
             ))
             prefix = policy.tokenizer.decode(prompt_ids) if body.echo else ""
             lp = None

@@ -90,9 +90,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SWARMRL_CACHE", Path.home() / ".cache" / "swarmrl"))
 
 
+def resolve_device(device: str) -> torch.device:
+    """`auto` is CUDA when a GPU is visible, else the CPU; other names are taken as they are."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU")
+    return resolved
+
+
+def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """The configured dtype, else bfloat16 on a GPU (half the memory, native matmuls) and float32 on
+    CPU (bfloat16 matmuls are slow on most CPUs, and fp32 keeps the engine/trainer logprobs equal)."""
+    if cfg.dtype is not None:
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def load(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """Build or load the model and tokenizer a ModelConfig names, in eval mode."""
-    dtype = getattr(torch, cfg.dtype)
+    """Build or load the model and tokenizer a ModelConfig names, on its device, in eval mode."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg, device)
     if cfg.source == "tiny":
         model, tok = build_tiny(seed=cfg.seed)
     elif cfg.source == "smollm2-135m":
@@ -103,7 +122,7 @@ def load(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
         if not (folder / "config.json").is_file():
             raise ValueError(f"model source {cfg.source!r} is neither a preset ({', '.join(PRESETS)}) nor a HF folder")
         model, tok = _load_folder(folder, dtype)
-    model = model.to(dtype)
+    model = model.to(device=device, dtype=dtype)
     model.eval()
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

@@ -23,7 +23,10 @@ class Call(BaseModel):
     messages: list[dict[str, Any]] = Field(default_factory=list)  # request messages ([] for /v1/completions)
     prompt_ids: list[int]  # exact ids fed to the engine, template included
     completion_ids: list[int]  # exact ids the engine sampled, EOS included if it stopped on EOS
-    completion_logprobs: list[float]  # behaviour logprob of each completion id (temperature 1 policy)
+    # Behaviour logprob of each completion id under softmax(logits / temperature): what sampled it.
+    completion_logprobs: list[float]
+    temperature: float = 1.0  # the logprobs' temperature; the trainer scores this call's tokens at it
+    top_p: float = 1.0  # nucleus mass kept when sampling (< 1: the logprobs ignore the truncation)
     finish_reason: str = "stop"
     reused_prefix: int = 0  # leading prompt ids copied from an earlier call (token-in-token-out)
     reply: dict[str, Any] | None = None  # the assistant message returned to the client
@@ -42,7 +45,8 @@ class Episode(BaseModel):
     state: EpisodeState = "open"
     opened_at: float
     lease_expires_at: float
-    opened_versions: dict[str, int] = Field(default_factory=dict)  # model -> version at open
+    opened_versions: dict[str, int] = Field(default_factory=dict)  # model -> version at open (staleness reads the calls')
+    ended_at: float | None = None  # when it finished, aborted or expired
     calls: list[Call] = Field(default_factory=list)
     reward: dict[str, float] | None = None  # model -> reward, set by finish
     metrics: dict[str, float] = Field(default_factory=dict)

@@ -4,14 +4,22 @@ This is the one file that holds the whole RL loop:
 
     start the server (policies behind the gateway) and the configured clients
     repeat `trainer.steps` times:
-        wait for `batch_groups` ready groups (episodes that clients finished)
-        for each trainable policy: pause + drain its engine, one trainer step, version + 1, resume
-        log metrics and a few trajectories to MLflow; checkpoint every N steps
+        wait for `batch_groups` ready groups (episodes that clients finished; admission control
+            refuses new groups beyond what the staleness budget can train, so none is wasted)
+        for each trainable policy, one trainer step (prepare, backward, apply):
+            on-policy (max_staleness 0): hold new generations, drain, step, resume
+            overlapped (max_staleness >= 1): keep generating; swap weights between two decode steps
+            the version goes up only if the weights changed (not on zero advantages, skips, errors)
+        log metrics (`time/*` breakdown, `episodes/wasted_frac`) and a few trajectories to MLflow;
+        checkpoint every N steps
     checkpoint, stop clients, stop the server
 
-Colocated weight sync is just the pause: engine and trainer share the same module, so the new
-weights are live the moment the engine resumes. Ctrl-C (or `/admin/shutdown`) stops after the
-current step with a checkpoint.
+Colocated weight sync is just the pause or the swap: engine and trainer share the same module, so
+the new weights are live at the next decode step. Any exception in a step is logged with the step;
+the engine always resumes and the run goes on. A checkpoint never interleaves with a step.
+`/admin/shutdown` (and Ctrl-C or SIGTERM, through `core.entrypoints`) stops after the current step.
+The processes around this loop (`swarm run`, `swarm serve`: resume, signals, the MLflow run's final
+status) live in `core.entrypoints`.
 """
 
 from __future__ import annotations
@@ -23,14 +31,13 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
-
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from core import checkpoint
-from core.config import RunConfig, flatten
-from core.sandbox import load_agent, run_agent
+from core.config import RunConfig
+from core.episodes import Batch
+from core.records import Episode
+from core.runner import run_agent
+from core.sandbox import load_agent
 from core.server import Server
 from core.telemetry import Telemetry
 from core.train.trainer import Trainer, seed_everything
@@ -53,7 +60,11 @@ class CoreRun:
         }
         self.step = 0
         self.stop = threading.Event()
+        self._step_lock = threading.RLock()  # a checkpoint (also `/admin/checkpoint`) never interleaves with a step
+        if self.trainers:
+            self.server.registry.admit_within(cfg.trainer.max_staleness)
         self.telemetry: Telemetry | None = None
+        self.failure: BaseException | None = None  # what ended the run early (local clients crashed), if anything
         self.server.on_checkpoint = self.checkpoint
         self.server.on_shutdown = self.stop.set
         self._clients_stop: asyncio.Event | None = None
@@ -63,11 +74,12 @@ class CoreRun:
         self._last = (time.time(), 0)  # (time, completion tokens served) at the previous step
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def resume(self) -> None:
+    def resume(self) -> checkpoint.Checkpoint | None:
+        """Restore the latest checkpoint, if any; returns it (its `mlflow` names the run to reopen)."""
         ckpt = checkpoint.load_latest(self.cfg.trainer.checkpoint_dir)
         if ckpt is None:
             log.info("no checkpoint under %s; starting fresh", self.cfg.trainer.checkpoint_dir)
-            return
+            return None
         checkpoint.restore(ckpt, self.trainers)
         for name, version in ckpt.versions.items():
             if name in self.server.policies:
@@ -76,12 +88,16 @@ class CoreRun:
         self.server.registry.restore(ckpt.buffered)
         self.step = ckpt.step
         log.info("resumed from %s at step %d with %d buffered groups", ckpt.path, ckpt.step, len(ckpt.buffered))
+        return ckpt
 
     def checkpoint(self) -> str:
-        path = checkpoint.save(
-            self.cfg.trainer.checkpoint_dir, self.step, self.trainers, self.server.registry.buffered(),
-            self.server.versions(), self.cfg.model_dump(), keep=self.cfg.trainer.keep_checkpoints,
-        )
+        t = self.telemetry
+        with self._step_lock:
+            path = checkpoint.save(
+                self.cfg.trainer.checkpoint_dir, self.step, self.trainers, self.server.registry.buffered(),
+                self.server.versions(), self.cfg.model_dump(), keep=self.cfg.trainer.keep_checkpoints,
+                mlflow=checkpoint.MlflowRun(run_id=t.run_id, tracking_uri=t.store_uri) if t is not None else None,
+            )
         log.info("checkpoint written to %s", path)
         return str(path)
 
@@ -115,8 +131,10 @@ class CoreRun:
 
         try:
             asyncio.run(main())
-        except Exception:
+        except Exception as e:  # no client is left to feed the trainer: end the run as failed, not hung
             log.exception("local clients crashed")
+            self.failure = e
+            self.stop.set()
         finally:
             ready.set()
 
@@ -137,31 +155,19 @@ class CoreRun:
     def train(self, on_step=None) -> None:
         """Train until `trainer.steps` steps are done or `stop` is set."""
         registry = self.server.registry
+        idle_since = time.perf_counter()  # the trainer waits for groups from here
         while self.step < self.cfg.trainer.steps and not self.stop.is_set():
             batch = registry.take_batch(self.server.versions(), self.cfg.trainer.max_staleness)
             if batch is None:
                 self.stop.wait(BATCH_POLL_S)
                 continue
-            metrics: dict[str, float] = {"episodes/stale_dropped": float(batch.dropped_stale)}
-            for name, trainer in self.trainers.items():
-                policy = self.server.policies[name]
-                groups = [g for g in ([e for e in group if e.calls_of(name)] for group in batch.groups) if g]
-                if not groups:
-                    continue
-                policy.engine.pause_blocking()  # drain in-flight generations; new ones queue (latency, not errors)
-                try:
-                    step_metrics = trainer.step(groups)
-                except ValueError as e:  # a malformed episode: skip this batch for this model, keep the run
-                    log.error("step %d of %s skipped: %s", self.step + 1, name, e)
-                    policy.engine.resume()
-                    metrics[f"{name}/train/failed"] = 1.0
-                    continue
-                policy.engine.resume(policy.version + 1)
-                policy.step += 1
-                prefix = "" if len(self.trainers) == 1 else f"{name}/"
-                metrics.update({prefix + k: v for k, v in step_metrics.items()})
-            self.step += 1
-            metrics.update(self._rollout_metrics(len(batch.episodes)))
+            taken = time.perf_counter()
+            with self._step_lock:
+                metrics = self._train_batch(batch)
+                self.step += 1
+            metrics["time/wait_groups_s"] = taken - idle_since
+            metrics["time/step_s"] = time.perf_counter() - idle_since
+            metrics.update(self._rollout_metrics(batch))
             if self.telemetry is not None:
                 self.telemetry.log(self.step, metrics)
                 self.telemetry.log_trajectories(self.step, batch.episodes)
@@ -169,18 +175,84 @@ class CoreRun:
                 self.checkpoint()
             if on_step is not None:
                 on_step(self.step, metrics)
+            idle_since = time.perf_counter()
 
-    def _rollout_metrics(self, trained: int) -> dict[str, float]:
+    def _train_batch(self, batch: Batch) -> dict[str, float]:
+        """One step of every trainable policy that served the batch; the weight-sync mode per policy."""
+        plan = {name: [g for g in ([e for e in group if e.calls_of(name)] for group in batch.groups) if g]
+                for name in self.trainers}
+        overlap = {name: self.cfg.trainer.max_staleness >= 1 and self.trainers[name].overlap_safe for name in plan}
+        for name, groups in plan.items():
+            if groups and not overlap[name]:
+                # At once, before anything else: a call that arrives from now on waits for this step's
+                # weights, so an episode admitted in the room this batch leaves is not stale on arrival.
+                self.server.policies[name].engine.hold()
+            elif groups:
+                self.server.registry.step_started()
+        metrics: dict[str, float] = {"episodes/stale_dropped": float(batch.dropped_stale), "time/train_s": 0.0,
+                                     "time/sync_s": 0.0}
+        for name, groups in plan.items():
+            if groups:
+                prefix = "" if len(self.trainers) == 1 else f"{name}/"
+                step_metrics = self._step_policy(name, groups, overlap[name], metrics)
+                metrics.update({prefix + k: v for k, v in step_metrics.items()})
+        return metrics
+
+    def _step_policy(
+        self, name: str, groups: list[list[Episode]], overlap: bool, timing: dict[str, float]
+    ) -> dict[str, float]:
+        """prepare -> backward -> apply for one policy. The engine always resumes and the version goes up
+        only when the weights changed; an exception is logged with the step and the run goes on."""
+        trainer, policy = self.trainers[name], self.server.policies[name]
+        started, synced, updated = time.perf_counter(), 0.0, False
+        try:
+            prepared = trainer.prepare(groups)
+            if not prepared.needs_update:
+                trainer.apply(prepared)  # counts the step; nothing can change, so nothing waits
+            elif overlap:
+                trainer.backward(prepared)  # generation goes on meanwhile
+                swap_started = time.perf_counter()
+                applied = []
+                updated = policy.engine.swap_weights(lambda: _timed(applied, trainer.apply, prepared))
+                synced = time.perf_counter() - swap_started - sum(applied)
+            else:
+                drain_started = time.perf_counter()
+                policy.engine.pause_blocking()  # held since the batch was taken: wait for rows in flight
+                synced = time.perf_counter() - drain_started
+                trainer.backward(prepared)
+                updated = trainer.apply(prepared)
+            policy.step += 1
+            return trainer.metrics(prepared)
+        except Exception:
+            log.exception("step %d of %s failed; its weights and version are unchanged", self.step + 1, name)
+            trainer.discard()
+            return {"train/failed": 1.0}
+        finally:
+            if overlap:
+                self.server.registry.step_synced()
+            else:
+                policy.engine.resume(policy.version + 1 if updated else None)
+            timing["time/sync_s"] += synced
+            timing["time/train_s"] += time.perf_counter() - started - synced
+
+    def _rollout_metrics(self, batch: Batch) -> dict[str, float]:
         now, tokens = time.time(), self.server.throughput.completion_tokens
         then, then_tokens = self._last
         self._last = (now, tokens)
         dt = max(now - then, 1e-9)
         counters = self.server.registry.counters
+        episodes = batch.episodes
         out = {
-            "rollout/episodes_per_s": trained / dt,
+            "rollout/episodes_per_s": len(episodes) / dt,
             "rollout/tokens_per_s": (tokens - then_tokens) / dt,
+            # Wall time from the batch's first open to its last finish (overlaps the previous step).
+            "time/rollout_s": max(e.ended_at or now for e in episodes) - min(e.opened_at for e in episodes),
             "episodes/aborted": float(counters["aborted"]),
             "episodes/expired": float(counters["expired"]),
+            "episodes/refused": float(counters["refused"]),
+            # Of the train episodes that generated anything so far, those never trained (stale, or
+            # aborted/expired after generating).
+            "episodes/wasted_frac": counters["wasted"] / max(counters["generated"], 1),
         }
         by_sandbox: dict[str, list[float]] = {}
         for ep in self.server.registry.take_eval():
@@ -191,71 +263,14 @@ class CoreRun:
         return out
 
 
+def _timed(spent: list[float], fn, *args):
+    """Call `fn(*args)` and append the seconds it took to `spent` (time inside a weight swap)."""
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        spent.append(time.perf_counter() - start)
+
+
 def _lora(cfg: RunConfig, name: str) -> bool:
     return next(m for m in cfg.models if m.name == name).lora is not None
-
-
-def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, progress: bool = True) -> int:
-    """`swarm run`: returns the process exit code (0 done, 130 interrupted, 1 failed)."""
-    core = CoreRun(cfg)
-    tags = {"swarmrl.kind": "core-run", **cfg.telemetry.tags}
-    core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), tags)
-    if run_id_file is not None:
-        Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(run_id_file).write_text(core.telemetry.run_id)
-    if resume:
-        core.resume()
-    previous = signal.signal(signal.SIGINT, lambda *_: core.stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: core.stop.set())
-    status, code = "FAILED", 1
-    try:
-        core.server.start()
-        log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
-        core.start_clients()
-        if progress:
-            with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
-                core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
-        else:
-            core.train(on_step=lambda step, m: log.info("step %d reward %.3f", step, m.get("reward/mean", float("nan"))))
-        interrupted = core.stop.is_set() and core.step < cfg.trainer.steps
-        status, code = ("KILLED", 130) if interrupted else ("FINISHED", 0)
-        core.checkpoint()
-    except Exception:
-        log.exception("core run failed")
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        core.stop_clients()
-        core.server.stop()
-        core.telemetry.close(status)
-    return code
-
-
-def serve(cfg: RunConfig, train: bool) -> None:
-    """`swarm serve`: the server in the foreground; with `train`, a trainer thread consumes finished groups."""
-    server = Server(cfg)
-    if train:
-        core = CoreRun(cfg, server)
-        core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
-        thread = threading.Thread(target=core.train, daemon=True, name="trainer")
-        thread.start()
-        try:
-            server.serve_forever()
-        finally:
-            core.stop.set()
-            thread.join(timeout=60)
-            core.telemetry.close("FINISHED")
-    else:
-        server.serve_forever()
-
-
-@contextmanager
-def _progress_bar(total: int, done: int):
-    columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("reward {task.fields[reward]}"),
-               TextColumn("{task.fields[eps]} ep/s"), TextColumn("ETA"), TimeRemainingColumn())
-    with Progress(*columns) as bar:
-        yield bar, bar.add_task("train", total=total, completed=done, reward="-", eps="-")
-
-
-def _progress_fields(m: dict[str, float]) -> dict[str, str]:
-    return {"reward": f"{m.get('reward/mean', float('nan')):.3f}", "eps": f"{m.get('rollout/episodes_per_s', 0):.1f}"}
-

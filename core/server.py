@@ -22,6 +22,7 @@ import uvicorn
 
 from core import models
 from core.chat import ChatRenderer
+from core.auth import masked
 from core.config import RunConfig
 from core.engine import Engine, make_engine
 from core.episodes import Registry
@@ -110,7 +111,7 @@ class Server:
     def serve_forever(self) -> None:
         """Serve in the foreground until interrupted (`swarm serve`)."""
         self._uvicorn = self._uvicorn_server()
-        log.info("serving %s at %s (admin token: %s)", ", ".join(self.policies), self.url, self.admin_token)
+        log.info("serving %s at %s (admin token %s)", ", ".join(self.policies), self.url, masked(self.admin_token))
         try:
             self._uvicorn.run()
         finally:
@@ -127,6 +128,11 @@ class Server:
                 raise RuntimeError(f"server did not start on {self.url}")
             time.sleep(0.02)
         return self.url
+
+    def request_exit(self) -> None:
+        """Ask the serving uvicorn to shut down gracefully; safe from any thread, `serve_forever` then returns."""
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
 
     def stop(self) -> None:
         if self._uvicorn is not None:

@@ -1,27 +1,34 @@
 """The swarm routes under `/swarm/v1`: open, heartbeat, finish, abort, status, admin.
 
 Finishing is idempotent: the same body again returns the same answer, a different body is a 409.
-Admin routes need the server's admin token. These handlers translate HTTP into registry calls and
-back; the rules themselves live in `core.episodes`.
+Heartbeat, finish and abort need the episode's key as bearer (401 otherwise, and nothing changes);
+admin routes need the server's admin token. An open refused by admission control waits here for
+room (the trainer taking its batch) for up to `ADMISSION_HOLD_S` before it is answered 503 +
+Retry-After, so a client is not left asleep for a whole second after room opened. These handlers
+translate HTTP into registry calls and back; the rules themselves live in `core.episodes`.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 
 from fastapi import APIRouter, Request
 
+from core.auth import bearer, same_secret
 from core.episodes import EpisodeError
 from core.server import Server
 from core.wire import AbortEpisode, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode
 
 log = logging.getLogger(__name__)
 
+# How long an open refused by admission control is held server-side, polling for room, before its
+# 503. Room opens when the trainer takes a batch; Retry-After has whole-second resolution only.
+ADMISSION_HOLD_S = 2.0
+ADMISSION_POLL_S = 0.02
+
 
 def swarm_router(server: Server) -> APIRouter:
-    from core.gateway import APIError
-
     router = APIRouter()
     registry = server.registry
 
@@ -30,23 +37,37 @@ def swarm_router(server: Server) -> APIRouter:
 
     @router.post("/episodes", response_model=EpisodeOpened)
     async def open_episode(body: OpenEpisode, request: Request):
-        ep, key = registry.open(body, server.versions())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ADMISSION_HOLD_S
+        while True:
+            try:
+                ep, key = registry.open(body, server.versions())
+                break
+            except EpisodeError as e:
+                if e.code != "admission" or loop.time() >= deadline:
+                    if e.code == "admission":
+                        registry.note_refused()
+                    raise
+            await asyncio.sleep(ADMISSION_POLL_S)
         base = str(request.base_url).rstrip("/")
-        return EpisodeOpened(episode_id=ep.id, api_key=key, base_url=f"{base}/episodes/{ep.id}/v1",
+        return EpisodeOpened(episode_id=ep.id, api_key=key, base_url=f"{base}/episodes/{registry.path_of(ep.id)}/v1",
                              lease_expires_at=ep.lease_expires_at, model_versions=ep.opened_versions)
 
     @router.post("/episodes/{episode_id}/heartbeat", response_model=EpisodeState)
-    async def heartbeat(episode_id: str):
+    async def heartbeat(episode_id: str, request: Request):
+        registry.authorize(episode_id, bearer(request))
         return state_of(registry.heartbeat(episode_id))
 
     @router.post("/episodes/{episode_id}/finish", response_model=EpisodeState)
-    async def finish(episode_id: str, body: FinishEpisode):
+    async def finish(episode_id: str, body: FinishEpisode, request: Request):
+        registry.authorize(episode_id, bearer(request))
         ep = registry.get_open(episode_id) if not _ended_finished(registry, episode_id) else None
         rewards = _rewards(server, body.reward, ep)
         return state_of(registry.finish(episode_id, rewards, body.model_dump(exclude_none=True)))
 
     @router.post("/episodes/{episode_id}/abort", response_model=EpisodeState)
-    async def abort(episode_id: str, body: AbortEpisode | None = None):
+    async def abort(episode_id: str, request: Request, body: AbortEpisode | None = None):
+        registry.authorize(episode_id, bearer(request))
         return state_of(registry.abort(episode_id, body.reason if body else ""))
 
     @router.get("/status")
@@ -54,10 +75,9 @@ def swarm_router(server: Server) -> APIRouter:
         return server.status()
 
     def admin(request: Request) -> None:
-        auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-admin-token", "")
-        if not token or not hmac.compare_digest(token, server.admin_token):
-            raise APIError(401, "admin routes need the admin token", "invalid_admin_token")
+        token = bearer(request) or request.headers.get("x-admin-token", "")
+        if not same_secret(token, server.admin_token):
+            raise EpisodeError(401, "admin routes need the admin token", "invalid_admin_token")
 
     @router.post("/admin/pause")
     async def pause(request: Request):
@@ -75,8 +95,7 @@ def swarm_router(server: Server) -> APIRouter:
     async def checkpoint(request: Request):
         admin(request)
         if server.on_checkpoint is None:
-            raise APIError(409, "this server has no trainer to checkpoint", "no_trainer")
-        import asyncio
+            raise EpisodeError(409, "this server has no trainer to checkpoint", "no_trainer")
 
         return {"path": await asyncio.to_thread(server.on_checkpoint)}
 
@@ -103,12 +122,11 @@ def _ended_finished(registry, episode_id: str) -> bool:
 
 
 def _rewards(server: Server, reward: float | dict[str, float], ep) -> dict[str, float]:
-    from core.gateway import APIError
-
     if isinstance(reward, dict):
         unknown = sorted(set(reward) - set(server.policies))
         if unknown:
-            raise APIError(400, f"reward names unknown models {unknown}; served: {sorted(server.policies)}", "invalid_reward")
+            raise EpisodeError(400, f"reward names unknown models {unknown}; served: {sorted(server.policies)}",
+                               "invalid_reward")
         return dict(reward)
     called = sorted({c.model for c in ep.calls}) if ep is not None else []
     return {m: float(reward) for m in (called or server.policies)}

@@ -3,8 +3,8 @@
 Every call of the episode is inserted into a token prefix tree (trie): a node is one token at one
 position of one context, so calls that share a token prefix share nodes, and a token that several
 calls re-present (token-in-token-out) is stored once. A node is *generated* when some call sampled
-that token there; it then carries the behaviour logprob and the weight version of the first call
-that did. Three merge modes read the same trie:
+that token there; it then carries the behaviour logprob, the sampling temperature that logprob is
+of, and the weight version of the first call that did. Three merge modes read the same trie:
 
 - ``none``: one sample per call, prompt + completion, loss on the completion (the baseline).
 - ``linear``: one sample per leaf path. A call whose sequence is a prefix of another's folds into
@@ -59,6 +59,9 @@ class Sample:
     advantage: float = 0.0  # set by the trainer from the episode's group
     weight: float = 1.0  # per-sample loss weight (episode weighting)
     min_version: int | None = None  # oldest weight version that generated a masked token
+    # Temperature each token's behaviour logprob is of, so the trainer scores it the same way;
+    # 1.0 off the mask. None means 1.0 everywhere.
+    temperatures: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -69,6 +72,10 @@ class Sample:
         }
         if self.parents is not None:
             lengths["parents"] = len(self.parents)
+        if self.temperatures is not None:
+            lengths["temperatures"] = len(self.temperatures)
+            if any(not t > 0 for t in self.temperatures):
+                raise ValueError("sample temperatures must be positive")
         bad = {k: v for k, v in lengths.items() if v != n}
         if bad:
             raise ValueError(f"sample has {n} input_ids but mismatched lengths {bad}")
@@ -102,6 +109,7 @@ class _Trie:
     masked: list[bool] = field(default_factory=lambda: [False])
     logprob: list[float] = field(default_factory=lambda: [0.0])
     version: list[int] = field(default_factory=lambda: [_NO_VERSION])
+    temperature: list[float] = field(default_factory=lambda: [1.0])
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
     def insert(self, call: Call) -> None:
@@ -119,6 +127,7 @@ class _Trie:
                 self.masked.append(False)
                 self.logprob.append(0.0)
                 self.version.append(_NO_VERSION)
+                self.temperature.append(1.0)
                 self.children.append({})
             # The first call to sample this token here owns its logprob; a prompt that merely
             # re-presents it (or a later identical sample) does not change it. Roots (depth 0)
@@ -127,6 +136,7 @@ class _Trie:
                 self.masked[child] = True
                 self.logprob[child] = call.completion_logprobs[k - n_prompt]
                 self.version[child] = call.version
+                self.temperature[child] = call.temperature
             node = child
 
     def useful(self) -> list[bool]:
@@ -168,6 +178,10 @@ def _validate(calls: Sequence[Call]) -> None:
             )
         if not all(math.isfinite(lp) for lp in call.completion_logprobs):
             raise ValueError(f"call {i}: completion logprobs must be finite (a NaN or inf would poison the loss)")
+        if not (math.isfinite(call.temperature) and call.temperature > 0):
+            raise ValueError(
+                f"call {i}: temperature {call.temperature} is not a positive number (greedy calls record 1.0)"
+            )
 
 
 def _build_trie(calls: Sequence[Call]) -> _Trie:
@@ -197,6 +211,7 @@ def _unmerged(calls: Sequence[Call], episode_id: str) -> list[Sample]:
                 position_ids=list(range(len(ids))),
                 episode_id=episode_id,
                 min_version=call.version,
+                temperatures=[call.temperature if m else 1.0 for m in mask],
             )
         )
     return samples
@@ -228,6 +243,7 @@ def _linear(trie: _Trie, episode_id: str) -> list[Sample]:
                 position_ids=list(range(len(path))),
                 episode_id=episode_id,
                 min_version=_min_version(trie, [n for n, m in zip(path, mask) if m]),
+                temperatures=[trie.temperature[n] if m else 1.0 for n, m in zip(path, mask)],
             )
         )
     return samples
@@ -247,6 +263,7 @@ def _tree(trie: _Trie, episode_id: str) -> list[Sample]:
             parents=[packed_index.get(trie.parent[n], -1) for n in order],
             episode_id=episode_id,
             min_version=_min_version(trie, order),
+            temperatures=[trie.temperature[n] if trie.masked[n] else 1.0 for n in order],
         )
     ]
 

@@ -23,6 +23,10 @@ from core.config import ConfigError, RunConfig, load_config
 # Units accepted in durations such as `wall_clock: 20m`; days matter because studies run for days.
 _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*$")
+# Seeds per experiment when a brief gives none. `bench/rigor.py` chose it: with 10 seeds a change
+# worth 2 standard deviations of seed noise is found and replicated in >= 90% of simulated
+# studies, while null changes are kept in <= 5%; with 8 detection falls below 0.9 (docs/benchmarks.md).
+DEFAULT_SEEDS = 10
 
 
 class BriefError(ValueError):
@@ -70,6 +74,7 @@ class Budget(_Strict):
     wall_clock: float = 4 * 3600.0  # seconds spent running experiments; time waiting for a human is free
     llm_tokens: int = Field(200_000, ge=0)  # prompt + completion tokens of the llm planner
     max_rounds: int = Field(10, ge=1)  # plan -> launch -> analyze cycles
+    gpu_hours: float | None = Field(None, gt=0)  # sum of run wall time x launch.gpus; None: no limit
 
     @field_validator("wall_clock", mode="before")
     @classmethod
@@ -130,7 +135,35 @@ class RunSpec(_Strict):
 
 class Approval(_Strict):
     config_only: Literal["auto", "human"] = "human"  # auto: approved when it fits the remaining budget
-    code_change: Literal["human"] = "human"  # code changes always need a person; nothing else is accepted
+    # Code changes need a person by default; "auto" approves *validated* code changes within budget.
+    code_change: Literal["auto", "human"] = "human"
+
+
+class CodeSpec(_Strict):
+    """What sandbox code the study may edit, in its own git workspace (researcher/workspace.py)."""
+
+    editable: list[str] = Field(min_length=1)  # project-relative paths copied into the workspace
+    readonly: list[str] = Field(default_factory=list)  # paths inside `editable` no edit may change
+    smoke_model: str | None = None  # model source for the smoke run (e.g. tiny); None: the study's own
+    smoke_episodes: int = Field(4, ge=1)  # debug episodes per edited sandbox; all must finish with finite rewards
+    test_timeout_s: float = Field(120.0, gt=0)  # the sandbox's own tests must pass within this
+    smoke_timeout_s: float = Field(300.0, gt=0)  # server start + smoke episodes must finish within this
+    context_chars: int = Field(6000, ge=0)  # editable file text shown to the llm planner, in characters
+
+    @field_validator("editable", "readonly")
+    @classmethod
+    def _relative(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if Path(path).is_absolute() or ".." in Path(path).parts:
+                raise ValueError(f"{path!r} must be a path relative to the project, without '..'")
+        return [path.rstrip("/") for path in value]
+
+    @model_validator(mode="after")
+    def _readonly_inside(self) -> CodeSpec:
+        for path in self.readonly:
+            if not any(path == e or path.startswith(e + "/") for e in self.editable):
+                raise ValueError(f"readonly path {path!r} is not inside an editable path")
+        return self
 
 
 class HeuristicSettings(_Strict):
@@ -144,6 +177,7 @@ class LlmSettings(_Strict):
     max_retries: int = Field(3, ge=0)  # re-asks after invalid output, each with the error fed back
     temperature: float = Field(0.7, ge=0)
     max_tokens: int = Field(1500, ge=64)  # completion cap per call
+    history_tokens: int = Field(1500, ge=100)  # the history in the prompt is cut to this, best and newest kept
 
 
 class PlannerSettings(_Strict):
@@ -158,16 +192,36 @@ class MonitorSettings(_Strict):
     plateau_min_delta: float = Field(0.0, ge=0)
     collapse_drop: float | None = Field(0.5, gt=0)  # stop if the objective falls this fraction below its best
     divergence_metrics: list[str] = Field(default_factory=lambda: ["train/loss", "reward/mean"])
+    stall_s: float | None = None  # a run that logs no new metric for this long is stopped as `stalled` (e.g. 10m)
+
+    @field_validator("stall_s", mode="before")
+    @classmethod
+    def _stall(cls, value: Any) -> float | None:
+        return None if value is None else parse_duration(value)
 
 
 class ReviewSettings(_Strict):
     poll_s: float = Field(5.0, gt=0)  # how often a waiting study looks for decisions in MLflow
 
 
+class ConfirmSettings(_Strict):
+    """The confirmation round before a recommendation (researcher/confirmation.py)."""
+
+    enabled: bool = True  # off: the search's `better` verdict is recommended unconfirmed, and the report says so
+    seeds: int | None = Field(None, ge=2)  # held-out seeds per arm; None: as many as the search used
+
+
 class LaunchSettings(_Strict):
     command: list[str] | None = None  # None: the `swarm run` next to this Python; a list runs instead
     concurrency: int = Field(1, ge=1)  # core runs at once
     grace_s: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL delay when stopping a run
+    run_timeout: float | None = None  # a run still going after this long is stopped as `timeout` (e.g. 2h)
+    gpus: int = Field(0, ge=0)  # GPUs each run requests; GPU-hours = wall time x gpus (0 on CPU)
+
+    @field_validator("run_timeout", mode="before")
+    @classmethod
+    def _timeout(cls, value: Any) -> float | None:
+        return None if value is None else parse_duration(value)
 
 
 class Brief(_Strict):
@@ -176,12 +230,14 @@ class Brief(_Strict):
     budget: Budget = Field(default_factory=Budget)
     run: RunSpec
     search_space: dict[str, SearchParam] = Field(min_length=1)
-    seeds: list[int] = Field(default_factory=lambda: [0])
+    seeds: list[int] = Field(default_factory=lambda: list(range(DEFAULT_SEEDS)))
     approval: Approval = Field(default_factory=Approval)
     planner: PlannerSettings = Field(default_factory=PlannerSettings)
     monitor: MonitorSettings = Field(default_factory=MonitorSettings)
     review: ReviewSettings = Field(default_factory=ReviewSettings)
     launch: LaunchSettings = Field(default_factory=LaunchSettings)
+    confirm: ConfirmSettings = Field(default_factory=ConfirmSettings)
+    code: CodeSpec | None = None  # None: the study changes configs only
     body: str = ""  # the Markdown after the front matter: background for the llm planner and the report
 
     @field_validator("seeds", mode="before")
@@ -199,6 +255,13 @@ class Brief(_Strict):
         if not value or len(set(value)) != len(value):
             raise ValueError("seeds must be a non-empty list of distinct integers")
         return value
+
+    @model_validator(mode="after")
+    def _code_policy(self) -> Brief:
+        if self.approval.code_change == "auto" and self.code is None:
+            raise ValueError("approval.code_change: auto approves validated code changes, but the brief has no "
+                             "code: section naming what may be edited")
+        return self
 
     def config_params(self) -> dict[str, RangeParam | ChoiceParam]:
         return {k: v for k, v in self.search_space.items() if not isinstance(v, CodeArea)}
@@ -257,7 +320,13 @@ def _line_of(node: yaml.Node | None, loc: tuple[Any, ...], first_line: int) -> i
 
 
 def _check_against_config(brief: Brief, workdir: Path, lines: _LineFinder) -> None:
-    """Every config key the brief touches must exist in the core's run config."""
+    """Every config key the brief touches must exist in the core's run config; code paths must exist."""
+    for i, path in enumerate(brief.code.editable if brief.code else []):
+        if not (workdir / path).exists():
+            raise BriefError(f"{lines('code', 'editable', i)}code.editable: {path} does not exist in {workdir}")
+    for i, path in enumerate(brief.code.readonly if brief.code else []):
+        if not (workdir / path).exists():
+            raise BriefError(f"{lines('code', 'readonly', i)}code.readonly: {path} does not exist in {workdir}")
     try:
         brief.resolve_config(workdir)
     except ConfigError as e:

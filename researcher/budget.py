@@ -3,7 +3,8 @@
 Runs and trainer steps are counted when a run is launched, at the steps it was asked for, so the
 count is the same whether or not the study was interrupted. Wall-clock counts the time between a
 round's first launch and its last run ending: time spent waiting for a person is free. Tokens are
-what the llm planner's endpoint reported. This module computes; it stops nothing itself.
+what the llm planner's endpoint reported. GPU-hours are each launched run's wall time times the
+GPUs the brief says a run requests (`launch.gpus`; 0 on CPU). This module computes; it stops nothing itself.
 """
 
 from __future__ import annotations
@@ -24,16 +25,21 @@ class Spent:
     steps: int
     tokens: int
     wall_s: float
+    gpu_hours: float = 0.0  # sum over launched runs of their wall time x the GPUs each requests
 
     @classmethod
-    def of(cls, state: dict[str, Any], now: float | None = None) -> Spent:
+    def of(cls, state: dict[str, Any], now: float | None = None, gpus: int = 0) -> Spent:
+        """What `state` has spent; `gpus` is the brief's `launch.gpus` (GPUs per run)."""
         launches = [Launch.model_validate(x) for x in state.get("launches", [])]
         launched = [x for x in launches if x.status in LAUNCHED]
         wall = float(state.get("compute_s", 0.0))
         if state.get("round_started"):
             wall += (now or time.time()) - float(state["round_started"])
+        clock = now or time.time()
+        run_s = sum((x.ended_at or clock) - x.started_at for x in launched if x.started_at)
         return cls(runs=len(launched), steps=sum(x.steps for x in launched),
-                   tokens=int(state.get("tokens_used", 0)), wall_s=wall)
+                   tokens=int(state.get("tokens_used", 0)), wall_s=wall,
+                   gpu_hours=run_s * gpus / 3600.0)
 
     def left(self, brief: Brief) -> tuple[int, int, int]:
         """(runs, steps, tokens) still available."""
@@ -50,6 +56,8 @@ class Spent:
             return f"budget: {self.steps} of {b.max_total_steps} trainer steps used"
         if self.wall_s >= b.wall_clock:
             return f"budget: {self.wall_s:.0f} s of {b.wall_clock:.0f} s wall-clock used"
+        if b.gpu_hours is not None and self.gpu_hours >= b.gpu_hours:
+            return f"budget: {self.gpu_hours:.2f} of {b.gpu_hours:g} GPU-hours used"
         if llm and self.tokens >= b.llm_tokens:
             return f"budget: {self.tokens} of {b.llm_tokens} LLM tokens used"
         return None
@@ -59,4 +67,5 @@ class Spent:
         b = brief.budget
         return [("runs", str(self.runs), str(b.max_runs)), ("trainer steps", str(self.steps), str(b.max_total_steps)),
                 ("wall-clock (s)", f"{self.wall_s:.0f}", f"{b.wall_clock:.0f}"),
-                ("LLM tokens", str(self.tokens), str(b.llm_tokens))]
+                ("LLM tokens", str(self.tokens), str(b.llm_tokens)),
+                ("GPU-hours", f"{self.gpu_hours:.2f}", "-" if b.gpu_hours is None else f"{b.gpu_hours:g}")]

@@ -9,6 +9,7 @@ and turns every known error into one clear line and exit code 2.
 from __future__ import annotations
 
 import getpass
+import json
 import logging
 import os
 import signal
@@ -26,14 +27,13 @@ from rich.logging import RichHandler
 from core.config import ConfigError, flatten
 from researcher.brief import BriefError
 from researcher.budget import Spent
+from researcher.code_cli import checkout, diff, print_diff, propose, show
 from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table
-from researcher.launcher import stop_all
+from researcher.lazy import lazy_module
 from researcher.planner import PlannerError, choose_planner
 from researcher.records import Decision
-from researcher.report import best_result, write_report
-from researcher.review import ReviewError
-from researcher.runner import Outcome, new_study, open_board, read_state, run_study, study_brief
 from researcher.store import StudyError, StudyMeta, StudyPaths, list_studies, load_meta, owner_pid, study_paths
+from researcher.views import status_json
 
 # How long `stop` waits for the study process to release its lock after SIGTERM.
 _STOP_WAIT_S = 30.0
@@ -42,7 +42,17 @@ app = typer.Typer(help="Automated research studies around swarmrl core runs.", n
 study_app = typer.Typer(help="Start and manage studies.", no_args_is_help=True)
 app.add_typer(study_app, name="study")
 console = Console()
-KNOWN_ERRORS = (BriefError, StudyError, ReviewError, PlannerError, ConfigError)
+# The study runtime (LangGraph, MLflow) loads with the first command that uses it, so `--help`
+# answers without it (bench/startup.py). Errors that print as one line and exit 2 are looked up
+# when one is raised: `except` evaluates its tuple only then, and reviews.ReviewError needs MLflow.
+runner = lazy_module("researcher.runner")
+reports = lazy_module("researcher.report")
+launcher = lazy_module("researcher.launcher")
+reviews = lazy_module("researcher.review")
+
+
+def _known_errors() -> tuple[type[Exception], ...]:
+    return (BriefError, StudyError, reviews.ReviewError, PlannerError, ConfigError)
 
 
 @app.callback()
@@ -76,13 +86,13 @@ def _drive(paths: StudyPaths, wait: bool) -> None:
     printer = StudyConsole(console, name)
     signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
-        outcome: Outcome = run_study(paths, printer, wait_for_review=wait)
+        outcome = runner.run_study(paths, printer, wait_for_review=wait)
     except KeyboardInterrupt:
         printer.close()
         console.print(f"[yellow]study {name} paused[/yellow]; its core runs keep going. "
                       f"Continue with `researcher study resume {name}`.")
         return
-    except KNOWN_ERRORS as e:
+    except _known_errors() as e:
         printer.close()
         raise _fail(f"{e}\nThe study is saved; fix the cause and run `researcher study resume {name}`.") from None
     printer.close()
@@ -108,7 +118,8 @@ def _detach(paths: StudyPaths) -> int:
 def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The research brief (Markdown)."),
           name: Optional[str] = typer.Option(None, help="Study name; default: the brief's file name."),
           detach: bool = typer.Option(False, help="Run in the background (pid file and log in the study)."),
-          planner: Optional[str] = typer.Option(None, help="llm or heuristic; default llm when an endpoint is set."),
+          planner: Optional[str] = typer.Option(None, help="llm, heuristic or manual (only people's proposals); "
+                                                           "default llm when an endpoint is set."),
           llm_base_url: Optional[str] = typer.Option(None, help="OpenAI-compatible base URL (or OPENAI_BASE_URL)."),
           llm_model: Optional[str] = typer.Option(None, help="Model name for the llm planner (or OPENAI_MODEL)."),
           wait: bool = typer.Option(True, help="Wait for reviews; --no-wait returns when a review is needed.")) -> None:
@@ -116,8 +127,8 @@ def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The resear
     try:
         study = name or brief.stem
         spec = choose_planner(planner, llm_base_url, llm_model)
-        paths, meta, parsed = new_study(ctx.obj, brief, study, spec, Path.cwd(), os.environ.get("MLFLOW_TRACKING_URI"))
-    except KNOWN_ERRORS as e:
+        paths, meta, parsed = runner.new_study(ctx.obj, brief, study, spec, Path.cwd(), os.environ.get("MLFLOW_TRACKING_URI"))
+    except _known_errors() as e:
         raise _fail(str(e)) from None
     console.print(f"study [bold]{study}[/bold]: {parsed.title or brief.name}; planner {spec.kind}"
                   + (" (offline default: no LLM configured)" if spec.kind == "heuristic" and planner is None else "")
@@ -129,15 +140,41 @@ def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The resear
     _drive(paths, wait)
 
 
+def _unfinished(studies_dir: Path) -> list[str]:
+    """Studies that are not done, not running, and not held by a person's `stop`."""
+    out = []
+    for n in list_studies(studies_dir):
+        paths = study_paths(studies_dir, n)
+        values, nxt, _ = runner.read_state(paths, n)
+        if (values and not nxt) or owner_pid(paths) or paths.held.exists():
+            continue
+        out.append(n)
+    return out
+
+
 @study_app.command()
-def resume(ctx: typer.Context, name: str, detach: bool = typer.Option(False, help="Run in the background."),
+def resume(ctx: typer.Context, name: Optional[str] = typer.Argument(None, help="The study; or --all."),
+           every: bool = typer.Option(False, "--all", help="Resume every unfinished study in the background "
+                                                           "(after a reboot: see README)."),
+           detach: bool = typer.Option(False, help="Run in the background."),
            wait: bool = typer.Option(True, help="Wait for reviews; --no-wait returns when a review is needed.")) -> None:
-    """Continue a study from its last checkpoint (after a crash, a stop or a review)."""
+    """Continue a study from its last checkpoint (after a crash, a stop, a reboot or a review)."""
+    if every == (name is not None):
+        raise _fail("give a study name or --all, not both")
+    if every:
+        names = _unfinished(ctx.obj)
+        for n in names:
+            console.print(f"resuming {n} in the background, pid {_detach(study_paths(ctx.obj, n))}")
+        if not names:
+            console.print(f"no unfinished study to resume in {ctx.obj}")
+        return
+    assert name is not None  # checked above
     try:
         paths = _paths(ctx, name)
         load_meta(paths)
-    except KNOWN_ERRORS as e:
+    except _known_errors() as e:
         raise _fail(str(e)) from None
+    paths.held.unlink(missing_ok=True)  # a person resuming it lifts their own stop
     if detach:
         console.print(f"resuming in the background, pid {_detach(paths)}; log {paths.log}")
         return
@@ -151,7 +188,7 @@ def list_(ctx: typer.Context) -> None:
     if not names:
         console.print(f"no studies in {ctx.obj}")
     for n in names:
-        values, nxt, waiting = read_state(study_paths(ctx.obj, n), n)
+        values, nxt, waiting = runner.read_state(study_paths(ctx.obj, n), n)
         pid = owner_pid(study_paths(ctx.obj, n))
         phase = "done" if values and not nxt else ("waiting for review" if waiting else (nxt[0] if nxt else "new"))
         console.print(f"{n}: {phase}" + (f" (running, pid {pid})" if pid else "") + f", round {values.get('round', 0)}")
@@ -161,27 +198,31 @@ def _load(ctx: typer.Context, name: str) -> tuple[StudyPaths, StudyMeta]:
     try:
         paths = _paths(ctx, name)
         return paths, load_meta(paths)
-    except KNOWN_ERRORS as e:
+    except _known_errors() as e:
         raise _fail(str(e)) from None
 
 
 @study_app.command()
-def status(ctx: typer.Context, name: str) -> None:
+def status(ctx: typer.Context, name: str,
+           as_json: bool = typer.Option(False, "--json", help="Machine-readable: every proposal with its verdict.")) -> None:
     """Phase, budget used, pending reviews and the best result so far."""
     paths, meta = _load(ctx, name)
-    brief = study_brief(paths, meta)
-    values, nxt, waiting = read_state(paths, name)
+    brief = runner.study_brief(paths, meta)
+    values, nxt, waiting = runner.read_state(paths, name)
     pid = owner_pid(paths)
     phase = "done" if values and not nxt else ("review: waiting for decisions" if waiting else (nxt[0] if nxt else "new"))
+    if as_json:
+        print(json.dumps(status_json(name, values, phase, pid, brief), indent=1))
+        return
     console.print(f"study [bold]{name}[/bold] ({meta.planner.kind} planner): phase {phase}, round {values.get('round', 0)}; "
                   + (f"running (pid {pid})" if pid else "not running"))
     if values.get("stop_reason"):
         console.print(f"stopped: {values['stop_reason']}")
-    console.print(budget_table(Spent.of(values), brief))
-    pending = [r for r in open_board(meta).board() if r["status"] == "pending"]
+    console.print(budget_table(Spent.of(values, gpus=brief.launch.gpus), brief))
+    pending = [r for r in runner.open_board(meta).board() if r["status"] == "pending"]
     if pending:
         console.print(proposals_table("pending reviews", pending))
-    best = best_result(values, brief)
+    best = reports.best_result(values, brief)
     if best:
         console.print(f"best so far: {best[0].id} {best[0].overrides}: {brief.objective.metric} {best[1].summary.fmt()}")  # type: ignore[union-attr]
 
@@ -190,15 +231,21 @@ def status(ctx: typer.Context, name: str) -> None:
 def review(ctx: typer.Context, name: str, all_: bool = typer.Option(False, "--all", help="Show decided ones too.")) -> None:
     """Show the proposals awaiting review (hypothesis, rationale, config diff)."""
     _, meta = _load(ctx, name)
-    rows = [r for r in open_board(meta).board() if all_ or r["status"] not in ("approved", "vetoed")]
+    rows = [r for r in runner.open_board(meta).board() if all_ or r["status"] not in ("approved", "vetoed", "invalid")]
     console.print(proposals_table(f"proposals of {name}", rows) if rows else "nothing awaits review")
+    values, _, _ = runner.read_state(_paths(ctx, name), name)
+    code = {v["proposal_id"]: v for v in values.get("code", [])}
+    for r in rows:
+        if code.get(r["id"], {}).get("diff"):
+            console.print(f"[bold]{r['id']}[/bold] code diff (commit {code[r['id']]['commit'][:12] or '-'}):")
+            print_diff(code[r["id"]]["diff"])
     console.print(f"MLflow: experiment {meta.experiment} at {meta.tracking_uri}")
 
 
 def _decide(ctx: typer.Context, name: str, ids: list[str], every: bool, verdict: str, reason: str,
             by: Optional[str], resume_: bool) -> None:
     paths, meta = _load(ctx, name)
-    board = open_board(meta)
+    board = runner.open_board(meta)
     if every:
         ids = [r["id"] for r in board.board() if r["status"] == "pending"]
     if not ids:
@@ -208,7 +255,7 @@ def _decide(ctx: typer.Context, name: str, ids: list[str], every: bool, verdict:
         for pid in ids:
             board.decide(Decision(proposal_id=pid, verdict=verdict, by=who, reason=reason, source="cli"))  # type: ignore[arg-type]
             console.print(f"{pid}: {verdict} by {who}" + (f" ({reason})" if reason else ""))
-    except KNOWN_ERRORS as e:
+    except _known_errors() as e:
         raise _fail(str(e)) from None
     owner = owner_pid(paths)
     if owner:
@@ -243,6 +290,7 @@ def stop(ctx: typer.Context, name: str,
                                                     "picked up on resume).")) -> None:
     """Stop the study's process; `resume` continues it from its last checkpoint."""
     paths, meta = _load(ctx, name)
+    paths.held.write_text(f"stopped by {getpass.getuser()} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
     pid = owner_pid(paths)
     if pid and pid > 0:
         os.kill(pid, signal.SIGTERM)
@@ -254,8 +302,8 @@ def stop(ctx: typer.Context, name: str,
     else:
         console.print(f"study {name} is not running")
     if kill_runs:
-        brief = study_brief(paths, meta)
-        keys = stop_all(paths.state, f"stopped by {getpass.getuser()} (researcher study stop)", brief.launch.grace_s)
+        brief = runner.study_brief(paths, meta)
+        keys = launcher.stop_all(paths.state, f"stopped by {getpass.getuser()} (researcher study stop)", brief.launch.grace_s)
         console.print(f"stopped core runs: {', '.join(keys) or 'none were running'}")
 
 
@@ -263,12 +311,12 @@ def stop(ctx: typer.Context, name: str,
 def report(ctx: typer.Context, name: str) -> None:
     """Write the Markdown report of the study so far."""
     paths, meta = _load(ctx, name)
-    brief = study_brief(paths, meta)
-    values, _, _ = read_state(paths, name)
+    brief = runner.study_brief(paths, meta)
+    values, _, _ = runner.read_state(paths, name)
     base = flatten(brief.resolve_config(Path(meta.workdir)))
     from mlflow.tracking import MlflowClient
 
-    path = write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base)
+    path = reports.write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base)
     console.print(f"report written: [bold]{path}[/bold]")
 
 
@@ -276,11 +324,17 @@ def report(ctx: typer.Context, name: str) -> None:
 def history(ctx: typer.Context, name: str) -> None:
     """Every decision: who, when, what and why."""
     paths, meta = _load(ctx, name)
-    values, _, _ = read_state(paths, name)
+    values, _, _ = runner.read_state(paths, name)
     decisions = values.get("decisions", [])
     taken = {d["proposal_id"] for d in decisions}
-    recorded = [r for r in open_board(meta).board() if r["status"] in ("approved", "vetoed") and r["id"] not in taken]
+    recorded = [r for r in runner.open_board(meta).board() if r["status"] in ("approved", "vetoed") and r["id"] not in taken]
     console.print(decisions_table(decisions, recorded))
+
+
+study_app.command()(propose)
+study_app.command()(show)
+study_app.command()(diff)
+study_app.command()(checkout)
 
 
 if __name__ == "__main__":

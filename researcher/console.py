@@ -65,6 +65,15 @@ class StudyConsole:
             colour = "green" if info["status"] == "finished" else "red"
             c.print(f"  run {info['key']} [{colour}]{info['status']}[/]" + (f": {info['reason']}" if info["reason"] else ""))
             self._spin(f"[{self.name}] watching core runs: {self._ended} ended of {self._started} started")
+        elif event == "validation.step":
+            self._spin(f"[{self.name}] validating {info['proposal_id']}: {info['step']}")
+        elif event == "validation":
+            c.print(f"  {info['proposal_id']}: " + (f"[green]valid[/green], commit {info['commit'][:12]}" if info["passed"]
+                                                    else f"[red]invalid[/red] at step {info['step']}"))
+        elif event == "plan.waiting":
+            c.print(f"[yellow]waiting for proposals[/yellow]: `researcher study propose {self.name} ...` "
+                    f"(checked every {info['poll_s']:g} s)")
+            self._spin(f"[{self.name}] waiting for people's proposals")
         elif event == "result":
             c.print(f"  result {info['proposal_id']}: {info['status']}, score {info['summary']}")
         elif event == "report":
@@ -97,7 +106,8 @@ def decisions_table(decisions: list[dict[str, Any]], recorded_only: list[dict[st
     for col in ("proposal", "verdict", "by", "when", "source", "why"):
         table.add_column(col, overflow="fold")
     for d in decisions:
-        table.add_row(d["proposal_id"], d["verdict"], d["by"], d["at"], d["source"], d["reason"])
+        when = d["at"] + (" (seen at poll time)" if d.get("at_poll_time") else "")
+        table.add_row(d["proposal_id"], d["verdict"], d["by"], when, d["source"], d["reason"])
     for r in recorded_only:
         table.add_row(r["id"], r["status"], r["by"] or "mlflow-ui", r["at"], "mlflow (not yet taken up)", r["reason"])
     return table

@@ -7,9 +7,14 @@ carries the launch's unique run-id-file path (the window between spawn and writi
 an MLflow run tagged with the key. Only when none exists does it spawn. Core runs get their own
 session, so they outlive a killed study and are adopted on resume.
 
+A launch with a `commit` runs the sandbox code of the study's workspace at that commit: the
+launcher checks it out into `runs/<key>/code/` (a folder of the run's own, so runs of different
+code never collide) before spawning, and tags the run `swarmrl.sandbox_version=<commit>`.
+
 A finished run is judged by its exit code when it is our child, else by its MLflow run status.
 A stop records its reason in the intent before it signals, so a stop cut short by a crash is
-still reported as a stop. Linux only (/proc). It does not read metrics or decide anything.
+still reported as a stop. A run that ends stopped or failed while its MLflow run still reads
+RUNNING (killed before it could close it) is set to KILLED or FAILED. Linux only (/proc). It does not read metrics or decide anything.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
 from researcher.records import TERMINAL, Launch
+from researcher.workspace import Workspace, WorkspaceError
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +97,9 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 class Launcher:
-    def __init__(self, target: LaunchTarget, state_dir: Path, grace_s: float, emit: Emit) -> None:
-        self.target, self.grace_s, self.emit = target, grace_s, emit
+    def __init__(self, target: LaunchTarget, state_dir: Path, grace_s: float, emit: Emit,
+                 workspace: Workspace | None = None) -> None:
+        self.target, self.grace_s, self.emit, self.workspace = target, grace_s, emit, workspace
         self.intents = state_dir / "launches"
         self.runs = state_dir / "runs"
         self.intents.mkdir(parents=True, exist_ok=True)
@@ -107,13 +114,17 @@ class Launcher:
         # the telemetry contract (swarmrl.study) would otherwise be split into nested config keys.
         tags = {**_config_tags(launch.config_path), "swarmrl.study": t.study, "swarmrl.proposal": launch.proposal_id,
                 "swarmrl.launch": launch.key, "swarmrl.seed": str(launch.seed)}
+        if launch.commit:
+            tags["swarmrl.sandbox_version"] = launch.commit
+        # A re-run of a dead run continues from that run's checkpoints (and its MLflow run).
+        checkpoints = self.run_dir(launch.resumes or launch.key) / "checkpoints"
         return [*t.command, launch.config_path,
                 "--set", f"trainer.seed={launch.seed}",
                 "--set", "server.port=0",  # concurrent runs must not fight over one port
-                "--set", f"trainer.checkpoint_dir={rd / 'checkpoints'}",
+                "--set", f"trainer.checkpoint_dir={checkpoints}",
                 "--set", f"telemetry.tags={json.dumps(tags)}",
                 "--experiment", t.experiment, "--run-name", launch.key,
-                "--run-id-file", str(rd / "run_id"), "--quiet"]
+                "--run-id-file", str(rd / "run_id"), "--quiet", *(["--resume"] if launch.resumes else [])]
 
     def _intent(self, key: str) -> dict[str, Any] | None:
         path = self.intents / f"{key}.json"
@@ -149,6 +160,12 @@ class Launcher:
                                                  "started_at": intent.get("started_at") or time.time()})
         rd = self.run_dir(launch.key)
         rd.mkdir(parents=True, exist_ok=True)
+        if launch.commit and self.workspace is not None:
+            try:
+                self.workspace.checkout(launch.commit, rd / "code")
+            except WorkspaceError as e:
+                return launch.model_copy(update={"status": "failed", "reason": f"could not check out the code: {e}",
+                                                 "ended_at": time.time()})
         argv = self.argv(launch)
         started = time.time()
         _write_json(self.intents / f"{launch.key}.json", {"key": launch.key, "argv": argv, "started_at": started})
@@ -197,6 +214,9 @@ class Launcher:
             why = f"exit code {code}" if code is not None else "the process is gone"
             update.update(status="failed", reason=f"{why}; MLflow run status {mlflow_status or '(no run)'}",
                           log_tail=log_tail(update["log_path"]))
+        if run_id and mlflow_status == "RUNNING" and update.get("status") in ("stopped", "failed"):
+            # A run killed before it could close its MLflow run would read RUNNING forever.
+            client.set_terminated(run_id, status="KILLED" if update["status"] == "stopped" else "FAILED")
         self._children.pop(launch.key, None)
         return launch.model_copy(update=update)
 

@@ -13,7 +13,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from researcher.decision import Confirmation, Verdict as TestVerdict
+
 Verdict = Literal["approved", "vetoed"]
+# Validation steps of a code proposal, in the order they run (see researcher/validation.py).
+VALIDATION_STEPS = ("apply", "compile", "import", "tests", "smoke")
 DecisionSource = Literal["cli", "mlflow", "policy"]
 LaunchStatus = Literal["queued", "running", "finished", "failed", "stopped", "skipped"]
 TERMINAL: frozenset[str] = frozenset({"finished", "failed", "stopped", "skipped"})
@@ -21,6 +25,26 @@ TERMINAL: frozenset[str] = frozenset({"finished", "failed", "stopped", "skipped"
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Edit(BaseModel):
+    """One search/replace block against a workspace file (the aider/MLGym style)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: str  # path relative to the workspace root, e.g. sandboxes/letters/agent.py
+    search: str  # exact text that must occur once in the file; "" creates a new file
+    replace: str  # what replaces it
+
+
+class Prediction(BaseModel):
+    """A falsifiable claim a proposal makes before it runs: the verdict later says if it held."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    metric: str  # the MLflow metric it is about, usually the objective
+    direction: Literal["up", "down", "same"]  # against the baseline
+    effect: float  # expected difference of means against the baseline, in the metric's units
 
 
 class ProposalDraft(BaseModel):
@@ -35,6 +59,10 @@ class ProposalDraft(BaseModel):
     priority: int = Field(1, ge=1, le=10)  # 1 runs first
     needs_code_change: bool = False
     code_change: str | None = None  # "AREA: what to change" when needs_code_change
+    edits: list[Edit] = Field(default_factory=list)  # the code change itself, applied in the workspace
+    parent: str | None = None  # the code proposal whose version these edits build on; None: the base
+    prediction: Prediction | None = None  # what the planner expects against the baseline
+    ablation: bool = False  # removes or reverts one part of a parent to test whether it mattered
 
     @field_validator("code_change")
     @classmethod
@@ -48,6 +76,14 @@ class Proposal(ProposalDraft):
     planner: str  # "heuristic" or "llm:<model>"
     arm: str | None = None  # heuristic: canonical id of the configuration
     rung: int | None = None  # heuristic: successive-halving rung
+    patch: str | None = None  # a person's unified diff (`researcher study propose --patch`)
+    proposed_by: str = ""  # the person behind a proposal from `propose`; "" for the planner's
+    seeds: list[int] | None = None  # seeds to run instead of the brief's (confirmation: held-out seeds)
+    confirms: str | None = None  # confirmation round: the recommended proposal this re-runs (or its baseline)
+
+    @property
+    def kind(self) -> Literal["config", "code"]:
+        return "code" if self.edits or self.patch else "config"
 
     def diff_text(self, base: dict[str, str]) -> str:
         """`key: old -> new` lines against the flattened base config."""
@@ -55,6 +91,8 @@ class Proposal(ProposalDraft):
                 if base.get(k) != str(v)]
         if self.code_change:
             rows.append(f"code: {self.code_change}")
+        if self.kind == "code":
+            rows.append(f"code: {len(self.edits)} edit(s)" if self.edits else "code: a patch")
         return "\n".join(rows) or "(no change: baseline)"
 
 
@@ -67,6 +105,7 @@ class Decision(BaseModel):
     at: str = Field(default_factory=now_iso)
     reason: str = ""
     source: DecisionSource = "cli"
+    at_poll_time: bool = False  # the reviewer set no `review.at` in MLflow: `at` is when the study saw it
 
 
 class Launch(BaseModel):
@@ -86,6 +125,10 @@ class Launch(BaseModel):
     reason: str = ""  # why it failed, stopped or was skipped
     log_tail: str = ""  # last lines of the log of a failed run
     steps_done: int = 0
+    commit: str = ""  # workspace commit the run's sandbox code is checked out at ("" for the project's code)
+    attempt: int = 0  # 1 for the one re-run of a seed whose first run failed or stopped early
+    resumes: str = ""  # the dead launch whose checkpoint this re-run continues (`swarm run --resume`)
+    progress_at: float | None = None  # when the run last logged a new trainer step (stall detection)
 
 
 class Summary(BaseModel):
@@ -111,3 +154,36 @@ class ExperimentResult(BaseModel):
     values: list[float] = Field(default_factory=list)  # per-seed objective scores of usable runs
     summary: Summary | None = None
     note: str = ""
+    seed_scores: dict[int, float] = Field(default_factory=dict)  # seed -> score of its finished run
+    failed_seeds: dict[int, str] = Field(default_factory=dict)  # seed -> why it has no score (after re-run)
+    verdict: TestVerdict | None = None  # against the baseline; None for the baseline itself
+    confirmation: Confirmation | None = None  # set on the recommendation once held-out seeds are judged
+    # The mean curve over seeds in numbers a planner can read: start, end, slope (per step),
+    # best_step, and the last train/kl, train/entropy and train/clip_frac (analysis.curve_summary).
+    curve: dict[str, float] = Field(default_factory=dict)
+
+
+class StepResult(BaseModel):
+    """One validation step of a code proposal."""
+
+    step: str  # one of VALIDATION_STEPS
+    passed: bool
+    log: str = ""  # what the step printed, cut to its tail
+    seconds: float = 0.0
+
+
+class CodeVersion(BaseModel):
+    """A code proposal's validation and, when it passed, its commit in the study workspace."""
+
+    proposal_id: str
+    parent_commit: str  # the commit the edit was applied on
+    passed: bool
+    commit: str = ""  # set only when every step passed
+    failed_step: str | None = None
+    steps: list[StepResult] = Field(default_factory=list)
+    diff: str = ""  # `git diff` of the change against its parent (empty when it did not apply)
+
+    def log(self) -> str:
+        return "\n".join(f"== {s.step}: {'passed' if s.passed else 'FAILED'} ({s.seconds:.1f} s)\n{s.log}".rstrip()
+                         for s in self.steps)
+

@@ -1,6 +1,7 @@
 """The study report: Markdown with PNG plots and a lineage table, from the study state and MLflow.
 
-Lineage reads hypothesis -> config diff -> decision -> runs -> metric for every proposal. The
+Lineage reads hypothesis -> config diff -> code (a link to the proposal's diff and its workspace
+commit, or why it failed validation) -> decision -> runs -> metric for every proposal. The
 report also states the budget spent, why the study stopped, each planner's notes, the planner's
 overhead against the time spent in core runs, the best configuration with its interval over
 seeds, and the log tails of failed runs. It can be written at any time ("the study so far").
@@ -14,12 +15,20 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from researcher import analysis
+from researcher import analysis, confirmation, decision
 from researcher.brief import Brief
 from researcher.budget import Spent
-from researcher.records import Decision, ExperimentResult, Launch, Proposal
+from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
 from researcher.store import StudyPaths
 
+# How verdicts are reached, stated in every report so a reader can weigh a "better".
+DECISION_RULE = (
+    f"Decision rule: each candidate is compared with the baseline trained as long on the same seeds, by a "
+    f"{decision.PAIRED} on per-seed scores ({decision.WELCH} when the seeds do not pair up), two-sided at "
+    f"alpha = {decision.ALPHA}, with Holm–Bonferroni across the candidates judged together; effects are "
+    f"candidate minus baseline with their 95% CI. Fewer than {decision.MIN_SEEDS} finished seeds is inconclusive; "
+    f"runs stopped early count as failed; a failed seed is re-run once, and failing again makes the proposal "
+    f"incomplete. A recommendation must be `better` again on held-out seeds the search never used.")
 # Figure size in inches: readable in a Markdown preview at its default width.
 _FIG = (7.0, 4.0)
 
@@ -114,15 +123,17 @@ def _plot(brief: Brief, curves: dict[str, analysis.History], results: list[Exper
     return out
 
 
-def _runner_up(state: dict[str, Any], brief: Brief, best: Proposal) -> ExperimentResult | None:
-    """The best other experiment trained as long as the best one."""
-    steps = {p["id"]: _steps(Proposal.model_validate(p)) for p in state.get("proposals", [])}
-    others = [r for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))
-              if r.proposal_id != best.id and steps.get(r.proposal_id) == _steps(best)
-              and r.summary is not None and r.summary.n]
-    ranked = sorted(others, key=lambda r: r.summary.mean,  # type: ignore[union-attr]
-                    reverse=brief.objective.direction == "maximize")
-    return ranked[0] if ranked else None
+def _code_cell(p: Proposal, version: CodeVersion | None, paths: StudyPaths) -> str:
+    """A link to the proposal's diff with its commit, or why it has none."""
+    if p.kind != "code":
+        return "-"
+    if version is None:
+        return "validating"
+    diff = paths.diffs / f"{p.id}.diff"
+    link = f"[diff]({diff.relative_to(paths.root).as_posix()})" if diff.is_file() else "no diff"
+    if not version.passed:
+        return f"{link} invalid at {version.failed_step}"
+    return f"{link} (`{version.commit[:12]}`)"
 
 
 def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
@@ -131,7 +142,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     decisions = {d.proposal_id: d for d in (Decision.model_validate(x) for x in state.get("decisions", []))}
     launches = [Launch.model_validate(x) for x in state.get("launches", [])]
     results = {r.proposal_id: r for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))}
-    spent = Spent.of(state)
+    spent = Spent.of(state, gpus=brief.launch.gpus)
     figures = _plot(brief, _curves(brief, launches, client), list(results.values()), paths.figures)
 
     lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
@@ -145,12 +156,11 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
         p, r = best
         assert r.summary is not None
         lines += ["## Best so far", "", f"Proposal **{p.id}**: `{p.overrides}`, score {r.summary.fmt()}.", ""]
-        runner_up = _runner_up(state, brief, p)
-        if runner_up is not None:
-            other, verdict = runner_up, ("clearly better (95% intervals do not overlap)"
-                                         if analysis.clearly_better(r.summary, runner_up.summary, brief.objective)
-                                         else "not clearly better (intervals overlap: more seeds needed)")
-            lines += [f"Against the runner-up {other.proposal_id} ({other.summary.fmt()}): {verdict}.", ""]
+        if r.verdict is not None:
+            lines += [f"Against the baseline: {r.verdict.fmt()}.", ""]
+    lines += ["## Decision", "", confirmation.conclusion(proposals, list(results.values()),
+                                                          int(base_flat.get("trainer.steps", 0)), brief) + ".",
+              "", DECISION_RULE, ""]
     ranking = _ranking(proposals, results, brief)
     if ranking:
         lines += ["## Ranking by training length", "", *ranking, ""]
@@ -163,17 +173,26 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
               for n in notes]
     lines += ["", f"Planner overhead: {plan_s:.2f} s over {len(notes)} plan(s) "
               f"({plan_s / max(1, len(notes)):.2f} s per iteration) against {spent.wall_s:.0f} s in core runs.", ""]
-    lines += ["## Lineage", "", "| proposal | hypothesis | diff | decision | runs | score |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    code = {v.proposal_id: v for v in (CodeVersion.model_validate(x) for x in state.get("code", []))}
+    lines += ["## Lineage", "",
+              "| proposal | hypothesis | diff | code (commit) | decision | runs | score | verdict vs baseline |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in proposals:
         d = decisions.get(p.id)
-        decision = f"{d.verdict} by {d.by} at {d.at}" + (f": {d.reason}" if d.reason else "") if d else "pending"
+        decision = (f"{d.verdict} by {d.by} at {d.at}" + (" (seen at poll time)" if d.at_poll_time else "")
+                    + (f": {d.reason}" if d.reason else "") if d else "pending")
+        if d is None and p.id in code and not code[p.id].passed:
+            decision = "not reviewed: failed validation"
         runs = ", ".join(f"{x.key} {x.status}" + (f" (`{x.run_id[:8]}`)" if x.run_id else "")
                          for x in launches if x.proposal_id == p.id) or "-"
         r = results.get(p.id)
         score = (r.summary.fmt() if r and r.summary else "-") + (f" ({r.status})" if r and r.status != "ok" else "")
-        lines.append(f"| {p.id} | {_cell(p.hypothesis)} | {_cell(p.diff_text(base_flat))} | {_cell(decision)} | "
-                     f"{_cell(runs)} | {_cell(score)} |")
+        verdict = (r.verdict.fmt() if r and r.verdict else ("reference (baseline)" if r and r.status == "ok" else "-"))
+        if r and r.confirmation:
+            verdict += f"; confirmation {r.confirmation.fmt()}"
+        lines.append(f"| {p.id} | {_cell(p.hypothesis)} | {_cell(p.diff_text(base_flat))} | "
+                     f"{_cell(_code_cell(p, code.get(p.id), paths))} | {_cell(decision)} | {_cell(runs)} | "
+                     f"{_cell(score)} | {_cell(verdict)} |")
     for fig in figures:
         lines += ["", f"![{fig.stem}]({fig.relative_to(paths.root).as_posix()})"]
     failed = [x for x in launches if x.status == "failed"]

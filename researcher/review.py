@@ -5,8 +5,13 @@ Each proposal becomes one MLflow run in the study's experiment, in `SCHEDULED` s
 effect and config diff as tags and as the run's description note. A decision is the tag
 `review.status` turned to `approved` or `vetoed`, written either by `researcher study approve/veto`
 (with `review.by`, `review.reason`, `review.at`, `review.source` in the same batch) or by hand in
-the MLflow UI. A waiting study polls these tags. A veto is final: a decided proposal cannot be
-decided again.
+the MLflow UI. A waiting study polls these tags. A UI decision is recorded with the reviewer's
+`review.by`/`review.at` when set, else as `mlflow-ui` at the time the study saw it, labelled so
+(`at_poll_time`). A veto is final: a decided proposal cannot be decided again.
+
+A code proposal's run is tagged `swarmrl.kind=code` and carries its diff as the artifact
+`proposal.diff` and its validation log as `validation.log`; one that failed validation is
+published as `review.status=invalid` and ended FAILED, so nobody is asked to review it.
 
 It reads and writes MLflow runs; it does not wait, plan or launch.
 """
@@ -14,13 +19,14 @@ It reads and writes MLflow runs; it does not wait, plan or launch.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 
-from researcher.records import Decision, Proposal, Summary, now_iso
+from researcher.records import CodeVersion, Decision, Proposal, Summary, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +34,8 @@ log = logging.getLogger(__name__)
 _MAX_TAG = 5000
 STATUS = "review.status"
 VERDICTS = ("approved", "vetoed")
+INVALID = "invalid"  # a code proposal that failed validation: never reviewed
+KINDS = ("proposal", "code")  # swarmrl.kind of proposal runs: config proposals, code proposals
 
 
 class ReviewError(ValueError):
@@ -38,10 +46,14 @@ def _clip(text: str) -> str:
     return text if len(text) <= _MAX_TAG else text[: _MAX_TAG - 1] + "…"
 
 
-def _note(p: Proposal, diff: str) -> str:
+def _note(p: Proposal, diff: str, code: CodeVersion | None = None) -> str:
+    code_part = ""
+    if code is not None:
+        state = f"validated, commit {code.commit[:12]}" if code.passed else f"INVALID at step {code.failed_step}"
+        code_part = f"**Code ({state}):**\n```diff\n{code.diff}\n```\n\n"
     return _clip(f"### Proposal {p.id} (round {p.round}, {p.planner})\n\n**Hypothesis:** {p.hypothesis}\n\n"
                  f"**Rationale:** {p.rationale}\n\n**Expected effect:** {p.expected_effect}\n\n"
-                 f"**Config diff:**\n```\n{diff}\n```\n\nApprove or veto with "
+                 f"**Config diff:**\n```\n{diff}\n```\n\n{code_part}Approve or veto with "
                  f"`researcher study approve|veto`, or set the tag `review.status` to `approved` or "
                  f"`vetoed` (optionally `review.by` and `review.reason`).")
 
@@ -61,28 +73,44 @@ class ReviewBoard:
             self.experiment_id = found.experiment_id
 
     def _runs(self, extra: str = "") -> list:
-        query = f"tags.`swarmrl.study` = '{self.study}' AND tags.`swarmrl.kind` = 'proposal'" + extra
-        return self.client.search_runs([self.experiment_id], filter_string=query,
-                                       run_view_type=ViewType.ACTIVE_ONLY, max_results=10_000)
+        runs = []
+        for kind in KINDS:
+            query = f"tags.`swarmrl.study` = '{self.study}' AND tags.`swarmrl.kind` = '{kind}'" + extra
+            runs += self.client.search_runs([self.experiment_id], filter_string=query,
+                                            run_view_type=ViewType.ACTIVE_ONLY, max_results=10_000)
+        return runs
 
     def find(self, proposal_id: str):  # -> mlflow Run | None
         runs = self._runs(f" AND tags.`swarmrl.proposal` = '{proposal_id}'")
         return min(runs, key=lambda r: r.info.start_time) if runs else None
 
-    def publish(self, p: Proposal, diff: str) -> str:
+    def publish(self, p: Proposal, diff: str, code: CodeVersion | None = None) -> str:
         """Create the proposal's SCHEDULED run, or return the one an earlier attempt created."""
         run = self.find(p.id)
         if run is None:
-            tags = {"swarmrl.kind": "proposal", "swarmrl.study": self.study, "swarmrl.proposal": p.id,
-                    STATUS: "pending", "review.hypothesis": _clip(p.hypothesis),
+            invalid = code is not None and not code.passed
+            tags = {"swarmrl.kind": "code" if p.kind == "code" else "proposal", "swarmrl.study": self.study,
+                    "swarmrl.proposal": p.id, STATUS: INVALID if invalid else "pending",
+                    "review.hypothesis": _clip(p.hypothesis),
                     "review.rationale": _clip(p.rationale), "review.expected_effect": _clip(p.expected_effect),
                     "review.diff": _clip(diff), "review.priority": str(p.priority),
                     "review.needs_code_change": str(p.needs_code_change).lower(),
-                    "review.planner": p.planner, "mlflow.note.content": _note(p, diff)}
+                    "review.planner": p.planner, "mlflow.note.content": _note(p, diff, code)}
+            if code is not None:
+                tags.update({"swarmrl.sandbox_version": code.commit, "validation.passed": str(code.passed).lower(),
+                             "validation.step": code.failed_step or ""})
+                if invalid:
+                    tags["review.outcome"] = _clip(f"invalid: failed validation at step {code.failed_step}")
             run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"proposal {p.id}")
             params = [Param(k, _clip(str(v))) for k, v in sorted(p.overrides.items())]
             if params:
                 self.client.log_batch(run.info.run_id, params=params)
+            if code is not None:
+                self.client.log_text(run.info.run_id, code.diff, "proposal.diff")
+                self.client.log_text(run.info.run_id, code.log(), "validation.log")
+                if invalid:
+                    self.client.set_terminated(run.info.run_id, status="FAILED")
+                    return run.info.run_id
         if run.info.status == "RUNNING" and run.data.tags.get(STATUS, "pending") == "pending":
             self.client.update_run(run.info.run_id, status="SCHEDULED")
         return run.info.run_id
@@ -93,6 +121,9 @@ class ReviewBoard:
         if run is None:
             raise ReviewError(f"proposal {d.proposal_id} is not on the review board of study {self.study}")
         current = run.data.tags.get(STATUS, "pending")
+        if current == INVALID:
+            raise ReviewError(f"proposal {d.proposal_id} failed validation; there is nothing to decide "
+                              f"(see `researcher study show {self.study} {d.proposal_id}`)")
         if current in VERDICTS:
             same = current == d.verdict and run.data.tags.get("review.by") == d.by
             if same:
@@ -115,8 +146,9 @@ class ReviewBoard:
                 continue
             status = tags.get(STATUS, "pending").strip().lower()
             if status in VERDICTS:
+                at = tags.get("review.at", "").strip()
                 found.append(Decision(proposal_id=pid, verdict=status,  # type: ignore[arg-type]
-                                      by=tags.get("review.by") or "mlflow-ui", at=tags.get("review.at") or now_iso(),
+                                      by=tags.get("review.by") or "mlflow-ui", at=at or now_iso(), at_poll_time=not at,
                                       reason=tags.get("review.reason", ""), source=tags.get("review.source") or "mlflow"))
             elif status != "pending" and tags.get("review.error", "").find(repr(status)) < 0:
                 message = f"unknown review.status {status!r}: set it to approved or vetoed"
@@ -136,7 +168,8 @@ class ReviewBoard:
         if summary is not None and summary.n:
             stamp = int(time.time() * 1000)
             metrics = [Metric(f"study/objective_{k}", float(getattr(summary, k)), stamp, 0)
-                       for k in ("mean", "std", "ci_low", "ci_high")]
+                       for k in ("mean", "std", "ci_low", "ci_high")
+                       if math.isfinite(getattr(summary, k))]  # one seed has no std or interval
             self.client.log_batch(run_id, metrics=metrics + [Metric("study/seeds", float(summary.n), stamp, 0)])
         if self.client.get_run(run_id).info.status in ("SCHEDULED", "RUNNING"):
             self.client.set_terminated(run_id, status=status)

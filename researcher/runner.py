@@ -30,6 +30,7 @@ from researcher.planner import make_planner
 from researcher.review import ReviewBoard
 from researcher.planner import PlannerSpec
 from researcher.records import now_iso
+from researcher.workspace import Workspace
 from researcher.store import (StudyLock, StudyMeta, StudyPaths, create_study, default_swarm_command, experiment_name,
                               load_meta, resolve_tracking_uri, study_paths)
 
@@ -83,10 +84,11 @@ def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit) -> StudyContex
     client = MlflowClient(meta.tracking_uri)
     target = LaunchTarget(command=brief.launch.command or default_swarm_command(), workdir=Path(meta.workdir),
                           tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name)
+    workspace = Workspace(paths.workspace, brief.code, Path(meta.workdir)) if brief.code else None
     return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
                         board=ReviewBoard(client, meta.experiment, meta.name, _artifacts(paths, meta)),
-                        launcher=Launcher(target, paths.state, brief.launch.grace_s, emit),
-                        planner=make_planner(meta.planner), emit=emit)
+                        launcher=Launcher(target, paths.state, brief.launch.grace_s, emit, workspace),
+                        planner=make_planner(meta.planner), emit=emit, workspace=workspace)
 
 
 @contextmanager

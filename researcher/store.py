@@ -107,6 +107,27 @@ class StudyPaths:
         return self.state / "lock"
 
     @property
+    def held(self) -> Path:
+        """Present while a person's `stop` holds the study: `resume --all` leaves it alone."""
+        return self.state / "held"
+
+    @property
+    def inbox(self) -> Path:
+        return self.state / "inbox"  # people's proposals (researcher/inbox.py)
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"  # the study's code repository (researcher/workspace.py)
+
+    @property
+    def trials(self) -> Path:
+        return self.state / "trials"  # validation worktrees and smoke logs
+
+    @property
+    def diffs(self) -> Path:
+        return self.root / "diffs"  # each code proposal's diff, linked from the report
+
+    @property
     def report(self) -> Path:
         return self.root / "report.md"
 

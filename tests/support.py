@@ -39,12 +39,21 @@ def tiny_policy(model, tok, name: str = "policy", engine: str = "hf") -> Policy:
     return Policy(name, model, tok, ChatRenderer(tok), make_engine(engine, model, tok, cfg.engine, 2048))
 
 
-def tool_calling_tiny(steps: int = 150, seed: int = 0):
+def tool_calling_tiny(steps: int = 250, seed: int = 0):
     """Overfit the tiny model on a two-step tool conversation; returns (model, tokenizer)."""
     model, tok = build_tiny(seed=seed)
     examples = []
-    for i, prompt in enumerate(USER_PROMPTS):
-        tools = [ADD_TOOL] if i % 2 == 0 else [{"type": "function", "function": {**ADD_TOOL["function"], "description": "adds"}}]
+    # The same tool as LangChain renders it (key order differs, so the prompt text differs): the
+    # LangGraph client test sends that schema, and a model this small does not generalise to it.
+    langchain_add = {"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+                       "type": "object"}}}
+    variants = [(ADD_TOOL if i % 2 == 0 else {"type": "function", "function": {**ADD_TOOL["function"], "description": "adds"}},
+                 prompt) for i, prompt in enumerate(USER_PROMPTS)]
+    variants += [(langchain_add, prompt) for prompt in USER_PROMPTS]
+    for tool, prompt in variants:
+        tools = [tool]
         user = [{"role": "user", "content": prompt}]
         call_msg = {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]}

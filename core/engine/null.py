@@ -6,7 +6,9 @@ not depend on a model's speed. It never trains and its logprobs are all zero.
 
 from __future__ import annotations
 
-from core.engine import Generation, SamplingParams
+from collections.abc import Callable
+
+from core.engine import Generation, SamplingParams, scoring_temperature
 
 
 class NullEngine:
@@ -20,13 +22,22 @@ class NullEngine:
         for t in ids if on_token is not None else ():
             on_token(t)
         finish = "stop" if ids[-1] == self._reply[-1] else "length"
-        return Generation(token_ids=list(ids), logprobs=[0.0] * len(ids), finish_reason=finish, version=self.version)
+        return Generation(token_ids=list(ids), logprobs=[0.0] * len(ids), finish_reason=finish, version=self.version,
+                          temperature=scoring_temperature(params.temperature), top_p=params.top_p)
 
     async def pause(self) -> None:
         return None
 
     def pause_blocking(self) -> None:
         return None
+
+    def hold(self) -> None:
+        return None
+
+    def swap_weights(self, apply: Callable[[], bool]) -> bool:
+        changed = apply()
+        self.version += int(changed)
+        return changed
 
     def resume(self, new_version: int | None = None) -> None:
         if new_version is not None:

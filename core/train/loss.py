@@ -6,6 +6,16 @@ ratio r = exp(logp_new - logp_behaviour):
     loss_t = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A) + kl_coef * k3_t
     k3_t   = exp(logp_ref - logp_new) - (logp_ref - logp_new) - 1       (Schulman's k3 estimator)
 
+With ``tis_cap`` C (truncated importance sampling, as verl and TRL use against training-inference
+mismatch and staleness) the PPO-clip term is replaced by
+
+    loss_t = -min(r, C) * A * logp_new        (the weight min(r, C) is a constant: no gradient)
+
+so the gradient is the policy gradient weighted by the truncated ratio. On-policy tokens have r = 1
+and get the same gradient as PPO-clip at r = 1; off-policy ones are down- or up-weighted (to at most
+C) instead of being cut off by the clip range. Since the trainer takes one optimizer step per batch,
+pi_theta during the forward pass is the proximal policy, so no clipping is lost.
+
 and a micro-batch contributes sum_t(w_t * loss_t) / normalizer. The trainer passes the same
 normalizer (the weighted token count of the WHOLE batch) to every micro-batch, so accumulating
 gradients over micro-batches gives exactly the gradient of one big batch, however it was packed.
@@ -33,7 +43,7 @@ class LossTerms:
     loss: torch.Tensor  # scalar: this micro-batch's share of the batch loss
     pg_sum: float  # sum of the PPO-clip term
     kl_sum: float  # sum of k3 (0 when no reference was given)
-    clipped: int  # tokens whose clipped term was selected, so they pass no gradient
+    clipped: int  # tokens whose clipped term was selected (PPO) or whose weight hit tis_cap (TIS)
     tokens: int  # masked tokens
 
 
@@ -49,6 +59,7 @@ def policy_loss(
     normalizer: float,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    tis_cap: float | None = None,
 ) -> LossTerms:
     """PPO-clip (+ k3 KL) over [B, T] per-token tensors; `mask` is bool, True on trained tokens."""
     shapes = {t.shape for t in (logp, old_logp, advantages, mask, weights)}
@@ -60,12 +71,21 @@ def policy_loss(
         raise ValueError(f"normalizer must be positive, got {normalizer}")
     if kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs the reference logprobs (ref_logp)")
+    if tis_cap is not None and not tis_cap > 0:
+        raise ValueError(f"tis_cap must be positive, got {tis_cap}")
 
     old = old_logp.to(logp.dtype)
     ratio = torch.exp((logp - old).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+    if tis_cap is None:
+        unclipped = ratio * advantages
+        clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+        per_token = -torch.minimum(unclipped, clipped)
+        hit = clipped < unclipped
+    else:
+        weight = ratio.detach().clamp(max=tis_cap)
+        # exp(logp - logp.detach()) is 1 in value with gradient d logp: the loss reads -w * A.
+        per_token = -weight * advantages * torch.exp(logp - logp.detach())
+        hit = ratio.detach() > tis_cap
     pg = per_token
     if ref_logp is not None:
         delta = (ref_logp.to(logp.dtype) - logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
@@ -82,6 +102,6 @@ def policy_loss(
             loss=loss,
             pg_sum=float(torch.where(mask, pg, zero).sum()),
             kl_sum=float(torch.where(mask, k3, zero).sum()),
-            clipped=int((mask & (clipped < unclipped)).sum()),
+            clipped=int((mask & hit).sum()),
             tokens=int(mask.sum()),
         )

@@ -14,6 +14,11 @@ token i is its parent, not i - 1, so logprobs are read from the parent's logits.
 costs T x T per row (a 25k-token episode is ~0.6 GB as bool, more once additive); a block-sparse
 FlexAttention mask would lift that, and is not attempted here.
 
+Each token is scored at the temperature its behaviour logprob was recorded at (``Sample.temperatures``):
+log softmax(logits / T_t) at its predictor, so the PPO ratio compares the same distribution the
+engine sampled from. Several children of one tree node may carry different temperatures, so the
+scaling is per scored token, not per predicting position.
+
 This module does not compute losses or advantages, and does not decide which samples to train.
 """
 
@@ -41,6 +46,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor  # [B, T] float32 behaviour logprobs, 0 off the mask
     advantages: torch.Tensor  # [B, T] float32, each sample's advantage on every position
     weights: torch.Tensor  # [B, T] float32, each sample's weight on every position
+    temperatures: torch.Tensor  # [B, T] float32, the temperature each token is scored at; 1 on padding
     position_ids: torch.Tensor  # [B, T] long: index for linear rows, depth for tree rows
     predictor_index: torch.Tensor  # [B, T] long: position whose logits predict each token; -1 if none
     attention_mask: torch.Tensor  # [B, T] long padding mask, or [B, 1, T, T] bool "may attend" for trees
@@ -66,6 +72,7 @@ class MicroBatch:
             old_logprobs=self.old_logprobs.to(device),
             advantages=self.advantages.to(device),
             weights=self.weights.to(device),
+            temperatures=self.temperatures.to(device),
             position_ids=self.position_ids.to(device),
             predictor_index=self.predictor_index.to(device),
             attention_mask=self.attention_mask.to(device),
@@ -132,6 +139,7 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
     old_logprobs = torch.zeros((b, width), dtype=torch.float32)
     advantages = torch.zeros((b, width), dtype=torch.float32)
     weights = torch.zeros((b, width), dtype=torch.float32)
+    temperatures = torch.ones((b, width), dtype=torch.float32)
     position_ids = torch.zeros((b, width), dtype=torch.long)
     predictor_index = torch.full((b, width), -1, dtype=torch.long)
     tree = any(s.parents is not None for s in batch)
@@ -143,6 +151,8 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         old_logprobs[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
         advantages[row, :n] = s.advantage
         weights[row, :n] = s.weight
+        if s.temperatures is not None:
+            temperatures[row, :n] = torch.tensor(s.temperatures, dtype=torch.float32)
         position_ids[row, :n] = torch.tensor(s.position_ids, dtype=torch.long)
         predictors = _predictors(s)
         predictor_index[row, :n] = torch.tensor(predictors, dtype=torch.long)
@@ -156,6 +166,7 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         old_logprobs=old_logprobs,
         advantages=advantages,
         weights=weights,
+        temperatures=temperatures,
         position_ids=position_ids,
         predictor_index=predictor_index,
         attention_mask=attention if tree else attention.long(),
@@ -194,9 +205,9 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprob [B, T] (with grad) and predictive entropy [B, T] (detached, for telemetry).
 
-    Token t is scored by the logits at its predictor (t - 1 in a line, its parent in a tree).
-    Tokens without a predictor (roots, padding) get 0 in both. The micro-batch is moved to the
-    model's device.
+    Token t is scored by the logits at its predictor (t - 1 in a line, its parent in a tree), divided
+    by its temperature. Tokens without a predictor (roots, padding) get 0 in both. The micro-batch is
+    moved to the model's device.
     """
     mb = mb.to(next(model.parameters()).device)
     if mb.is_tree:
@@ -219,6 +230,11 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor
     has_predictor = mb.predictor_index >= 0
     source = mb.predictor_index.clamp(min=0)
     rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
+    if bool((mb.temperatures != 1.0).any()):
+        # Gather each token's predicting logits and temper them by the token's own temperature.
+        # This costs one more [B, T, V] tensor, so temperature-1 batches take the path below.
+        logits = logits[rows, source] / mb.temperatures[..., None]
+        source = torch.arange(logits.shape[1], device=logits.device).expand_as(source)
     log_norm = torch.logsumexp(logits, dim=-1)  # [B, T]
     token_logit = logits[rows, source, mb.input_ids]  # logit of token t at its predictor
     logprobs = torch.where(has_predictor, token_logit - log_norm[rows, source], torch.zeros_like(token_logit))

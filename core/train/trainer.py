@@ -1,6 +1,8 @@
 """The RL update of one policy: a batch of finished groups in, one optimizer step out.
 
-One `Trainer.step` is, in order:
+One `Trainer.step` is `prepare` (no model), `backward` (forward and backward passes, weights
+untouched) and `apply` (the optimizer step, the only part that changes weights), so the run loop can
+keep the engine generating through `backward` and swap weights in between two decode steps. In order:
 
 1. rewards: each episode's reward for this model (``episode.reward[model_name]``);
 2. advantages: group-relative (``core.train.advantages``), one per episode;
@@ -8,14 +10,17 @@ One `Trainer.step` is, in order:
    carrying their episode's advantage and, with ``episode_weighting``, a weight of 1 / the
    episode's trained tokens so that every episode counts the same however long it ran;
 4. micro-batches: samples packed to ``micro_batch_tokens`` padded tokens (``core.train.packing``);
-5. loss: token-level PPO-clip on the behaviour logprobs the engine recorded, plus an optional k3 KL
+5. loss: token-level PPO-clip (or, with ``tis_cap``, truncated importance sampling) on the behaviour
+   logprobs the engine recorded, each token scored at its call's sampling temperature, plus an optional k3 KL
    to the reference (a frozen copy of the initial weights, or the base model with LoRA adapters
    off), normalised by the batch's weighted token count (``core.train.loss``);
 6. gradients accumulated over the micro-batches, clipped by norm, then one AdamW step. A non-finite
    loss or gradient norm skips the step (gradients dropped, weights untouched, a warning logged).
 
 Samples with zero advantage contribute nothing to the PPO term, so without a KL term they are not
-run through the model at all; their tokens still count in the normaliser, as in plain GRPO.
+run through the model at all; their tokens still count in the normaliser, as in plain GRPO. A step
+with nothing to run changes no weights, and says so (``train/updated`` 0): the run loop then keeps
+the weight version, so no episode goes stale for it.
 
 The trainer does not fetch batches, pause engines, bump weight versions, write checkpoints or log
 to MLflow; ``core.run`` does, with the metrics `step` returns (names per DESIGN §3.6).
@@ -32,6 +37,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -47,6 +53,28 @@ log = logging.getLogger(__name__)
 
 # Keys of `Trainer.state_dict`; checked on load so a foreign or truncated file fails loudly.
 STATE_KEYS = ("optimizer", "step", "rng")
+
+
+@dataclass
+class PreparedStep:
+    """One step in the making: its samples (from `prepare`), then its sums (`backward`), then its outcome (`apply`)."""
+
+    groups: list[list[Episode]]
+    rewards: list[list[float]]
+    samples: list[Sample]
+    active: list[Sample]  # the samples that go through the model; empty means no weight can change
+    normalizer: float
+    unmerged_tokens: int
+    linear_tokens: int
+    started: float = field(default_factory=time.perf_counter)
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    grad_norm: float = 0.0
+    skipped: bool = False  # non-finite loss or gradient: optimizer step skipped
+    updated: bool = False  # the optimizer changed the weights
+
+    @property
+    def needs_update(self) -> bool:
+        return bool(self.active)
 
 
 def seed_everything(seed: int) -> None:
@@ -120,41 +148,73 @@ class Trainer:
     # -- the update ------------------------------------------------------------------------------
     def step(self, groups: list[list[Episode]]) -> dict[str, float]:
         """One optimizer step on `groups` (each a list of finished episodes of one task)."""
-        start = time.perf_counter()
+        prepared = self.prepare(groups)
+        self.backward(prepared)
+        self.apply(prepared)
+        return self.metrics(prepared)
+
+    def prepare(self, groups: list[list[Episode]]) -> PreparedStep:
+        """Rewards, advantages and merged samples; touches no model. Raises ValueError on a malformed episode."""
+        started = time.perf_counter()
         rewards = [[_reward(e, self.model_name) for e in group] for group in groups]
         advantages = group_advantages(rewards, self.cfg.advantage)
         samples, unmerged, linear = self._samples(groups, advantages)
-        normalizer = sum(s.weight * s.num_masked for s in samples)
         # Zero-advantage tokens have a zero PPO term; without KL they need no forward pass.
         active = samples if self.cfg.kl_coef > 0 else [s for s in samples if s.advantage != 0.0]
+        return PreparedStep(groups, rewards, samples, active, sum(s.weight * s.num_masked for s in samples),
+                            unmerged, linear, started=started)
 
+    def backward(self, prepared: PreparedStep) -> None:
+        """Forward and backward passes; gradients accumulate in `.grad`, the weights stay as they are."""
         was_training = self.policy.training
         self.policy.train()
         try:
-            sums = self._accumulate(active, normalizer)
+            prepared.sums = self._accumulate(prepared.active, prepared.normalizer)
         finally:
             self.policy.train(was_training)
-        grad_norm, skipped = self._apply(sums["loss"])
-        self.step_count += 1
 
-        flat = [r for g in rewards for r in g]
+    def apply(self, prepared: PreparedStep) -> bool:
+        """The optimizer step (the only weight change); returns whether the weights changed."""
+        prepared.grad_norm, prepared.skipped, prepared.updated = self._apply(prepared.sums["loss"])
+        self.step_count += 1
+        return prepared.updated
+
+    def discard(self) -> None:
+        """Drop gradients a failed step left behind, so they cannot leak into the next one."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def overlap_safe(self) -> bool:
+        """Whether `backward` may run while the engine generates with the same module: only if it does
+        not change what the module computes (no active dropout in train mode, no adapters switched off)."""
+        if self.lora and self.cfg.kl_coef > 0:
+            return False  # the KL reference pass disables the adapters the engine generates with
+        config = getattr(self.policy, "config", None)
+        if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+            return False
+        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.policy.modules())
+
+    def metrics(self, prepared: PreparedStep) -> dict[str, float]:
+        sums = prepared.sums
+        flat = [r for g in prepared.rewards for r in g]
         trained = max(sums["masked"], 1.0)
         metrics = {
             "train/loss": sums["loss"],
             "train/kl": sums["kl"] / trained,
             "train/entropy": sums["entropy"] / trained,
             "train/clip_frac": sums["clipped"] / trained,
-            "train/grad_norm": grad_norm,
+            "train/grad_norm": prepared.grad_norm,
             "train/tokens": sums["tokens"],
             "train/trained_tokens": sums["masked"],
-            "train/samples": float(len(samples)),
-            "train/skipped": float(skipped),
-            "train/step_time_s": time.perf_counter() - start,
-            "merge/ratio": unmerged / linear if linear else 1.0,
+            "train/samples": float(len(prepared.samples)),
+            "train/skipped": float(prepared.skipped),
+            "train/updated": float(prepared.updated),
+            "train/step_time_s": time.perf_counter() - prepared.started,
+            "merge/ratio": prepared.unmerged_tokens / prepared.linear_tokens if prepared.linear_tokens else 1.0,
             "reward/mean": float(np.mean(flat)) if flat else 0.0,
             "reward/std": float(np.std(flat)) if flat else 0.0,
         }
-        metrics.update(_per_sandbox_rewards(groups, rewards))
+        metrics.update(_per_sandbox_rewards(prepared.groups, prepared.rewards))
         return metrics
 
     def _samples(self, groups: list[list[Episode]], advantages: list[list[float]]) -> tuple[list[Sample], int, int]:
@@ -196,6 +256,7 @@ class Trainer:
                 normalizer=normalizer,
                 ref_logp=ref_logp,
                 kl_coef=self.cfg.kl_coef,
+                tis_cap=self.cfg.tis_cap,
             )
             sums["loss"] += float(terms.loss.detach())
             sums["kl"] += terms.kl_sum
@@ -227,11 +288,11 @@ class Trainer:
             assert self.reference is not None  # built in __init__ whenever kl_coef > 0
             yield self.reference
 
-    def _apply(self, loss: float) -> tuple[float, bool]:
-        """Clip and step; returns (pre-clip grad norm, skipped). Gradients are always cleared."""
+    def _apply(self, loss: float) -> tuple[float, bool, bool]:
+        """Clip and step; returns (pre-clip grad norm, skipped, stepped). Gradients are always cleared."""
         have_grads = any(p.grad is not None for p in self._params)
         if not have_grads and math.isfinite(loss):
-            return 0.0, False  # nothing in the batch could move the weights
+            return 0.0, False, False  # nothing in the batch could move the weights
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)) if have_grads else 0.0
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             log.warning(
@@ -242,10 +303,10 @@ class Trainer:
                 grad_norm,
             )
             self.optimizer.zero_grad(set_to_none=True)
-            return grad_norm, True
+            return grad_norm, True, False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, False
+        return grad_norm, False, True
 
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

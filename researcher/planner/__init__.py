@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel
 
 from researcher.brief import Brief
-from researcher.records import Decision, ExperimentResult, Proposal, ProposalDraft
+from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, ProposalDraft
 
 
 class PlannerError(RuntimeError):
@@ -33,6 +33,13 @@ class PlanContext:
     runs_left: int = 0
     steps_left: int = 0
     tokens_left: int = 0
+    code: list[CodeVersion] = field(default_factory=list)  # earlier code proposals: diffs, validation, commits
+    code_files: dict[str, str] = field(default_factory=dict)  # workspace path -> text of the editable files
+    launches: list[Launch] = field(default_factory=list)  # every core run so far: failures and their log tails
+
+    def code_version(self, proposal_id: str) -> CodeVersion | None:
+        found = [v for v in self.code if v.proposal_id == proposal_id]
+        return found[-1] if found else None
 
     def verdict(self, proposal_id: str) -> Decision | None:
         found = [d for d in self.decisions if d.proposal_id == proposal_id]
@@ -71,7 +78,7 @@ class Planner(Protocol):
 class PlannerSpec(BaseModel):
     """How a study plans; stored with the study so a resume plans the same way. No secrets."""
 
-    kind: str = "heuristic"  # heuristic | llm
+    kind: str = "heuristic"  # heuristic | llm | manual (people propose; the study plans nothing itself)
     base_url: str | None = None
     model: str | None = None
 
@@ -82,20 +89,31 @@ def choose_planner(kind: str | None, base_url: str | None, model: str | None) ->
     model = model or os.environ.get("OPENAI_MODEL")
     if kind is None:
         kind = "llm" if base_url else "heuristic"
-    if kind not in ("llm", "heuristic"):
-        raise PlannerError(f"unknown planner {kind!r}: use llm or heuristic")
-    if kind == "llm" and not (base_url and model):
-        raise PlannerError("the llm planner needs an endpoint and a model: pass --llm-base-url and "
-                           "--llm-model, or set OPENAI_BASE_URL and OPENAI_MODEL")
+    if kind not in ("llm", "heuristic", "manual"):
+        raise PlannerError(f"unknown planner {kind!r}: use llm, heuristic or manual")
+    if kind == "llm" and not base_url:  # no model named: the endpoint's single served model (planner.endpoint)
+        raise PlannerError("the llm planner needs an endpoint: pass --llm-base-url (and --llm-model when it serves "
+                           "several models), or set OPENAI_BASE_URL (and OPENAI_MODEL)")
     return PlannerSpec(kind=kind, base_url=base_url if kind == "llm" else None,
                        model=model if kind == "llm" else None)
 
 
+class ManualPlanner:
+    """Plans nothing: the study runs what people propose (`researcher study propose`)."""
+
+    name = "manual"
+
+    def plan(self, ctx: PlanContext) -> PlanResult:
+        return PlanResult([], note="manual: the study waits for people's proposals")
+
+
 def make_planner(spec: PlannerSpec) -> Planner:
+    if spec.kind == "manual":
+        return ManualPlanner()
     if spec.kind == "llm":
         from researcher.planner.llm import LlmPlanner
 
-        return LlmPlanner(base_url=spec.base_url or "", model=spec.model or "")
+        return LlmPlanner(base_url=spec.base_url or "", model=spec.model)
     from researcher.planner.heuristic import HeuristicPlanner
 
     return HeuristicPlanner()

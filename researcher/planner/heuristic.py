@@ -6,8 +6,11 @@ The search (Jamieson & Talwalkar 2016, the core of Hyperband):
    arms are drawn from the space with a seeded generator: a shuffled grid when every parameter
    is a choice, log-uniform or uniform draws for ranges.
 2. Each next rung keeps the best 1/eta of the previous rung (mean over seeds; a failed or
-   diverged experiment ranks last) and gives them eta times as many steps.
-3. It ends when one configuration is left: the recommendation.
+   diverged experiment ranks last) and gives them eta times as many steps. The baseline runs in
+   every rung, kept or not, so each survivor has a baseline of the same length to be judged
+   against (`researcher.decision`).
+3. It ends when one configuration is left besides the baseline. Whether it is recommended is
+   not the planner's call: only a `better` verdict that replicates on held-out seeds is.
 
 Decisions feed back: a vetoed configuration is never proposed again, and a replacement is drawn
 (rung 0) or the next-best survivor is promoted (later rungs). The plan is a pure function of the
@@ -113,23 +116,25 @@ class HeuristicPlanner:
             if not members:
                 return PlanResult([], done=True, note=f"{PLAINLY}: the search space has no configuration "
                                   "left that was not vetoed")
+        sizes = rung_sizes(settings.arms, settings.eta)
+        baseline = arm_id({k: ctx.base_values.get(k) for k in ctx.brief.config_params()})
         for rung in range(0, last_rung + 1):
             members = self._members(ctx, rung)
             ranked = sorted(members, key=lambda p: self._score(ctx, p), reverse=True)
             if rung == last_rung or len(members) <= 1:
-                best = ranked[0] if ranked else None
-                return PlanResult([], done=True, note=self._final_note(ctx, best, rung))
-            keep = max(1, len(members) // settings.eta)
-            promoted = {p.arm for p in self._members(ctx, rung + 1)}
-            missing = keep - len(promoted)
-            if missing > 0:
-                picks = [p.arm for p in ranked if p.arm not in promoted and p.arm not in vetoed][:missing]
-                if not picks and not promoted:
-                    return PlanResult([], done=True, note=self._final_note(ctx, ranked[0], rung))
-                if picks:
-                    return self._propose(ctx, [(arms[a], rung + 1) for a in picks], min_steps,
-                                         f"rung {rung + 1}: promoting the best {len(picks)} of "
-                                         f"{len(members)} from rung {rung}")
+                return PlanResult([], done=True, note=self._final_note(ctx, ranked, baseline, rung))
+            # The best 1/eta go on, and the baseline always runs alongside them at the same length:
+            # a verdict compares each survivor with the baseline trained as long, on the same seeds.
+            picks = [p.arm for p in ranked if p.arm not in vetoed][:sizes[rung + 1]]
+            if not picks:
+                return PlanResult([], done=True, note=self._final_note(ctx, ranked, baseline, rung))
+            want = picks + ([baseline] if baseline not in picks and baseline not in vetoed else [])
+            have = {p.arm for p in self._members(ctx, rung + 1)}
+            missing = [a for a in want if a not in have and a is not None]
+            if missing:
+                return self._propose(ctx, [(arms.get(a) or json.loads(a), rung + 1) for a in missing], min_steps,
+                                     f"rung {rung + 1}: promoting the best {len(picks)} of {len(members)} from "
+                                     f"rung {rung}, with the baseline as the reference")
         return PlanResult([], done=True, note=f"{PLAINLY}: search complete")
 
     @staticmethod
@@ -180,11 +185,16 @@ class HeuristicPlanner:
             return PlanResult([], done=True, note=f"{PLAINLY}: budget exhausted ({note})")
         return PlanResult(planned, note=f"{PLAINLY}; {note}")
 
-    def _final_note(self, ctx: PlanContext, best: Proposal | None, rung: int) -> str:
-        if best is None or self._score(ctx, best) == -math.inf:
+    def _final_note(self, ctx: PlanContext, ranked: list[Proposal], baseline: str, rung: int) -> str:
+        scored = [p for p in ranked if self._score(ctx, p) != -math.inf]
+        if not scored:
             return f"{PLAINLY}: search complete at rung {rung}; no configuration produced a score"
+        best = next((p for p in scored if p.arm != baseline), None)
+        if best is None:
+            return f"{PLAINLY}: search complete at rung {rung}; only the baseline is left"
         result = ctx.result(best.id)
         shown = ", ".join(f"{k}={v}" for k, v in sorted(best.overrides.items()) if k != "trainer.steps")
         assert result is not None and result.summary is not None
+        verdict = f"; against the baseline: {result.verdict.fmt()}" if result.verdict else ""
         return (f"{PLAINLY}: search complete at rung {rung}; best configuration {shown} "
-                f"({ctx.brief.objective.metric} {result.summary.fmt()}, proposal {best.id})")
+                f"({ctx.brief.objective.metric} {result.summary.fmt()}, proposal {best.id}{verdict})")

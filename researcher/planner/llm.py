@@ -1,11 +1,16 @@
 """The llm planner: proposals as structured output from any OpenAI-compatible endpoint.
 
-The model sees the brief, the search space, the budget left and every earlier proposal with its
-result, decision and veto reason. It must answer with one JSON object that validates against
+The model sees the brief, the search space, the budget left and the history a researcher would
+read: each proposal's decision and veto reason, per-seed scores, its verdict against the baseline
+(test, effect, CI, p), a curve summary (start, end, slope, best step, kl, entropy, clip fraction)
+and why any seed failed with the tail of its log; the best few first, then the newest, cut to the
+brief's history budget. Each proposal carries a falsifiable `prediction`, its `parent` and
+whether it is an `ablation`; a configuration already run is refused as a repeat. It must answer with one JSON object that validates against
 `LlmPlan`; the proposals must also stay inside the search space and must not repeat a vetoed
 configuration. Invalid output is re-asked a bounded number of times with the error fed back, and
 then fails with a clear `PlannerError`. Every token the endpoint reports is counted against the
-brief's budget. The endpoint's own retries are off, so the brief's bound is the only one.
+brief's budget. The endpoint's own retries are off, so the brief's bound is the only one; requests
+go through `researcher.planner.endpoint`, which names the model and fits each request to its context.
 
 It plans; it does not review, launch, or apply code changes.
 """
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
+import math
 import re
 from typing import Any
 
@@ -23,7 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from researcher.brief import ChoiceParam, RangeParam
 from researcher.planner import Planned, PlanContext, PlannerError, PlanResult
-from researcher.records import ProposalDraft
+from researcher.planner.code_context import describe_code, edit_problems
+from researcher.planner.endpoint import Endpoint
+from researcher.records import Proposal, ProposalDraft
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +39,12 @@ log = logging.getLogger(__name__)
 _ECHO_CHARS = 500
 # Without a `usage` field from the server, tokens are estimated at this many characters each.
 _CHARS_PER_TOKEN = 4
-# A planning call that takes longer than this is treated as a failed attempt.
-_TIMEOUT_S = 120.0
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL)
+# The history shows the best few experiments first (what to build on), then the newest.
+_BEST_FIRST = 3
+# A failed run's log is shown as its last few lines, cut: enough for the error, not the whole trace.
+_LOG_TAIL_LINES = 3
+_LOG_TAIL_CHARS = 300
 
 
 class LlmPlan(BaseModel):
@@ -50,7 +60,8 @@ class LlmPlan(BaseModel):
 # The reply format as a compact example rather than a JSON schema dump: small models follow an
 # example better, and the prompt must fit small contexts (the project's own `tiny` model: 2048).
 FORMAT = ('{"proposals": [{"hypothesis": "...", "rationale": "...", "overrides": {"search.key": value}, '
-          '"expected_effect": "...", "priority": 1, "needs_code_change": false, "code_change": null}], '
+          '"expected_effect": "...", "prediction": {"metric": "...", "direction": "up", "effect": 0.1}, '
+          '"parent": null, "ablation": false, "priority": 1, "needs_code_change": false, "code_change": null}], '
           '"stop": false, "stop_reason": ""}')
 
 SYSTEM = """You plan experiments for a reinforcement-learning research study.
@@ -60,7 +71,11 @@ Rules:
 - `overrides` keys must be search-space keys; values must lie inside their range or choices.
 - A code change sets needs_code_change=true and code_change="AREA: what to change", AREA being a
   code area of the search space. Code changes always wait for a human.
-- priority: 1 (run first) to 10. Never repeat a configuration a reviewer vetoed; learn from the reasons.
+- priority: 1 (run first) to 10. Never repeat a configuration already run or vetoed; learn from the reasons.
+- prediction: the metric, its direction against the baseline (up, down, same) and the expected difference
+  of means. parent: the id of the proposal this builds on, or null. ablation: true when it removes one part
+  of its parent to test whether that part mattered.
+- Verdicts are tests against the baseline on the same seeds; only `better` counts as progress.
 - At most {n} proposals. Set "stop": true when nothing more is worth the budget."""
 
 
@@ -77,16 +92,65 @@ def _describe_space(ctx: PlanContext) -> str:
     return "\n".join(rows)
 
 
+def _tail(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()][-_LOG_TAIL_LINES:]
+    return " | ".join(lines)[-_LOG_TAIL_CHARS:]
+
+
+def _describe_experiment(ctx: PlanContext, p: Proposal) -> str:
+    """Everything a researcher would look at for one experiment, in a few lines."""
+    d, r = ctx.verdict(p.id), ctx.result(p.id)
+    decision = f"{d.verdict} by {d.by}" + (f" ({d.reason})" if d.reason else "") if d else "pending"
+    tags = [f"parent {p.parent}"] if p.parent else []
+    tags += ["ablation"] if p.ablation else []
+    tags += [f"confirmation of {p.confirms} on held-out seeds {p.seeds}"] if p.confirms else []
+    rows = [f"- {p.id} {json.dumps(p.overrides)} code={p.code_change or '-'}"
+            + (f" [{'; '.join(tags)}]" if tags else "") + f": {decision}. Hypothesis: {p.hypothesis}"]
+    if p.prediction is not None:
+        rows.append(f"  predicted: {p.prediction.metric} {p.prediction.direction} by {p.prediction.effect:+.4g}")
+    if r is not None:
+        seeds = ", ".join(f"{s}: {v:.4g}" for s, v in sorted(r.seed_scores.items())) or "none"
+        rows.append(f"  {ctx.brief.objective.metric} = {r.summary.fmt() if r.summary else r.status}; per seed {{{seeds}}}")
+        rows.append("  verdict vs baseline: " + (r.verdict.fmt() if r.verdict else "(this is the baseline)"))
+        if r.confirmation is not None:
+            rows.append(f"  confirmation: {r.confirmation.fmt()}")
+        if r.curve:
+            rows.append("  curve: " + ", ".join(f"{k} {v:.4g}" for k, v in r.curve.items()))
+        for seed, why in sorted(r.failed_seeds.items()):
+            tail = next((x.log_tail for x in reversed(ctx.launches) if x.proposal_id == p.id and x.seed == seed
+                         and x.log_tail), "")
+            rows.append(f"  seed {seed} has no score: {why}" + (f"; log: {_tail(tail)}" if tail else ""))
+    return "\n".join(rows)
+
+
+def _rank(ctx: PlanContext, p: Proposal) -> float:
+    """How good an experiment was, higher better whatever the direction: its effect, else its mean."""
+    r = ctx.result(p.id)
+    sign = 1.0 if ctx.brief.objective.direction == "maximize" else -1.0
+    if r is None:
+        return -math.inf
+    if r.verdict is not None and r.verdict.effect is not None:
+        return sign * r.verdict.effect
+    return sign * r.summary.mean if r.summary and r.summary.n else -math.inf
+
+
 def _describe_history(ctx: PlanContext) -> str:
+    """Every experiment, cut to the brief's history budget: the best few first, then newest first."""
     if not ctx.proposals:
         return "(no experiments yet)"
-    rows = []
-    for p in ctx.proposals:
-        d, r = ctx.verdict(p.id), ctx.result(p.id)
-        decision = f"{d.verdict} by {d.by}" + (f" ({d.reason})" if d.reason else "") if d else "pending"
-        outcome = r.summary.fmt() if r and r.summary else (r.status if r else "not run")
-        rows.append(f"- {p.id} {json.dumps(p.overrides)} code={p.code_change or '-'}: {decision}; "
-                    f"{ctx.brief.objective.metric} = {outcome}. Hypothesis: {p.hypothesis}")
+    best = sorted((p for p in ctx.proposals if _rank(ctx, p) > -math.inf), key=lambda p: _rank(ctx, p),
+                  reverse=True)[:_BEST_FIRST]
+    order = best + [p for p in reversed(ctx.proposals) if p not in best]
+    budget = ctx.brief.planner.llm.history_tokens * _CHARS_PER_TOKEN
+    rows: list[str] = []
+    for p in order:
+        row = _describe_experiment(ctx, p)
+        if rows and sum(len(x) for x in rows) + len(row) > budget:
+            break
+        rows.append(row)
+    left_out = len(order) - len(rows)
+    if left_out:
+        rows.append(f"({left_out} older experiment(s) left out to fit the history budget)")
     return "\n".join(rows)
 
 
@@ -99,6 +163,7 @@ def build_messages(ctx: PlanContext) -> list[dict[str, str]]:
             f"# Budget left\nruns {ctx.runs_left}, trainer steps {ctx.steps_left} "
             f"(an experiment runs {len(brief.seeds)} seed(s) of {ctx.base_steps} steps)\n\n"
             f"# History\n{_describe_history(ctx)}\n\n"
+            + (f"{code}\n\n" if (code := describe_code(ctx)) else "") +
             f"Plan round {ctx.round}. Reply with the JSON object only.")
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
@@ -121,6 +186,10 @@ def check_plan(plan: LlmPlan, ctx: PlanContext) -> None:
     params, areas = ctx.brief.config_params(), ctx.brief.code_areas()
     vetoed = [p.overrides for p in ctx.proposals
               if (d := ctx.verdict(p.id)) is not None and d.verdict == "vetoed" and not p.needs_code_change]
+    # Configurations already run (config-only proposals with a result) -> the proposal that ran them.
+    ran = {json.dumps(p.overrides, sort_keys=True): p.id for p in ctx.proposals
+           if p.kind == "config" and not p.needs_code_change and ctx.result(p.id) is not None}
+    known = {p.id for p in ctx.proposals}
     problems = []
     if len(plan.proposals) > ctx.brief.planner.llm.proposals_per_round:
         problems.append(f"at most {ctx.brief.planner.llm.proposals_per_round} proposals are allowed")
@@ -134,34 +203,44 @@ def check_plan(plan: LlmPlan, ctx: PlanContext) -> None:
                 problems.append(f"proposals[{i}].overrides.{key}: {value!r} is outside the search space")
         if draft.needs_code_change != bool(draft.code_change):
             problems.append(f"proposals[{i}]: needs_code_change and code_change must agree")
+        if draft.edits and (ctx.brief.code is None or not draft.needs_code_change):
+            problems.append(f"proposals[{i}]: edits need needs_code_change=true and a brief with a code: section")
         if draft.code_change and draft.code_change.split(":", 1)[0].strip() not in areas:
             problems.append(f"proposals[{i}].code_change must start with a code area: {sorted(areas)}")
         if not draft.needs_code_change and draft.overrides in vetoed:
             problems.append(f"proposals[{i}] repeats a vetoed configuration {draft.overrides}")
+        elif not draft.needs_code_change and not draft.edits and (
+                done := ran.get(json.dumps(draft.overrides, sort_keys=True))):
+            problems.append(f"proposals[{i}] repeats {done}, already run with {draft.overrides}: "
+                            "propose something not yet tried")
+        if draft.parent is not None and draft.parent not in known:
+            problems.append(f"proposals[{i}].parent: {draft.parent!r} is not an earlier proposal id")
     if problems:
         raise ValueError("; ".join(problems))
 
 
 class LlmPlanner:
-    def __init__(self, base_url: str, model: str, api_key: str | None = None) -> None:
-        self.name = f"llm:{model}"
-        self.model = model
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "none",
-                                    max_retries=0, timeout=_TIMEOUT_S)
+    def __init__(self, base_url: str, model: str | None, api_key: str | None = None) -> None:
+        """`model` None: the endpoint's single served model (read when the first plan is asked for)."""
+        self.endpoint = Endpoint(base_url, model, api_key)
+
+    @property
+    def name(self) -> str:
+        return f"llm:{self.endpoint.model or 'served-model'}"
 
     def plan(self, ctx: PlanContext) -> PlanResult:
         settings = ctx.brief.planner.llm
         messages = build_messages(ctx)
-        tokens, errors = 0, []
-        for attempt in range(1, settings.max_retries + 2):
+        tokens, errors, repairs = 0, [], 0
+        for attempt in range(1, 2 * settings.max_retries + 2):  # invalid replies and edit repairs, each bounded
+            if len(errors) > settings.max_retries:
+                break
             if tokens >= ctx.tokens_left:
                 return PlanResult([], done=True, tokens=tokens,
                                   note=f"{self.name}: LLM token budget exhausted ({ctx.brief.budget.llm_tokens})")
             try:
-                reply = self.client.chat.completions.create(
-                    model=self.model, messages=messages,  # type: ignore[arg-type]
-                    temperature=settings.temperature,
-                    max_tokens=min(settings.max_tokens, max(64, ctx.tokens_left - tokens)))
+                reply = self.endpoint.complete(messages, min(settings.max_tokens, max(64, ctx.tokens_left - tokens)),
+                                               settings.temperature)
             except openai.APIError as e:
                 errors.append(f"attempt {attempt}: endpoint error: {e}")
                 log.warning("llm planner attempt %d failed: %s", attempt, e)
@@ -181,6 +260,15 @@ class LlmPlanner:
                 messages = messages + [
                     {"role": "assistant", "content": text[:_ECHO_CHARS]},
                     {"role": "user", "content": f"That reply was invalid: {error}\nReply with only the JSON object."}]
+                continue
+            repair = edit_problems(plan.proposals, ctx)
+            if repair and repairs < settings.max_retries:  # bounded: after that, validation marks it invalid
+                repairs += 1
+                log.warning("llm planner edit repair %d: %s", repairs, repair.splitlines()[0])
+                messages = messages + [
+                    {"role": "assistant", "content": text[:_ECHO_CHARS]},
+                    {"role": "user", "content": f"Some edits cannot apply: {repair}\nReply with the corrected JSON "
+                                                "object only."}]
                 continue
             return self._result(plan, ctx, tokens, attempt)
         raise PlannerError(f"{self.name} gave no valid plan after {settings.max_retries + 1} attempts "

@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import re
 
-MODEL = "policy"
 MAX_TOKENS = 8
 TRAIN_TASKS, EVAL_TASKS = 512, 64
 LOW, HIGH = 1, 20
@@ -48,5 +47,5 @@ def reward(task, text: str) -> float:
 
 async def rollout(task, llm) -> float:
     # No temperature here: the server's engine.default_temperature applies, so studies can vary it.
-    reply = await llm.chat.completions.create(model=MODEL, messages=messages(task), max_tokens=MAX_TOKENS)
+    reply = await llm.chat.completions.create(model=llm.model, messages=messages(task), max_tokens=MAX_TOKENS)
     return reward(task, reply.choices[0].message.content or "")

@@ -3,14 +3,18 @@
 The reward is the share of lowercase ASCII letters in the reply, at most 1. A random byte-level
 model earns about 0.1 by chance, every group has reward variance, and a working trainer drives it up within a few
 dozen steps. It checks the learning loop end to end; it says nothing about language ability.
+The reward lives in `reward.py`, so a study may edit this file but not how replies are scored.
 """
 
 from __future__ import annotations
 
-import string
+from reward import reward  # a sibling file: the sandbox's folder is on sys.path when it loads
 
-MODEL = "policy"
 MAX_TOKENS = 12
+# Eval episodes (a client with `split: eval`) sample at this fixed temperature whatever the run's
+# `engine.default_temperature`, so a study that varies the training temperature scores every arm
+# the same way (studies/tiny-temperature.md). 1.0 is the policy's own distribution.
+EVAL_TEMPERATURE = 1.0
 PROMPTS = ["say something", "write a word", "hello", "type letters", "go on", "more please", "again", "next"]
 
 
@@ -19,14 +23,9 @@ def tasks(split: str = "train"):
         yield {"id": f"{split}-{i}", "prompt": prompt}
 
 
-def reward(text: str) -> float:
-    # Normalised by the reply's own length (at least MAX_TOKENS): special tokens such as <tool_call>
-    # decode to several letters each, and a per-token count let a policy farm them (seen in a demo run).
-    return sum(ch in string.ascii_lowercase for ch in text) / max(len(text), MAX_TOKENS)
-
-
 async def rollout(task, llm) -> float:
+    fixed = {"temperature": EVAL_TEMPERATURE} if task["id"].startswith("eval-") else {}
     reply = await llm.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": task["prompt"]}], max_tokens=MAX_TOKENS
+        model=llm.model, messages=[{"role": "user", "content": task["prompt"]}], max_tokens=MAX_TOKENS, **fixed
     )
     return reward(reply.choices[0].message.content or "")

@@ -10,16 +10,14 @@ The behaviour is easy to verify and quick to learn on CPU, which makes it the co
 from __future__ import annotations
 
 import random
-import re
 
-MODEL = "policy"
+from format_reward import reward  # a sibling file (kept apart so studies can mark it read-only)
+
 MAX_TOKENS = 8
 CATEGORIES = ["fruit", "color", "animal", "country", "vegetable", "flower", "metal", "planet", "tree", "bird",
               "fish", "city", "sport", "instrument", "tool", "drink", "spice", "gem", "insect", "vehicle"]
 TEMPLATES = ["Name a {c}. Answer with one lowercase word.", "Give me one {c}, as a single lowercase word.",
              "Which {c} do you like? Reply with just one word in lowercase."]
-LOWER_WORD = re.compile(r"^[a-z]+\.?$")
-ANY_WORD = re.compile(r"^[A-Za-z]+\.?$")
 
 
 def tasks(split: str = "train"):
@@ -28,16 +26,7 @@ def tasks(split: str = "train"):
         yield {"id": f"{split}-{i}", "prompt": rng.choice(TEMPLATES).format(c=rng.choice(CATEGORIES))}
 
 
-def reward(text: str) -> float:
-    text = text.strip()
-    if LOWER_WORD.match(text):
-        return 1.0
-    if ANY_WORD.match(text):
-        return 0.5
-    return 0.25 * max(0.0, (6 - len(text.split())) / 4) if len(text.split()) > 1 else 0.0
-
-
 async def rollout(task, llm) -> float:
-    reply = await llm.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": task["prompt"]}],
+    reply = await llm.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": task["prompt"]}],
                                               max_tokens=MAX_TOKENS)
     return reward(reply.choices[0].message.content or "")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,16 @@ def test_a_damaged_manifest_is_reported_by_path(tmp_path: Path):
     (folder / checkpoint.MANIFEST).write_text("{not json")
     with pytest.raises(CheckpointError, match="manifest.json"):
         load_latest(tmp_path)
+
+
+def test_the_checkpoint_names_the_mlflow_run_and_older_checkpoints_name_none(tmp_path: Path):
+    trainer = fresh(kl_coef=0.0)
+    run = checkpoint.MlflowRun(run_id="abc123", tracking_uri="sqlite:////runs/mlflow.db")
+    save(tmp_path / "new", 1, {MODEL: trainer}, [], {MODEL: 1}, CONFIG, mlflow=run)
+    assert load_latest(tmp_path / "new").mlflow == run
+    folder = save(tmp_path / "old", 1, {MODEL: trainer}, [], {MODEL: 1}, CONFIG)
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    assert manifest["mlflow"] is None
+    del manifest["mlflow"]  # as written before runs were recorded
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    assert load_latest(tmp_path / "old").mlflow is None

@@ -38,13 +38,25 @@ def test_seeded_sampling_is_identical_alone_or_batched(engine):
     assert [g.token_ids for g in alone] == [g.token_ids for g in together]
 
 
-def test_logprobs_are_the_models_own_scores_of_the_sampled_ids(engine):
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+def test_logprobs_are_of_the_tempered_distribution_that_sampled_the_ids(engine, temperature):
     p = prompts(engine, 1)[0]
-    gen = asyncio.run(engine.generate(p, SamplingParams(max_tokens=10, temperature=0.7, seed=3)))
+    gen = asyncio.run(engine.generate(p, SamplingParams(max_tokens=10, temperature=temperature, seed=3)))
     with torch.no_grad():
-        logp = torch.log_softmax(engine.model(torch.tensor([p + gen.token_ids])).logits[0].float(), -1)
+        logits = engine.model(torch.tensor([p + gen.token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, -1)
     expected = [float(logp[len(p) - 1 + k, t]) for k, t in enumerate(gen.token_ids)]
     assert gen.logprobs == pytest.approx(expected, abs=1e-4)
+    assert gen.temperature == temperature
+
+
+def test_greedy_calls_are_scored_at_temperature_one(engine):
+    p = prompts(engine, 1)[0]
+    gen = asyncio.run(engine.generate(p, SamplingParams(max_tokens=6, temperature=0)))
+    with torch.no_grad():
+        logp = torch.log_softmax(engine.model(torch.tensor([p + gen.token_ids])).logits[0].float(), -1)
+    assert gen.temperature == 1.0
+    assert gen.logprobs == pytest.approx([float(logp[len(p) - 1 + k, t]) for k, t in enumerate(gen.token_ids)], abs=1e-4)
 
 
 def test_temperature_zero_and_tiny_top_p_both_pick_the_most_likely_token(engine):
@@ -52,6 +64,7 @@ def test_temperature_zero_and_tiny_top_p_both_pick_the_most_likely_token(engine)
     greedy = asyncio.run(engine.generate(p, SamplingParams(max_tokens=8, temperature=0)))
     nucleus = asyncio.run(engine.generate(p, SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-6, seed=5)))
     assert greedy.token_ids == nucleus.token_ids
+    assert nucleus.top_p == 1e-6 and greedy.top_p == 1.0  # recorded, so truncated calls can be told apart
 
 
 def test_max_tokens_and_stop_strings_end_generation(engine):

@@ -73,3 +73,79 @@ def test_a_sandbox_above_its_mix_share_waits_while_others_may_open():
             opened += 1
     assert e.value.code == "mix_quota"
     assert reg.open(OpenEpisode(sandbox="big", task_id="x"), {"policy": 0})
+
+
+def call_at(version: int) -> Call:
+    return Call(model="policy", version=version, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1])
+
+
+def test_staleness_counts_by_the_weights_that_generated_not_the_version_at_open():
+    reg = Registry(lease_s=60, default_group_size=2, batch_groups=1, clock=Clock())
+    for calls in ([3], [3, 2]):  # both opened at version 1; the second has a call from version 2
+        ep, _ = reg.open(OpenEpisode(task_id="t"), {"policy": 1})
+        for v in calls:
+            reg.record(ep, call_at(v))
+        reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
+    batch = reg.take_batch({"policy": 3}, max_staleness=0)
+    assert batch.dropped_stale == 1 and len(batch.groups[0]) == 1
+    assert batch.groups[0][0].calls[0].version == 3
+
+
+def test_admission_refuses_new_groups_once_the_staleness_budget_is_full():
+    reg = Registry(lease_s=60, default_group_size=2, batch_groups=1, clock=Clock())
+    reg.admit_within(max_staleness=0)  # room for one step's groups: one group of two
+    first, _ = reg.open(OpenEpisode(task_id="a"), {"policy": 0})
+    with pytest.raises(EpisodeError) as e:
+        reg.open(OpenEpisode(task_id="b"), {"policy": 0})
+    assert e.value.status == 503 and e.value.code == "admission" and e.value.retry_after
+    second, _ = reg.open(OpenEpisode(task_id="a"), {"policy": 0})  # completing a started group is always fine
+    for ep in (first, second):
+        reg.record(ep, call_at(0))
+        reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
+    with pytest.raises(EpisodeError):
+        reg.open(OpenEpisode(task_id="b"), {"policy": 0})  # finished but untrained still fills the step
+    assert reg.take_batch({"policy": 0}, max_staleness=0) is not None
+    assert reg.open(OpenEpisode(task_id="b"), {"policy": 0})  # the batch left: room for the next step
+
+
+def test_an_overlapped_step_in_progress_takes_one_step_of_budget_until_its_sync():
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=Clock())
+    reg.admit_within(max_staleness=1)  # two steps' worth: two groups of one
+    reg.open(OpenEpisode(task_id="a"), {"policy": 0})
+    reg.step_started()
+    with pytest.raises(EpisodeError):
+        reg.open(OpenEpisode(task_id="b"), {"policy": 0})  # would be two versions old when trained
+    reg.step_synced()
+    assert reg.open(OpenEpisode(task_id="b"), {"policy": 1})
+
+
+def test_a_partial_group_abandoned_for_a_lease_stops_holding_a_slot():
+    clock = Clock()
+    reg = Registry(lease_s=5, default_group_size=2, batch_groups=1, clock=clock)
+    reg.admit_within(max_staleness=0)
+    ep, _ = reg.open(OpenEpisode(task_id="a"), {"policy": 0})
+    reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
+    with pytest.raises(EpisodeError):
+        reg.open(OpenEpisode(task_id="b"), {"policy": 0})
+    clock.now += 6
+    assert reg.open(OpenEpisode(task_id="b"), {"policy": 0})
+
+
+def test_without_a_trainer_there_is_no_admission_control():
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=Clock())
+    for i in range(5):
+        reg.open(OpenEpisode(task_id=f"t{i}"), {"policy": 0})
+
+
+def test_wasted_counts_stale_drops_and_episodes_that_generated_then_ended_untrained():
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=Clock())
+    finish_group(reg, "s", "old", 1, version=0)
+    reg.take_batch({"policy": 2}, max_staleness=1)  # dropped as stale
+    aborted, _ = reg.open(OpenEpisode(task_id="x"), {"policy": 2})
+    reg.record(aborted, call_at(2))
+    reg.abort(aborted.id, "crashed")
+    empty, _ = reg.open(OpenEpisode(task_id="y"), {"policy": 2})
+    reg.abort(empty.id, "never called")  # generated nothing, wasted nothing
+    finish_group(reg, "s", "new", 1, version=2)
+    assert reg.take_batch({"policy": 2}, max_staleness=1) is not None
+    assert reg.counters["generated"] == 3 and reg.counters["wasted"] == 2 and reg.counters["stale"] == 1

@@ -57,6 +57,15 @@ def test_asymmetric_bounds_let_positive_advantages_climb_further():
     assert loose == pytest.approx([-1.25])
 
 
+def test_tis_weights_each_token_by_its_truncated_ratio_instead_of_clipping():
+    up = math.log(1.5)
+    terms, grad = loss_of([up, up, 0.0], [0.0] * 3, [1.0, -1.0, 1.0], [True] * 3, tis_cap=1.2)
+    # Gradient -w*A/normalizer with w = min(ratio, cap): 1.2 for the off-policy pair, 1 on-policy.
+    assert grad == pytest.approx([-1.2 / 3, 1.2 / 3, -1.0 / 3])
+    assert terms.loss.item() == pytest.approx(-(1.2 - 1.2 + 1.0) / 3)
+    assert terms.clipped == 2  # tokens whose weight hit the cap
+
+
 def test_k3_is_zero_at_the_reference_and_positive_away_from_it():
     base = dict(old=[-1.0, -1.0], adv=[0.0, 0.0], mask=[True, True], kl_coef=0.5)
     at_ref, _ = loss_of([-1.0, -1.0], ref_logp=torch.tensor([[-1.0, -1.0]]), **base)

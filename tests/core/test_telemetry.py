@@ -1,4 +1,8 @@
-"""Telemetry against real MLflow stores: a sqlite file, and a real `mlflow server` over HTTP."""
+"""Telemetry against real MLflow stores: a sqlite file, and a real `mlflow server` over HTTP.
+
+Also resuming at this level: reopening a run, settling one left RUNNING, the fallbacks to a new
+linked run. `test_resume_mlflow.py` drives the same through `swarm run --resume`.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +18,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
 from core.config import TelemetryConfig
+from core.mlflow_history import canonical_uri, one_per_step
 from core.records import Call, Episode
-from core.telemetry import MAX_PARAM_LENGTH, Telemetry
+from core.telemetry import (
+    MAX_PARAM_LENGTH,
+    PROCESS_TAG,
+    RESUMED_FROM_TAG,
+    RESUMED_TAG,
+    ResumePoint,
+    RunOwner,
+    Telemetry,
+    TelemetryError,
+)
 
 SERVER_START_TIMEOUT_S = 120.0  # a cold `mlflow server` on a busy 2-core machine takes a while
 
@@ -141,6 +156,124 @@ def test_a_failing_block_marks_the_run_failed(sqlite_uri: str):
     assert telemetry.client.get_run(telemetry.run_id).info.status == "FAILED"
 
 
+# -- resuming -------------------------------------------------------------------------------------
+def abandon(telemetry: Telemetry) -> None:
+    """What `kill -9` leaves: the run RUNNING, its writing process gone (a real process that exited)."""
+    proc = subprocess.Popen(["sleep", "60"])
+    owner = RunOwner(host=socket.gethostname(), pid=proc.pid, started=psutil.Process(proc.pid).create_time())
+    proc.kill()
+    proc.wait()
+    telemetry.client.set_tag(telemetry.run_id, PROCESS_TAG, owner.model_dump_json())
+
+
+def at(telemetry: Telemetry, step: int) -> ResumePoint:
+    return ResumePoint(step=step, run_id=telemetry.run_id, tracking_uri=telemetry.store_uri)
+
+
+def steps_and_values(client: MlflowClient, run_id: str, key: str = "reward/mean") -> list[tuple[int, float]]:
+    """The full history as stored: a step logged twice shows up twice."""
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_resume_reopens_the_run_and_keeps_one_value_per_step(sqlite_uri: str, caplog: pytest.LogCaptureFixture):
+    cfg = TelemetryConfig(tracking_uri=sqlite_uri, experiment="resume")
+    first = Telemetry(cfg, {"trainer.lr": "0.1"}, {})
+    for step in range(1, 6):
+        first.log(step, {"reward/mean": step / 10, "train/loss": 1.0})
+    first.log(5, {"late/metric": 1.0})  # a key that exists only after the checkpoint
+    abandon(first)  # checkpoint at step 3; steps 4 and 5 were logged, then the process died
+
+    with caplog.at_level(logging.INFO, logger="core.telemetry"):
+        second = Telemetry(cfg, {"trainer.lr": "0.1", "trainer.steps": "8"}, {}, resume=at(first, 3))
+    assert second.run_id == first.run_id
+    assert f"MLflow run {first.run_id} was left RUNNING by process" in caplog.text and "marked KILLED" in caplog.text
+    run = second.client.get_run(second.run_id)
+    assert run.info.status == "RUNNING"
+    assert run.data.metrics == {"reward/mean": 0.3, "train/loss": 1.0}  # latest values rewound to step 3
+    assert run.data.params == {"trainer.lr": "0.1", "trainer.steps": "8"}
+    for step in (4, 5):
+        second.log(step, {"reward/mean": step})
+    second.close("KILLED")  # Ctrl-C at step 5, with a checkpoint there
+
+    third = Telemetry(cfg, {"trainer.lr": "0.1"}, {}, resume=at(second, 5))
+    third.log(6, {"reward/mean": 6.0})
+    third.close()
+    run = third.client.get_run(third.run_id)
+    assert (third.run_id, run.info.status, run.data.tags[RESUMED_TAG]) == (first.run_id, "FINISHED", "3,5")
+    assert steps_and_values(third.client, third.run_id) == [(1, 0.1), (2, 0.2), (3, pytest.approx(0.3)),
+                                                            (4, 4.0), (5, 5.0), (6, 6.0)]
+    assert steps_and_values(third.client, third.run_id, "late/metric") == []
+
+
+def test_a_run_whose_process_still_lives_is_not_reopened(sqlite_uri: str):
+    cfg = TelemetryConfig(tracking_uri=sqlite_uri, experiment="resume")
+    live = Telemetry(cfg, {}, {})  # its process, this one, is alive
+    live.log(1, {"reward/mean": 1.0})
+    live.log(2, {"reward/mean": 2.0})
+    with pytest.raises(TelemetryError, match=f"still being written by process {os.getpid()}"):
+        Telemetry(cfg, {}, {}, resume=at(live, 1))
+    assert live.client.get_run(live.run_id).info.status == "RUNNING"
+    assert steps_and_values(live.client, live.run_id) == [(1, 1.0), (2, 2.0)]  # nothing was rewound
+    live.close()
+
+
+def test_a_deleted_run_is_continued_by_a_new_run_that_links_it_and_holds_its_history(
+    sqlite_uri: str, caplog: pytest.LogCaptureFixture
+):
+    cfg = TelemetryConfig(tracking_uri=sqlite_uri, experiment="resume")
+    old = Telemetry(cfg, {}, {})
+    for step in (1, 2, 3):
+        old.log(step, {"reward/mean": float(step)})
+    old.close("KILLED")
+    old.client.delete_run(old.run_id)
+    with caplog.at_level(logging.WARNING, logger="core.telemetry"):
+        new = Telemetry(cfg, {}, {}, resume=at(old, 2))
+    new.log(3, {"reward/mean": 30.0})
+    new.close()
+    assert new.run_id != old.run_id
+    assert f"is deleted in {old.store_uri}" in caplog.text and f"new MLflow run {new.run_id}" in caplog.text
+    tags = new.client.get_run(new.run_id).data.tags
+    assert (tags[RESUMED_FROM_TAG], tags[RESUMED_TAG]) == (old.run_id, "2")
+    assert steps_and_values(new.client, new.run_id) == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_a_checkpoint_that_names_no_run_starts_a_new_one_at_its_step(sqlite_uri: str):
+    new = Telemetry(TelemetryConfig(tracking_uri=sqlite_uri), {}, {}, resume=ResumePoint(4, None, None))
+    new.close()
+    tags = new.client.get_run(new.run_id).data.tags
+    assert tags[RESUMED_TAG] == "4" and RESUMED_FROM_TAG not in tags
+
+
+@pytest.mark.slow
+def test_another_store_at_resume_gives_a_new_linked_run_and_settles_the_old_one(
+    sqlite_uri: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    old = Telemetry(TelemetryConfig(tracking_uri=sqlite_uri, experiment="resume"), {}, {})
+    for step in (1, 2, 3):
+        old.log(step, {"reward/mean": float(step)})
+    abandon(old)
+    other = TelemetryConfig(tracking_uri=f"sqlite:///{tmp_path}/other.db", experiment="resume")
+    with caplog.at_level(logging.WARNING, logger="core.telemetry"):
+        new = Telemetry(other, {}, {}, resume=at(old, 2))
+    new.close()
+    assert f"is in {old.store_uri}, and this run logs to {new.store_uri}" in caplog.text
+    assert new.client.get_run(new.run_id).data.tags[RESUMED_FROM_TAG] == old.run_id
+    assert steps_and_values(new.client, new.run_id) == [(1, 1.0), (2, 2.0)]
+    assert old.client.get_run(old.run_id).info.status == "KILLED"
+
+    gone = ResumePoint(2, old.run_id, f"sqlite:///{tmp_path}/moved-away.db")
+    orphan = Telemetry(other, {}, {}, resume=gone)
+    orphan.close()
+    assert steps_and_values(orphan.client, orphan.run_id) == []
+    assert not (tmp_path / "moved-away.db").exists()  # looking for the old store did not create one
+
+
+def test_a_relative_sqlite_store_is_recorded_by_its_absolute_path(tmp_path: Path):
+    assert canonical_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path}/mlflow.db"  # the test runs in tmp_path
+    assert canonical_uri("sqlite:////abs/m.db") == "sqlite:////abs/m.db"
+    assert canonical_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
 # -- a real tracking server -----------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -228,3 +361,23 @@ def test_metrics_logged_while_the_server_is_down_arrive_once_it_is_back(
     telemetry.log(3, {"reward/mean": 0.3})
     telemetry.close()
     assert history(telemetry.client, telemetry.run_id, "reward/mean") == [(1, 0.1), (2, 0.2), (3, pytest.approx(0.3))]
+
+
+@pytest.mark.slow
+def test_over_http_a_resume_keeps_the_old_values_and_readers_take_the_last_one(
+    tracking_server: TrackingServer, caplog: pytest.LogCaptureFixture
+):
+    cfg = TelemetryConfig(tracking_uri=tracking_server.url, experiment="resume-http")
+    first = Telemetry(cfg, {}, {})
+    for step in (1, 2, 3):
+        first.log(step, {"reward/mean": float(step)})
+    abandon(first)
+    with caplog.at_level(logging.WARNING, logger="core.telemetry"):
+        second = Telemetry(cfg, {}, {}, resume=at(first, 1))
+    assert second.run_id == first.run_id and "cannot delete metric values" in caplog.text
+    for step in (2, 3):
+        second.log(step, {"reward/mean": 10.0 * step})
+    second.close()
+    stored = second.client.get_metric_history(second.run_id, "reward/mean")
+    assert sorted(m.step for m in stored) == [1, 2, 2, 3, 3]  # MLflow over HTTP cannot delete (mlflow#2973)
+    assert [(m.step, m.value) for m in one_per_step(stored)] == [(1, 1.0), (2, 20.0), (3, 30.0)]

@@ -168,6 +168,7 @@ def test_groups_with_equal_rewards_leave_the_weights_alone_but_count_as_a_step()
     assert metrics["reward/mean"] == 1.0
     assert metrics["train/tokens"] == 0.0  # nothing could move, so nothing was run through the model
     assert metrics["train/skipped"] == 0.0
+    assert metrics["train/updated"] == 0.0  # so the run loop keeps the weight version
     assert trainer.step_count == 1
 
 
@@ -254,7 +255,7 @@ def test_non_finite_loss_skips_the_optimizer_step(caplog: pytest.LogCaptureFixtu
     before = weights(trainer.policy)
     with caplog.at_level(logging.WARNING, logger="core.train.trainer"):
         metrics = trainer.step(groups)
-    assert metrics["train/skipped"] == 1.0
+    assert metrics["train/skipped"] == 1.0 and metrics["train/updated"] == 0.0
     assert "optimizer step skipped" in caplog.text
     assert trainer.optimizer.state == {}  # AdamW never stepped, so no moments were built
     assert all(p.grad is None for p in trainer.policy.parameters())
@@ -262,22 +263,22 @@ def test_non_finite_loss_skips_the_optimizer_step(caplog: pytest.LogCaptureFixtu
     # Once the weights are healthy again the next step trains normally.
     with torch.no_grad():
         trainer.policy.model.norm.weight[0] = 1.0
-    assert trainer.step(x_groups(trainer.policy))["train/skipped"] == 0.0
+    healthy = trainer.step(x_groups(trainer.policy))
+    assert healthy["train/skipped"] == 0.0 and healthy["train/updated"] == 1.0
     assert trainer.step_count == 2
 
 
-def test_an_episode_without_this_models_reward_is_refused_before_anything_changes():
-    trainer = tiny_trainer()
-    groups = x_groups(trainer.policy)
-    groups[1][2].reward = {"critic": 1.0}
-    before = weights(trainer.policy)
-    with pytest.raises(ValueError, match=r"not for model 'policy'"):
-        trainer.step(groups)
-    assert changed(before, trainer.policy) == set()
-    assert trainer.step_count == 0
-
-
-def test_trainer_refuses_a_lora_flag_that_does_not_match_the_policy():
-    model, _ = build_tiny()
-    with pytest.raises(ValueError, match="lora=True but the policy is not a PEFT model"):
-        Trainer(prepare_policy(model, None), TrainerConfig(), MODEL, lora=True)
+def test_truncated_importance_sampling_trains_stale_tokens_the_clip_would_drop():
+    seen = {}
+    for name, trainer in (("clip", tiny_trainer(clip_low=0.1, clip_high=0.1)),
+                          ("tis", tiny_trainer(clip_low=0.1, clip_high=0.1, tis_cap=2.0))):
+        groups = x_groups(trainer.policy)
+        for group in groups:
+            for episode in group:
+                for call in episode.calls:
+                    call.completion_logprobs = [lp - 1.0 for lp in call.completion_logprobs]  # ratio e > cap
+        seen[name] = trainer.step(groups)
+    assert seen["clip"]["train/clip_frac"] == pytest.approx(0.5)
+    # Every token's ratio (e) is above the cap, so every one is weighted by the cap and none is dropped.
+    assert seen["tis"]["train/clip_frac"] == pytest.approx(1.0)
+    assert seen["tis"]["train/updated"] == 1.0 and seen["tis"]["train/grad_norm"] > 0.0

@@ -71,10 +71,24 @@ def test_broken_brief_names_field_and_line(workdir: Path, old: str, new: str, fi
     assert f"line {line}:" in str(err.value)
 
 
-def test_code_changes_cannot_be_auto_approved(workdir: Path) -> None:
+def test_code_auto_approval_without_a_code_section_is_refused(workdir: Path) -> None:
     text = GOOD.replace("seeds: 3", "seeds: 3\napproval:\n  code_change: auto")
-    with pytest.raises(BriefError, match=r"line 25: approval.code_change"):
+    with pytest.raises(BriefError, match=r"approval.code_change: auto .* no code: section"):
         parse_brief(text, workdir=workdir)
+
+
+def test_code_section_paths_must_exist_and_readonly_lie_inside_editable(workdir: Path) -> None:
+    (workdir / "sandboxes" / "toy").mkdir(parents=True)
+    (workdir / "sandboxes" / "toy" / "agent.py").write_text("")
+    good = GOOD.replace("seeds: 3", "seeds: 3\ncode:\n  editable: [sandboxes/toy/]\n  readonly: [sandboxes/toy/agent.py]")
+    assert parse_brief(good, workdir=workdir).code.editable == ["sandboxes/toy"]  # type: ignore[union-attr]
+    with pytest.raises(BriefError, match=r"code.editable: sandboxes/gone does not exist"):
+        parse_brief(good.replace("sandboxes/toy/]", "sandboxes/gone]").replace("sandboxes/toy/agent.py", "sandboxes/gone/a.py"),
+                    workdir=workdir)
+    with pytest.raises(BriefError, match=r"readonly path 'other.py' is not inside an editable path"):
+        parse_brief(good.replace("readonly: [sandboxes/toy/agent.py]", "readonly: [other.py]"), workdir=workdir)
+    with pytest.raises(BriefError, match=r"'\.\./x' must be a path relative to the project"):
+        parse_brief(good.replace("[sandboxes/toy/]", "[../x, sandboxes/toy]"), workdir=workdir)
 
 
 def test_search_key_unknown_to_the_run_config_is_named_with_its_line(workdir: Path) -> None:
@@ -97,10 +111,17 @@ def test_front_matter_problems_are_reported_with_lines() -> None:
         parse_brief("---\ntitle: x\nobjective: {metric: a}}\n---\n")
 
 
-@pytest.mark.parametrize("name", ["tiny-lr.md", "smollm2-arith.md"])
+@pytest.mark.parametrize("name", ["tiny-lr.md", "smollm2-guess.md"])
 def test_shipped_briefs_are_valid(name: str) -> None:
     brief = load_brief(ROOT / "studies" / name)
     assert brief.search_space and brief.objective.metric == "reward/mean"
+
+
+@pytest.mark.parametrize("name", ["tiny-code.md", "smollm2-oneword-code.md"])
+def test_shipped_code_briefs_keep_the_reward_read_only_and_need_a_person(name: str) -> None:
+    brief = load_brief(ROOT / "studies" / name, workdir=ROOT)
+    assert brief.code is not None and brief.approval.code_change == "human"
+    assert brief.code.readonly and all((ROOT / path).is_file() for path in brief.code.readonly)
 
 
 def test_shipped_tiny_brief_auto_approves_and_fits_its_budget() -> None:
@@ -111,7 +132,9 @@ def test_shipped_tiny_brief_auto_approves_and_fits_its_budget() -> None:
 
 
 @pytest.mark.parametrize("name, config", [("tiny-lr.md", "configs/tiny.yaml"),
-                                          ("smollm2-arith.md", "configs/smollm2-arith.yaml")])
+                                          ("smollm2-guess.md", "configs/smollm2-guess.yaml"),
+                                          ("tiny-code.md", "configs/tiny.yaml"),
+                                          ("smollm2-oneword-code.md", "configs/smollm2-oneword.yaml")])
 def test_shipped_briefs_match_the_core_config(name: str, config: str) -> None:
     if not (ROOT / config).is_file():
         pytest.skip(f"{config} is not written yet (the lead's)")

@@ -31,7 +31,7 @@ def context(tmp_path: Path, extra: str = "", **kw: object) -> PlanContext:
     brief = make_brief(tmp_path, SPACE, extra)
     base = brief.resolve_config(tmp_path)
     args = dict(brief=brief, base_values=typed_values(base.model_dump()), base_steps=8, round=1,
-                runs_left=10, steps_left=1000, tokens_left=10_000)
+                runs_left=100, steps_left=10_000, tokens_left=10_000)  # room for two proposals of 10 seeds
     return PlanContext(**{**args, **kw})  # type: ignore[arg-type]
 
 
@@ -103,7 +103,7 @@ def test_planner_choice_defaults_to_heuristic_offline(monkeypatch: pytest.Monkey
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     monkeypatch.delenv("OPENAI_MODEL", raising=False)
     assert choose_planner(None, None, None).kind == "heuristic"
-    with pytest.raises(PlannerError, match="needs an endpoint and a model"):
+    with pytest.raises(PlannerError, match="needs an endpoint"):
         choose_planner("llm", None, None)
     monkeypatch.setenv("OPENAI_BASE_URL", "http://x/v1")
     monkeypatch.setenv("OPENAI_MODEL", "m")

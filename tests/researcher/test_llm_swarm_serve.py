@@ -56,3 +56,20 @@ def test_garbage_from_a_real_server_ends_in_clean_retries_then_a_clear_failure(t
     assert all(f"attempt {i}:" in message for i in (1, 2, 3))
     assert "endpoint error" not in message  # the server answered; the output was the problem
     assert "tokens spent" in message and "(0 tokens spent)" not in message
+
+
+def test_the_served_model_and_its_context_come_from_swarm_serve(tmp_path: Path, swarm_serve: str, caplog) -> None:
+    """README's researcher command names no model and asks for more tokens than tiny's 2048 can hold."""
+    brief = make_brief(tmp_path, "  trainer.lr:\n    kind: choice\n    values: [0.0, 0.001]",
+                       "planner:\n  llm: {max_retries: 0, max_tokens: 1900}")
+    base = brief.resolve_config(tmp_path)
+    ctx = PlanContext(brief=brief, base_values=typed_values(base.model_dump()), base_steps=8, round=1,
+                      runs_left=10, steps_left=100, tokens_left=100_000)
+    assert httpx.get(f"{swarm_serve}/models").json()["data"][0]["max_model_len"] == 2048  # vLLM's field
+    planner = LlmPlanner(swarm_serve, None)
+    caplog.set_level("WARNING", "researcher.planner.endpoint")
+    with pytest.raises(PlannerError) as err:  # the random model writes no JSON; the requests themselves fit
+        planner.plan(ctx)
+    assert planner.name == "llm:tiny"
+    assert "endpoint error" not in str(err.value) and "gave no valid plan after 1 attempts" in str(err.value)
+    assert "max_tokens lowered from 1900" in caplog.text and "context of 2048 tokens" in caplog.text

@@ -59,6 +59,11 @@ def test_a_tag_edited_as_in_the_ui_is_a_decision(board: ReviewBoard) -> None:
     board.client.set_tag(run_id, "review.status", "Approved ")
     [d] = board.collect(["r1-1"])
     assert (d.verdict, d.by, d.source) == ("approved", "mlflow-ui", "mlflow")
+    assert d.at_poll_time  # no review.at on the run: the time is when the study saw it, and says so
+    board.client.set_tag(run_id, "review.by", "ada")
+    board.client.set_tag(run_id, "review.at", "2026-11-30T09:00:00+00:00")
+    [d] = board.collect(["r1-1"])
+    assert (d.by, d.at, d.at_poll_time) == ("ada", "2026-11-30T09:00:00+00:00", False)
 
 
 def test_a_mistyped_status_is_flagged_on_the_run_and_stays_pending(board: ReviewBoard) -> None:

@@ -1,0 +1,156 @@
+"""Rigor benchmark: how often the study's decision rule finds a real effect and keeps a null one.
+
+The objective is simulated: each "run" scores the baseline plus the effect planted in its
+configuration plus Gaussian seed noise of standard deviation sigma, independent per run (the
+worst case for a paired test: real runs sharing a seed are positively correlated, which helps it).
+Everything else is the study's real code, not a copy:
+- the heuristic planner (successive halving, brief defaults: 4 arms, eta 2) proposes;
+- `researcher.analysis` turns runs into per-seed scores and verdicts (`experiment_result`, `judge`);
+- `researcher.confirmation` picks the recommendation and builds its confirmation round on held-out
+  seeds, judged by the same `analysis.judge`.
+The search space is one choice of four learning rates: the baseline, one arm with the planted
+effect, and two null arms.
+
+Per planted effect (0, 1, 2 and 3 sigma) and per seed count it runs several hundred studies and
+prints detection (the planted arm judged `better` in the search, and recommended after a
+confirmation that replicated) and false keeps (a null arm judged `better`, or recommended).
+The last line is the figure for the brief's default seeds:
+
+    rigor: detection_2sigma=<x> false_keep=<y> seeds=<n>
+
+with false_keep the rate at which a study of null changes ends recommending one.
+
+    .venv/bin/python bench/rigor.py [--studies 300] [--seeds 3 5] [--sigma 1.0]
+
+It does not launch core runs or touch MLflow: the point is the statistics of the decisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from researcher import analysis, confirmation, decision
+from researcher.brief import Brief, parse_brief
+from researcher.planner import PlanContext
+from researcher.planner.heuristic import HeuristicPlanner
+from researcher.records import Decision, ExperimentResult, Launch, Proposal
+
+BASE_LR, PLANTED_LR, NULL_LRS = 3.0e-3, 3.0e-2, (1.0e-3, 1.0e-2)
+BASE_STEPS = 8
+BASE_SCORE = 0.5
+EFFECTS = (0.0, 1.0, 2.0, 3.0)  # planted effect in units of sigma
+# Runaway guard: successive halving over 4 arms ends in 3 rounds; more means the planner looped.
+MAX_ROUNDS = 20
+
+BRIEF = """---
+objective: {{metric: reward/mean, direction: maximize}}
+run: {{base_config: configs/tiny.yaml}}
+search_space:
+  trainer.lr: {{kind: choice, values: [{base}, {planted}, {null0}, {null1}]}}
+{seeds}
+---
+"""
+
+
+def make_brief(seeds: int | None) -> Brief:
+    text = BRIEF.format(base=BASE_LR, planted=PLANTED_LR, null0=NULL_LRS[0], null1=NULL_LRS[1],
+                        seeds="" if seeds is None else f"seeds: {seeds}")
+    return parse_brief(text, "<rigor>")
+
+
+def simulate_study(brief: Brief, effect: float, sigma: float, rng: random.Random) -> dict[str, bool]:
+    """One study from first plan to confirmation; what it concluded about the planted and null arms."""
+    base_values = {"trainer.lr": BASE_LR}
+    objective = brief.objective
+
+    def runs(p: Proposal, seeds: list[int]) -> ExperimentResult:
+        planted = effect * sigma if p.overrides["trainer.lr"] == PLANTED_LR else 0.0
+        steps = int(p.overrides.get("trainer.steps", BASE_STEPS))
+        launches = [Launch(key=f"{p.id}-s{s}", proposal_id=p.id, seed=s, steps=steps, status="finished") for s in seeds]
+        outcomes = {x.key: analysis.Outcome(BASE_SCORE + planted + rng.gauss(0.0, sigma)) for x in launches}
+        return analysis.experiment_result(p.id, launches, outcomes)
+
+    planner = HeuristicPlanner()
+    proposals: list[Proposal] = []
+    decisions: list[Decision] = []
+    results: list[ExperimentResult] = []
+    for number in range(1, MAX_ROUNDS + 1):
+        ctx = PlanContext(brief=brief, base_values=base_values, base_steps=BASE_STEPS, round=number,
+                          proposals=list(proposals), decisions=list(decisions), results=list(results),
+                          runs_left=10**6, steps_left=10**9)
+        plan = planner.plan(ctx)
+        if plan.done:
+            break
+        fresh = [Proposal(**item.draft.model_dump(), id=f"r{number}-{i}", round=number, planner="heuristic",
+                          arm=item.arm, rung=item.rung) for i, item in enumerate(plan.planned, start=1)]
+        proposals += fresh
+        decisions += [Decision(proposal_id=p.id, verdict="approved", by="policy") for p in fresh]
+        new = [runs(p, brief.seeds) for p in fresh]
+        results += analysis.judge(new, proposals, base_values, BASE_STEPS, objective, known=results)
+    else:
+        raise RuntimeError("the planner did not finish within the round guard")
+
+    by_id = {p.id: p for p in proposals}
+    longest: dict[float, ExperimentResult] = {}
+    for r in results:
+        longest[by_id[r.proposal_id].overrides["trainer.lr"]] = r  # in round order: the last is the longest
+    searched_better = {lr for lr, r in longest.items() if r.verdict is not None and r.verdict.result == "better"}
+    pick = confirmation.owed(proposals, results, BASE_STEPS, brief)
+    if pick is not None:
+        result = next(r for r in results if r.proposal_id == pick.id)
+        fresh = confirmation.proposals_for(pick, result, proposals, brief, base_values, BASE_STEPS, number)
+        proposals += fresh
+        new = [runs(p, p.seeds or []) for p in fresh]
+        results += analysis.judge(new, proposals, base_values, BASE_STEPS, objective, known=results)
+        results = confirmation.attach(results, proposals, base_values)
+    found = confirmation.search_recommendation(proposals, results, BASE_STEPS, brief)
+    kept = None
+    if found is not None and found[1].confirmation is not None and found[1].confirmation.replicated:
+        kept = found[0].overrides["trainer.lr"]
+    return {"search_detect": PLANTED_LR in searched_better,
+            "search_false": any(lr in searched_better for lr in NULL_LRS) or (effect == 0 and PLANTED_LR in searched_better),
+            "detect": kept == PLANTED_LR,
+            "false_keep": kept in NULL_LRS or (effect == 0 and kept == PLANTED_LR)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--studies", type=int, default=300, help="simulated studies per (effect, seeds) cell")
+    ap.add_argument("--seeds", type=int, nargs="*", default=[3, 5], help="seed counts besides the brief's default")
+    ap.add_argument("--sigma", type=float, default=1.0, help="seed noise (std of one run's score)")
+    ap.add_argument("--rng", type=int, default=0, help="seeds the simulated noise")
+    args = ap.parse_args()
+    default = make_brief(None)
+    counts = [len(default.seeds)] + [n for n in args.seeds if n != len(default.seeds)]
+    print(f"rigor: {args.studies} simulated studies per cell; sigma {args.sigma}; independent noise per run; "
+          f"alpha {decision.ALPHA}; brief default seeds {len(default.seeds)}")
+    print("| seeds | effect | detection (search) | detection (confirmed) | false keep (search) | false keep (kept) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    started = time.time()
+    headline: dict[str, float] = {}
+    for n in counts:
+        brief = default if n == len(default.seeds) else make_brief(n)
+        for effect in EFFECTS:
+            rng = random.Random(f"{args.rng}-{n}-{effect}")
+            tally = {"search_detect": 0, "search_false": 0, "detect": 0, "false_keep": 0}
+            for _ in range(args.studies):
+                for key, hit in simulate_study(brief, effect, args.sigma, rng).items():
+                    tally[key] += hit
+            rate = {k: v / args.studies for k, v in tally.items()}
+            detect = ("-" if effect == 0 else f"{rate['search_detect']:.3f}",
+                      "-" if effect == 0 else f"{rate['detect']:.3f}")
+            print(f"| {n}{' (default)' if n == len(default.seeds) else ''} | {effect:g}σ | {detect[0]} | {detect[1]} "
+                  f"| {rate['search_false']:.3f} | {rate['false_keep']:.3f} |", flush=True)
+            if n == len(default.seeds) and effect == 2.0:
+                headline["detect"] = rate["detect"]
+            if n == len(default.seeds) and effect == 0.0:
+                headline["false_keep"] = rate["false_keep"]
+    print(f"({time.time() - started:.0f} s)")
+    print(f"rigor: detection_2sigma={headline['detect']:.3f} false_keep={headline['false_keep']:.3f} "
+          f"seeds={len(default.seeds)}")
+
+
+if __name__ == "__main__":
+    main()

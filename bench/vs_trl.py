@@ -1,0 +1,246 @@
+"""swarmrl against TRL's `GRPOTrainer` on the same task and settings, back to back in one invocation.
+
+Task (`bench/addition.py`): "What is A + B? Answer with just the number.", A, B in 1..50, reward 1
+when the last integer equals the sum. Settings, both sides: SmolLM2-135M-Instruct, 2 prompts x 8
+generations per step, <= 24 completion tokens, T = 1, constant lr 1e-5, beta 0 (no KL), epsilon 0.2,
+grad clip 1.0, fp32, no gradient checkpointing, 12 steps; LoRA arms use r 16, alpha 32 on q_proj and
+v_proj at lr 1e-4. swarmrl runs on-policy (`max_staleness: 0`) and async (`max_staleness: 1`), plus a
+`dtype: bfloat16` arm. Each arm is its own process (peak RSS is per arm), on the same thread count.
+
+It prints per arm: s/step (median of steps 2..N), completions/s (steps 2..N), train and rollout time
+per step, steps with zero advantage (swarmrl skips their update, TRL does not), peak RSS, mean reward
+of the first and last 3 steps, and the achieved fraction of a compute limit built from the issue's
+measurements of this CPU; then `vs_trl: onpolicy_ratio=<x> async_ratio=<y>` (completions/s over TRL's,
+full fine-tune). TRL comes from the optional `bench` extra: `make bench-setup`.
+
+    .venv/bin/python bench/vs_trl.py [--arms trl swarmrl-onpolicy ...] [--steps 12] [--threads 1]
+
+It measures and prints; it asserts nothing and writes only into a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import addition  # noqa: E402  (bench/ is the script's folder, so the task imports by name in every arm)
+
+PROMPTS, GENERATIONS = 2, 8
+LR_FULL, LR_LORA = 1e-5, 1e-4
+LORA = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
+# The issue's measurements of this CPU (2 cores): matmul throughput and memory bandwidth. The limit
+# of a step is its FLOPs at that throughput (training 6 N per token, prefill 2 N per prompt token)
+# plus one read of the weights per decode step.
+FLOPS = {"float32": 183e9, "bfloat16": 405e9}
+MEMORY_BYTES_PER_S = 33e9
+ARMS = {  # name -> (side, dtype, lora, max_staleness)
+    "trl": ("trl", "float32", False, 0),
+    "swarmrl-onpolicy": ("swarmrl", "float32", False, 0),
+    "swarmrl-async": ("swarmrl", "float32", False, 1),
+    "trl-lora": ("trl", "float32", True, 0),
+    "swarmrl-lora-onpolicy": ("swarmrl", "float32", True, 0),
+    "swarmrl-lora-async": ("swarmrl", "float32", True, 1),
+    "swarmrl-bf16": ("swarmrl", "bfloat16", False, 0),
+}
+
+
+# The arms import their side inside (torch, TRL, the core): TRL is an optional extra, and the parent
+# process only launches arms and prints, so it never loads either framework.
+def run_trl(arm: str, steps: int, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from core.models import smollm2_folder
+
+    _, dtype, lora, _ = ARMS[arm]
+    rows = [{"prompt": [{"role": "user", "content": addition.question(t)}], "a": t["a"], "b": t["b"]}
+            for t in addition.tasks("train", PROMPTS * steps)]
+    zero_advantage: list[bool] = []
+
+    def scored(completions, a, b, **kw) -> list[float]:
+        rewards = addition.trl_reward(completions, a, b)
+        groups = [rewards[i:i + GENERATIONS] for i in range(0, len(rewards), GENERATIONS)]
+        zero_advantage.append(all(max(g) == min(g) for g in groups))
+        return rewards
+
+    scored.__name__ = "addition"
+    config = GRPOConfig(
+        output_dir=str(out / "trl"), max_steps=steps, learning_rate=LR_LORA if lora else LR_FULL,
+        lr_scheduler_type="constant", warmup_steps=0, beta=0.0, epsilon=0.2, max_grad_norm=1.0, temperature=1.0,
+        num_generations=GENERATIONS, per_device_train_batch_size=PROMPTS * GENERATIONS, gradient_accumulation_steps=1,
+        max_completion_length=addition.MAX_TOKENS, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
+        model_init_kwargs={"dtype": getattr(torch, dtype)}, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, seed=0, shuffle_dataset=False, dataloader_num_workers=0,
+    )
+    peft = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"],
+                      task_type="CAUSAL_LM") if lora else None
+    trainer = GRPOTrainer(model=str(smollm2_folder()), reward_funcs=[scored], args=config,
+                          train_dataset=Dataset.from_list(rows), peft_config=peft)
+    rollout_s: list[float] = []
+    generate = trainer._generate_and_score_completions  # timed, not changed: TRL's rollout for one step
+
+    def timed_generate(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            rollout_s.append(time.perf_counter() - start)
+
+    trainer._generate_and_score_completions = timed_generate
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+    trainer.add_callback(StepClock())
+    start = time.perf_counter()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    step_s = [b - a for a, b in zip([start] + ends, ends)]
+    return {"step_s": step_s, "rollout_s": rollout_s[:steps], "train_s": [s - r for s, r in zip(step_s, rollout_s)],
+            "rewards": [h["reward"] for h in logs], "zero_advantage": zero_advantage[:steps],
+            "completion_tokens": [h.get("completions/mean_length", 0.0) * PROMPTS * GENERATIONS for h in logs]}
+
+
+def run_swarmrl(arm: str, steps: int, out: Path) -> dict:
+    from core.config import load_config
+    from core.run import CoreRun
+
+    _, dtype, lora, staleness = ARMS[arm]
+    model = {"name": "policy", "source": "smollm2-135m", "dtype": dtype, **({"lora": LORA} if lora else {})}
+    cfg = load_config({
+        "models": [model],
+        "engine": {"max_batch": 32, "default_temperature": addition.TEMPERATURE},
+        "server": {"port": 0},
+        "trainer": {"steps": steps, "batch_groups": PROMPTS, "group_size": GENERATIONS, "lr": LR_LORA if lora else LR_FULL,
+                    "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0, "grad_clip": 1.0, "advantage": "grpo",
+                    "max_staleness": staleness, "checkpoint_dir": str(out / "ckpt"), "keep_checkpoints": 1},
+        # Enough episodes in flight to fill a step twice over; admission control holds back the rest.
+        "clients": [{"agent": "addition", "concurrency": 2 * PROMPTS * GENERATIONS}],
+        "telemetry": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "vs-trl"},
+    })
+    core = CoreRun(cfg)
+    ends, metrics = [], []
+
+    def on_step(step: int, m: dict) -> None:
+        ends.append(time.perf_counter())
+        metrics.append(dict(m))
+
+    core.server.start()
+    start = time.perf_counter()
+    try:
+        core.start_clients()
+        core.train(on_step=on_step)
+    finally:
+        core.stop_clients()
+        core.server.stop()
+    step_s = [b - a for a, b in zip([start] + ends, ends)]
+    return {"step_s": step_s, "rollout_s": [m.get("time/rollout_s", float("nan")) for m in metrics],
+            "train_s": [m.get("time/train_s", float("nan")) + m.get("time/sync_s", 0.0) for m in metrics],
+            "rewards": [m["reward/mean"] for m in metrics], "zero_advantage": [m.get("train/updated", 1.0) == 0.0 for m in metrics],
+            "completion_tokens": [m.get("train/trained_tokens", float("nan")) for m in metrics],
+            "wasted_frac": metrics[-1].get("episodes/wasted_frac", float("nan")) if metrics else float("nan")}
+
+
+def limit_s(dtype: str, params: int, prompt_tokens: int, completion_tokens: float) -> float:
+    """The compute limit of one step at the issue's measured throughput of this CPU (see FLOPS)."""
+    samples = PROMPTS * GENERATIONS
+    flops = 6 * params * (samples * prompt_tokens + completion_tokens) + 2 * params * PROMPTS * prompt_tokens
+    weight_bytes = params * (4 if dtype == "float32" else 2)
+    return flops / FLOPS[dtype] + addition.MAX_TOKENS * weight_bytes / MEMORY_BYTES_PER_S
+
+
+def model_size() -> tuple[int, int]:
+    """(parameters of the base model, tokens of one rendered prompt) for the compute limit."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from core.models import smollm2_folder
+
+    folder = smollm2_folder()
+    tok = AutoTokenizer.from_pretrained(folder)
+    with torch.device("meta"):  # shapes only: no weights are read
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).parameters())
+    text = tok.apply_chat_template([{"role": "user", "content": addition.question({"a": 23, "b": 41})}],
+                                   add_generation_prompt=True, tokenize=False)
+    return params, len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def summary(arm: str, r: dict) -> dict:
+    later = slice(1, None)  # step 1 pays for warm-up (first batches, allocator): steps 2..N are the steady state
+    s_step = statistics.median(r["step_s"][later])
+    cps = PROMPTS * GENERATIONS * len(r["step_s"][later]) / sum(r["step_s"][later])
+    tokens = statistics.mean(r["completion_tokens"][later])
+    return {"arm": arm, "s_step": s_step, "cps": cps, "train_s": statistics.median(r["train_s"][later]),
+            "rollout_s": statistics.median(r["rollout_s"][later]), "zero_adv": sum(r["zero_advantage"]),
+            "rss_gb": r["peak_rss_kb"] / 2 ** 20, "first3": statistics.mean(r["rewards"][:3]),
+            "last3": statistics.mean(r["rewards"][-3:]),
+            "limit": limit_s(ARMS[arm][1], r["params"], r["prompt_tokens"], tokens) / s_step,
+            "wasted": r.get("wasted_frac", float("nan")), "steps": len(r["step_s"])}
+
+
+def child(arm: str, steps: int, threads: int, result: Path) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    out = Path(tempfile.mkdtemp(prefix=f"vs-trl-{arm}-"))
+    r = (run_trl if ARMS[arm][0] == "trl" else run_swarmrl)(arm, steps, out)
+    r["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r["params"], r["prompt_tokens"] = model_size()
+    result.write_text(json.dumps(r))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.steps, args.threads, args.result)
+    rows, scratch = [], Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    for arm in args.arms:
+        result = scratch / f"{arm}.json"
+        started = time.perf_counter()
+        code = subprocess.run([sys.executable, __file__, "--child", arm, "--steps", str(args.steps), "--threads",
+                               str(args.threads), "--result", str(result)],
+                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}).returncode
+        if not result.is_file():
+            raise SystemExit(f"arm {arm} failed (exit {code}) before it had a result")
+        if code != 0:  # the measurement is complete; say how the process ended rather than drop the arm
+            print(f"arm {arm}: the process exited with {code} after writing its result", flush=True)
+        rows.append(summary(arm, json.loads(result.read_text())))
+        print(f"{arm}: done in {time.perf_counter() - started:.0f} s; {json.dumps(rows[-1])}", flush=True)
+    print(f"\n{'arm':<22} {'s/step':>6} {'compl/s':>7} {'train s':>7} {'rollout s':>9} {'0-adv':>5} {'RSS GB':>6} "
+          f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6}")
+    for r in rows:
+        print(f"{r['arm']:<22} {r['s_step']:>6.2f} {r['cps']:>7.2f} {r['train_s']:>7.2f} {r['rollout_s']:>9.2f} "
+              f"{r['zero_adv']:>2}/{r['steps']:<2} {r['rss_gb']:>6.2f} {r['first3']:>8.3f} {r['last3']:>7.3f} "
+              f"{r['limit']:>5.2f} {r['wasted']:>6.3f}")
+    print(f"torch threads {args.threads}; limit = achieved fraction of the compute limit (see FLOPS); "
+          "0-adv = steps whose every group had one reward (swarmrl skips the update, TRL does not)")
+    by = {r["arm"]: r for r in rows}
+    ratio = {k: by[k]["cps"] / by["trl"]["cps"] if k in by and "trl" in by else float("nan")
+             for k in ("swarmrl-onpolicy", "swarmrl-async")}
+    print(f"vs_trl: onpolicy_ratio={ratio['swarmrl-onpolicy']:.2f} async_ratio={ratio['swarmrl-async']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

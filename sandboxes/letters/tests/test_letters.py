@@ -1,0 +1,58 @@
+"""The letters sandbox's own tests: its tasks, its reward, and one rollout against a scripted model.
+
+A study's validation runs these on every edit of the sandbox (researcher/validation.py), so they
+check the contract an edit must keep, not the exact prompt wording an edit may change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+FOLDER = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    """The sandbox's module `name`, imported by path with its folder on sys.path, as the runner does."""
+    sys.path.insert(0, str(FOLDER))
+    try:
+        spec = importlib.util.spec_from_file_location(f"letters_under_test_{name}", FOLDER / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(FOLDER))
+    return module
+
+
+agent, scoring = _load("agent"), _load("reward")
+
+
+def test_tasks_have_distinct_ids_per_split():
+    train = list(agent.tasks("train"))
+    assert train and len({t["id"] for t in train}) == len(train)
+    assert all(t["id"].startswith("train-") for t in train)
+    assert {t["id"] for t in agent.tasks("eval")}.isdisjoint({t["id"] for t in train})
+
+
+def test_reward_is_the_share_of_lowercase_letters_with_a_length_floor():
+    assert scoring.reward("abcdefghijkl") == 1.0
+    assert scoring.reward("ABCDEFGHIJKL") == 0.0
+    assert scoring.reward("ab") == 2 / scoring.MIN_LENGTH  # short replies cannot score 1 by being one letter
+    assert scoring.reward("") == 0.0
+
+
+def test_rollout_scores_the_models_reply():
+    sent = []
+
+    async def create(**request):
+        sent.append(request)
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="hello world!"))])
+
+    llm = SimpleNamespace(model="policy", chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    task = next(iter(agent.tasks("train")))
+    reward = asyncio.run(agent.rollout(task, llm))
+    assert reward == scoring.reward("hello world!")
+    assert sent[0]["model"] == "policy" and sent[0]["messages"][-1]["role"] == "user"

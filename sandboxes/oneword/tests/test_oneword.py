@@ -1,0 +1,39 @@
+"""The oneword sandbox's own tests: tasks, the format reward, and one rollout against a scripted model."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+FOLDER = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(FOLDER))
+_spec = importlib.util.spec_from_file_location("oneword_under_test", FOLDER / "agent.py")
+agent = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(agent)
+_spec = importlib.util.spec_from_file_location("oneword_reward_under_test", FOLDER / "format_reward.py")
+scoring = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scoring)
+sys.path.remove(str(FOLDER))
+
+
+def test_tasks_ask_for_one_lowercase_word():
+    tasks = list(agent.tasks("train"))
+    assert tasks and all("word" in t["prompt"] for t in tasks)
+
+
+def test_one_lowercase_word_beats_capitals_beats_a_sentence():
+    assert scoring.reward("apple") == 1.0
+    assert scoring.reward("Apple") == 0.5
+    assert scoring.reward("I like apples") < 0.5
+    assert scoring.reward("") == 0.0
+
+
+def test_rollout_scores_the_models_reply():
+    async def create(**request):
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="pear"))])
+
+    llm = SimpleNamespace(model="policy", chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+    assert asyncio.run(agent.rollout(next(iter(agent.tasks("train"))), llm)) == 1.0

@@ -1,0 +1,154 @@
+"""The engine never hangs: bad requests fail alone, `max_batch` caps rows, late joiners change nothing,
+and weights swapped between decode steps leave running rows going."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from core.config import EngineConfig
+from core.engine import SamplingParams
+from core.engine.hf import HFEngine
+from core.models import build_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny()
+
+
+@pytest.fixture
+def make_engine(tiny):
+    engines = []
+
+    def make(**cfg) -> HFEngine:
+        model, tok = tiny
+        eng = HFEngine(model, tok, EngineConfig(**cfg), max_context=2048)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        eng.close()
+
+
+def prompt(eng: HFEngine, i: int) -> list[int]:
+    return eng.tokenizer(f"prompt number {i} says", add_special_tokens=False)["input_ids"]
+
+
+async def after_tokens(eng: HFEngine, ids: list[int], params: SamplingParams, n: int):
+    """Start a generation and return (its task, once it has sampled `n` tokens)."""
+    seen = asyncio.Event()
+    count = 0
+
+    def on_token(_: int) -> None:
+        nonlocal count
+        count += 1
+        if count >= n:
+            seen.set()
+
+    task = asyncio.ensure_future(eng.generate(ids, params, on_token=on_token))
+    await seen.wait()
+    return task
+
+
+def test_a_bad_request_fails_alone_and_rows_already_decoding_continue(make_engine):
+    eng = make_engine()
+    long = SamplingParams(max_tokens=30, temperature=1.0, seed=7)
+    short = SamplingParams(max_tokens=6, temperature=0)
+    out_of_vocab = prompt(eng, 1) + [len(eng.tokenizer) + 1000]
+
+    async def go():
+        alone = await eng.generate(prompt(eng, 0), long)
+        running = await after_tokens(eng, prompt(eng, 0), long, 3)
+        results = await asyncio.gather(eng.generate(out_of_vocab, short), eng.generate(prompt(eng, 2), short),
+                                       return_exceptions=True)
+        return alone, await running, results
+
+    alone, running, (bad, good) = asyncio.run(go())
+    assert isinstance(bad, Exception)  # its own error, delivered: the caller does not hang
+    assert not isinstance(good, Exception) and good.token_ids
+    assert running.token_ids == alone.token_ids and len(running.token_ids) == 30
+    after = asyncio.run(eng.generate(prompt(eng, 3), short))
+    assert after.token_ids
+
+
+def test_an_empty_prompt_is_refused_with_a_clear_error(make_engine):
+    eng = make_engine()
+    with pytest.raises(ValueError, match="prompt_ids is empty"):
+        asyncio.run(eng.generate([], SamplingParams(max_tokens=4)))
+
+
+def test_max_batch_caps_the_active_rows_and_every_request_completes(make_engine):
+    eng = make_engine(max_batch=2)
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=i) for i in range(6)]
+
+    async def go():
+        alone = [await eng.generate(prompt(eng, i), p) for i, p in enumerate(params)]
+        eng.stats["max_rows"] = 0
+        together = await asyncio.gather(*(eng.generate(prompt(eng, i), p) for i, p in enumerate(params)))
+        return alone, together
+
+    alone, together = asyncio.run(go())
+    assert eng.stats["max_rows"] == 2  # batched, and never more than the cap
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+
+
+@pytest.mark.parametrize("late", [SamplingParams(max_tokens=12, temperature=0),
+                                  SamplingParams(max_tokens=12, temperature=0.8, seed=11)],
+                         ids=["greedy", "seeded"])
+def test_a_request_joining_mid_decode_yields_what_it_would_alone(make_engine, late):
+    eng = make_engine()
+    early = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
+    # A longer prompt than the running row's, so the join left-pads the running KV cache, not only the new one.
+    late_prompt = prompt(eng, 5) + prompt(eng, 6)
+
+    async def go():
+        early_alone = await eng.generate(prompt(eng, 4), early)
+        late_alone = await eng.generate(late_prompt, late)
+        running = await after_tokens(eng, prompt(eng, 4), early, 5)
+        late_joined = await eng.generate(late_prompt, late)
+        return early_alone, late_alone, await running, late_joined
+
+    early_alone, late_alone, early_joined, late_joined = asyncio.run(go())
+    assert len(early_alone.token_ids) == 24  # still decoding when the late request joined at token 5
+    assert late_joined.token_ids == late_alone.token_ids
+    assert late_joined.logprobs == pytest.approx(late_alone.logprobs, abs=1e-4)
+    assert early_joined.token_ids == early_alone.token_ids
+    assert early_joined.logprobs == pytest.approx(early_alone.logprobs, abs=1e-4)
+
+
+def test_weights_swapped_mid_decode_keep_rows_going_and_report_the_oldest_version(make_engine, tiny):
+    eng = make_engine()
+    version = eng.version
+    applied = []
+
+    async def go():
+        running = await after_tokens(eng, prompt(eng, 0), SamplingParams(max_tokens=20, temperature=1.0, seed=1), 2)
+        def change() -> bool:
+            applied.append(running.done())
+            return True
+
+        assert await asyncio.to_thread(eng.swap_weights, change)
+        return await running
+
+    gen = asyncio.run(go())
+    assert applied == [False]  # the change ran while the row was still decoding
+    assert len(gen.token_ids) == 20 and gen.version == version  # prefilled by the old weights
+    assert asyncio.run(eng.generate(prompt(eng, 1), SamplingParams(max_tokens=3))).version == version + 1
+
+
+def test_a_failing_weight_change_reaches_the_trainer_and_leaves_the_version(make_engine):
+    eng = make_engine()
+    version = eng.version
+
+    def broken() -> None:
+        raise RuntimeError("optimizer blew up")
+
+    with pytest.raises(RuntimeError, match="optimizer blew up"):
+        eng.swap_weights(broken)
+    assert eng.version == version
+    assert not eng.swap_weights(lambda: False)  # a step that changed nothing keeps the version
+    assert eng.version == version
+    assert asyncio.run(eng.generate(prompt(eng, 2), SamplingParams(max_tokens=3))).token_ids

@@ -1,0 +1,172 @@
+"""Whole studies judged by the decision rule, on real `swarm run`s of the tiny model.
+
+A real effect (lr 0.03 against lr 0) ends `better` and replicates on seeds the search never used;
+a change with no effect on learning ends with nothing `better`; a stalled run is stopped and
+marked, a SIGKILLed run resumes from its checkpoint and finishes; `resume --all` picks up every
+interrupted study.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from researcher.records import ExperimentResult
+from researcher.store import owner_pid, study_paths
+from tests.researcher.harness import Project, require_swarm
+
+# A whole study is a dozen tiny runs; on a busy 2-core machine that outlasts the default timeout.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+BRIEF = """---
+title: "{title}"
+objective: {{metric: reward/mean, direction: maximize, window: 3}}
+budget: {{max_runs: 40, max_total_steps: 2000, max_rounds: 1}}
+run:
+  base_config: configs/tiny.yaml
+  overrides: {{trainer.steps: {steps}, trainer.lr: 0.0{extra_overrides}}}
+search_space:
+  {space}
+seeds: {seeds}
+approval: {{config_only: {approval}}}
+planner: {{seed: 0, heuristic: {{arms: 2, eta: 2, min_steps: {steps}}}}}
+launch: {{concurrency: 2{launch}}}
+monitor: {{poll_s: 0.5, collapse_drop: null{monitor}}}
+review: {{poll_s: 0.5}}
+---
+Decision-rule test study.
+"""
+
+
+def brief(project: Project, name: str, *, space: str = "trainer.lr: {kind: choice, values: [0.03]}", steps: int = 10,
+          seeds: str = "[0, 1, 2]", approval: str = "auto", extra_overrides: str = "", launch: str = "",
+          monitor: str = "") -> Path:
+    path = project.tmp / f"{name}.md"
+    path.write_text(BRIEF.format(title=name, space=space, steps=steps, seeds=seeds, approval=approval,
+                                 extra_overrides=extra_overrides, launch=launch, monitor=monitor))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _needs_swarm() -> None:
+    require_swarm()
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Project:
+    return Project(tmp_path)
+
+
+def by_id(values: dict, key: str) -> dict:
+    return {x[key]: x for x in values.get("results" if key == "proposal_id" else "proposals", [])}
+
+
+def test_a_real_effect_ends_better_and_replicates_on_seeds_the_search_never_used(project: Project) -> None:
+    project.cli("start", str(brief(project, "real")), "--name", "real", "--planner", "heuristic", timeout=1800)
+    values, _, _ = project.state("real")
+    proposals, results = by_id(values, "id"), by_id(values, "proposal_id")
+    search = [p for p in proposals.values() if not p["confirms"]]
+    candidate = next(p for p in search if p["overrides"]["trainer.lr"] == 0.03)
+    assert results[candidate["id"]]["verdict"]["result"] == "better"
+    confirm = [p for p in proposals.values() if p["confirms"] == candidate["id"]]
+    assert len(confirm) == 2 and all(p["seeds"] == [3, 4, 5] for p in confirm)  # never 0, 1 or 2
+    confirm_seeds = {x["seed"] for x in values["launches"] if x["proposal_id"] in {p["id"] for p in confirm}}
+    assert confirm_seeds == {3, 4, 5}
+    assert results[candidate["id"]]["confirmation"]["replicated"] is True
+    assert f"recommend {candidate['id']}: replicated" in values["stop_reason"]
+    shown = json.loads(project.cli("show", "real", candidate["id"], "--json").stdout)
+    assert shown["verdict"]["result"] == "better" and shown["verdict"]["test"] == "paired t-test"
+    assert shown["verdict"]["effect"] > 0 and shown["verdict"]["ci"][0] > 0 and shown["verdict"]["p"] < 0.05
+    status = json.loads(project.cli("status", "real", "--json").stdout)
+    assert {p["id"] for p in status["proposals"]} == set(proposals)
+    assert all({"id", "status", "verdict"} <= set(p) for p in status["proposals"])
+    report = (project.studies / "real" / "report.md").read_text()
+    assert "paired t-test" in report and "95% CI" in report and "replicated on held-out seeds [3, 4, 5]" in report
+
+
+def test_a_change_with_no_effect_on_learning_ends_with_nothing_better(project: Project) -> None:
+    path = brief(project, "null", space="telemetry.trajectories_per_step: {kind: choice, values: [0]}", steps=3,
+                 extra_overrides=", trainer.batch_groups: 2")
+    project.cli("start", str(path), "--name", "null", "--planner", "heuristic", timeout=1800)
+    values, _, _ = project.state("null")
+    verdicts = [r["verdict"] for r in values["results"] if r["verdict"] is not None]
+    assert verdicts and all(v["result"] != "better" for v in verdicts)
+    assert not any(p["confirms"] for p in values["proposals"])  # nothing to confirm
+    assert "nothing to recommend" in values["stop_reason"]
+
+
+def test_a_stalled_run_is_stopped_marked_and_its_mlflow_run_closed(project: Project) -> None:
+    hang = project.tmp / "hang"  # an agent that never finishes an episode: the run never logs a step
+    hang.mkdir()
+    (hang / "agent.py").write_text("import asyncio\n\n\ndef tasks(split='train'):\n    yield {'id': 't', 'prompt': 'hi'}\n"
+                                   "\n\nasync def rollout(task, llm):\n    await asyncio.sleep(3600)\n    return 0.0\n")
+    path = brief(project, "stall", space="trainer.lr: {kind: choice, values: [0.03]}", steps=3, seeds="[0]",
+                 monitor=", stall_s: 20", launch=", grace_s: 5")
+    path.write_text(path.read_text().replace("  base_config: configs/tiny.yaml",
+                                             f"  base_config: configs/tiny.yaml\n  clients: [{{agent: '{hang}'}}]")
+                    .replace("arms: 2", "arms: 1"))
+    project.cli("start", str(path), "--name", "stall", "--planner", "heuristic", timeout=900)
+    values, _, _ = project.state("stall")
+    launches = {x["key"]: x for x in values["launches"]}
+    assert set(launches) == {"r1-1-s0", "r1-1-s0-rerun"}  # stopped, then its one re-run, stalled again
+    client = MlflowClient(project.tracking_uri)
+    for x in launches.values():
+        assert x["status"] == "stopped" and x["reason"].startswith("stalled: no new metric for")
+        if x["run_id"]:
+            assert client.get_run(x["run_id"]).info.status in ("KILLED", "FAILED")  # never left RUNNING
+    result = ExperimentResult.model_validate(by_id(values, "proposal_id")["r1-1"])
+    assert result.status == "failed" and "failed twice" in result.failed_seeds[0]
+
+
+def test_a_sigkilled_run_resumes_from_its_checkpoint_and_finishes(project: Project) -> None:
+    path = brief(project, "killed", steps=6, seeds="[0]", extra_overrides=", trainer.checkpoint_every: 1")
+    path.write_text(path.read_text().replace("arms: 2", "arms: 1"))
+    client = MlflowClient(project.tracking_uri)
+    project.cli("start", str(path), "--name", "killed", "--planner", "heuristic", "--detach")
+    paths = study_paths(project.studies, "killed")
+    intent, run_id_file = paths.state / "launches" / "r1-1-s0.json", paths.state / "runs" / "r1-1-s0" / "run_id"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:  # SIGKILL the run once it has logged (and checkpointed) step 2
+        if intent.exists() and run_id_file.exists() and run_id_file.read_text().strip():
+            if len(client.get_metric_history(run_id_file.read_text().strip(), "reward/mean")) >= 2:
+                os.killpg(json.loads(intent.read_text())["pid"], signal.SIGKILL)
+                break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the run never reached step 2")
+    values = project.wait_done("killed", timeout=1200)
+    launches = {x["key"]: x for x in values["launches"]}
+    assert launches["r1-1-s0"]["status"] == "failed"
+    rerun = launches["r1-1-s0-rerun"]
+    assert rerun["resumes"] == "r1-1-s0" and rerun["status"] == "finished"
+    assert rerun["run_id"] == launches["r1-1-s0"]["run_id"]  # resumed: the same MLflow run, continued
+    run = client.get_run(rerun["run_id"])
+    assert run.info.status == "FINISHED"
+    assert sorted({m.step for m in client.get_metric_history(rerun["run_id"], "reward/mean")}) == list(range(1, 7))
+    assert 0 in ExperimentResult.model_validate(by_id(values, "proposal_id")["r1-1"]).seed_scores  # the resumed run
+
+
+def test_resume_all_picks_up_every_interrupted_study(project: Project) -> None:
+    for name in ("first", "second", "held"):
+        project.cli("start", str(brief(project, name, approval="human")), "--name", name, "--planner", "heuristic",
+                    "--no-wait")  # each stops at its first review: interrupted, not done
+    project.cli("stop", "held")  # a person's stop: resume --all leaves it alone
+    out = project.cli("resume", "--all").stdout
+    assert "resuming first" in out and "resuming second" in out and "held" not in out
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(owner_pid(study_paths(project.studies, n)) for n in ("first", "second")):
+        time.sleep(0.5)
+    assert all(owner_pid(study_paths(project.studies, n)) for n in ("first", "second"))
+    assert owner_pid(study_paths(project.studies, "held")) is None
+    again = project.cli("resume", "--all").stdout  # both are running now: nothing to resume
+    assert "no unfinished study" in again
+    for name in ("first", "second"):
+        project.cli("stop", name)
+    both = project.cli("resume", "--all", check=False)
+    assert both.returncode == 0 and "no unfinished study" in both.stdout  # stopped by a person: held
