@@ -226,19 +226,22 @@ def redacted(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def flatten(cfg: BaseModel | dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """The config as `a.b.c -> value` strings, credentials redacted: MLflow params and config diffs."""
-    data = cfg.model_dump() if isinstance(cfg, BaseModel) else cfg
-    if not prefix:
-        data = redacted(data)
-    out: dict[str, str] = {}
+def flat_values(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A dumped config as `a.b.c -> value`, values keeping their own types (lists of models by index)."""
+    out: dict[str, Any] = {}
     for key, value in data.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
+            out.update(flat_values(value, name + "."))
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             for i, v in enumerate(value):
-                out.update(flatten(v, f"{name}.{i}."))
+                out.update(flat_values(v, f"{name}.{i}."))
         else:
-            out[name] = str(value)
+            out[name] = value
     return out
+
+
+def flatten(cfg: BaseModel | dict[str, Any]) -> dict[str, str]:
+    """The config as `a.b.c -> value` strings, credentials redacted: MLflow params and config diffs."""
+    data = cfg.model_dump() if isinstance(cfg, BaseModel) else cfg
+    return {k: str(v) for k, v in flat_values(redacted(data)).items()}

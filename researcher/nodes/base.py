@@ -14,7 +14,7 @@ from typing import Any, TypedDict
 
 from mlflow.tracking import MlflowClient
 
-from core.config import flatten
+from core.config import flat_values, flatten
 from researcher.brief import Brief
 from researcher.launcher import Emit, Launcher
 from researcher.planner import Planner
@@ -66,19 +66,9 @@ def dump(items: list[Any]) -> list[dict[str, Any]]:
     return [x.model_dump() for x in items]
 
 
-def typed_values(cfg_dump: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def typed_values(cfg_dump: dict[str, Any]) -> dict[str, Any]:
     """A dumped run config as `a.b.c -> value` with the values' own types (planners compare them)."""
-    out: dict[str, Any] = {}
-    for key, value in cfg_dump.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(typed_values(value, name + "."))
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            for i, v in enumerate(value):
-                out.update(typed_values(v, f"{name}.{i}."))
-        else:
-            out[name] = value
-    return out
+    return flat_values(cfg_dump)
 
 
 class NodeBase:
