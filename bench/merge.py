@@ -66,7 +66,7 @@ async def episode(client: SwarmClient, turns: int, max_tokens: int, branch: bool
 
 async def sandbox_episode(client: SwarmClient, agent: Agent, task: dict) -> str:
     async with client.aepisode(task_id=str(task["id"]), sandbox=agent.name, group_size=1) as ep:
-        await ep.finish(float(await agent.rollout(task, ep.openai)))
+        await ep.finish((await agent.rollout(task, ep.openai)).reward)  # a checked Outcome (core.sandbox)
         return ep.id
 
 

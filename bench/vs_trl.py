@@ -14,6 +14,12 @@ measurements of this CPU; then `vs_trl: onpolicy_ratio=<x> async_ratio=<y>` (com
 full fine-tune). TRL comes from the optional `bench` extra: `make bench-setup`.
 
     .venv/bin/python bench/vs_trl.py [--arms trl swarmrl-onpolicy ...] [--steps 12] [--threads 1]
+                                     [--parallel 1] [--deadline-s SECONDS]
+
+Arms run back to back by default. `--parallel N` runs N arms at once, so that on a shared machine
+they see the same background load (each arm is still its own process with its own threads). Each
+arm writes its measurements after every step; `--deadline-s` stops the arms still running at that
+time and reports the steps they finished, marked as partial.
 
 It measures and prints; it asserts nothing and writes only into a temporary folder.
 """
@@ -57,7 +63,7 @@ ARMS = {  # name -> (side, dtype, lora, max_staleness)
 
 # The arms import their side inside (torch, TRL, the core): TRL is an optional extra, and the parent
 # process only launches arms and prints, so it never loads either framework.
-def run_trl(arm: str, steps: int, out: Path) -> dict:
+def run_trl(arm: str, steps: int, out: Path, report) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -107,17 +113,26 @@ def run_trl(arm: str, steps: int, out: Path) -> dict:
         def on_step_end(self, args, state, control, **kw):
             ends.append(time.perf_counter())
 
+    def collect() -> dict:
+        logs = [h for h in trainer.state.log_history if "reward" in h]
+        done = min(len(ends), len(logs))  # a step counts once its log (rewards, lengths) is written
+        step_s = [b - a for a, b in zip([start] + ends, ends)][:done]
+        return {"step_s": step_s, "rollout_s": rollout_s[:done], "train_s": [s - r for s, r in zip(step_s, rollout_s)],
+                "rewards": [h["reward"] for h in logs][:done], "zero_advantage": zero_advantage[:done],
+                "completion_tokens": [h.get("completions/mean_length", 0.0) * PROMPTS * GENERATIONS for h in logs][:done]}
+
+    class Report(TrainerCallback):
+        def on_log(self, args, state, control, **kw):  # after on_step_end: the step's rewards are logged
+            report(collect())
+
     trainer.add_callback(StepClock())
+    trainer.add_callback(Report())
     start = time.perf_counter()
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    step_s = [b - a for a, b in zip([start] + ends, ends)]
-    return {"step_s": step_s, "rollout_s": rollout_s[:steps], "train_s": [s - r for s, r in zip(step_s, rollout_s)],
-            "rewards": [h["reward"] for h in logs], "zero_advantage": zero_advantage[:steps],
-            "completion_tokens": [h.get("completions/mean_length", 0.0) * PROMPTS * GENERATIONS for h in logs]}
+    return collect()
 
 
-def run_swarmrl(arm: str, steps: int, out: Path) -> dict:
+def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
     from core.config import load_config
     from core.run import CoreRun
 
@@ -134,12 +149,25 @@ def run_swarmrl(arm: str, steps: int, out: Path) -> dict:
         "clients": [{"agent": "addition", "concurrency": 2 * PROMPTS * GENERATIONS}],
         "telemetry": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "vs-trl"},
     })
+    # Clients run as their own processes (`clients[].isolate`, the default): they import the task by
+    # name from this folder, as this process does.
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")])
     core = CoreRun(cfg)
     ends, metrics = [], []
+
+    def collect() -> dict:
+        step_s = [b - a for a, b in zip([start] + ends, ends)]
+        return {"step_s": step_s, "rollout_s": [m.get("time/rollout_s", float("nan")) for m in metrics],
+                "train_s": [m.get("time/train_s", float("nan")) + m.get("time/sync_s", 0.0) for m in metrics],
+                "rewards": [m["reward/mean"] for m in metrics],
+                "zero_advantage": [m.get("train/updated", 1.0) == 0.0 for m in metrics],
+                "completion_tokens": [m.get("train/trained_tokens", float("nan")) for m in metrics],
+                "wasted_frac": metrics[-1].get("episodes/wasted_frac", float("nan")) if metrics else float("nan")}
 
     def on_step(step: int, m: dict) -> None:
         ends.append(time.perf_counter())
         metrics.append(dict(m))
+        report(collect())
 
     core.server.start()
     start = time.perf_counter()
@@ -149,12 +177,7 @@ def run_swarmrl(arm: str, steps: int, out: Path) -> dict:
     finally:
         core.stop_clients()
         core.server.stop()
-    step_s = [b - a for a, b in zip([start] + ends, ends)]
-    return {"step_s": step_s, "rollout_s": [m.get("time/rollout_s", float("nan")) for m in metrics],
-            "train_s": [m.get("time/train_s", float("nan")) + m.get("time/sync_s", 0.0) for m in metrics],
-            "rewards": [m["reward/mean"] for m in metrics], "zero_advantage": [m.get("train/updated", 1.0) == 0.0 for m in metrics],
-            "completion_tokens": [m.get("train/trained_tokens", float("nan")) for m in metrics],
-            "wasted_frac": metrics[-1].get("episodes/wasted_frac", float("nan")) if metrics else float("nan")}
+    return collect()
 
 
 def limit_s(dtype: str, params: int, prompt_tokens: int, completion_tokens: float) -> float:
@@ -182,7 +205,9 @@ def model_size() -> tuple[int, int]:
 
 
 def summary(arm: str, r: dict) -> dict:
-    later = slice(1, None)  # step 1 pays for warm-up (first batches, allocator): steps 2..N are the steady state
+    # Step 1 pays for warm-up (first batches, allocator): steps 2..N are the steady state. An arm
+    # stopped at the deadline after one step has only that one.
+    later = slice(1, None) if len(r["step_s"]) > 1 else slice(None)
     s_step = statistics.median(r["step_s"][later])
     cps = PROMPTS * GENERATIONS * len(r["step_s"][later]) / sum(r["step_s"][later])
     tokens = statistics.mean(r["completion_tokens"][later])
@@ -191,7 +216,7 @@ def summary(arm: str, r: dict) -> dict:
             "rss_gb": r["peak_rss_kb"] / 2 ** 20, "first3": statistics.mean(r["rewards"][:3]),
             "last3": statistics.mean(r["rewards"][-3:]),
             "limit": limit_s(ARMS[arm][1], r["params"], r["prompt_tokens"], tokens) / s_step,
-            "wasted": r.get("wasted_frac", float("nan")), "steps": len(r["step_s"])}
+            "wasted": r.get("wasted_frac", float("nan")), "steps": len(r["step_s"]), "partial": not r.get("complete")}
 
 
 def child(arm: str, steps: int, threads: int, result: Path) -> None:
@@ -199,10 +224,58 @@ def child(arm: str, steps: int, threads: int, result: Path) -> None:
 
     torch.set_num_threads(threads)
     out = Path(tempfile.mkdtemp(prefix=f"vs-trl-{arm}-"))
-    r = (run_trl if ARMS[arm][0] == "trl" else run_swarmrl)(arm, steps, out)
-    r["peak_rss_kb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    r["params"], r["prompt_tokens"] = model_size()
-    result.write_text(json.dumps(r))
+    shape = model_size()  # before the clock starts: it is not part of any step
+
+    def report(r: dict, complete: bool = False) -> None:
+        """Write the measurements so far (after every step), atomically: a deadline can stop the arm."""
+        r = {**r, "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "params": shape[0],
+             "prompt_tokens": shape[1], "complete": complete}
+        partial = result.with_suffix(".tmp")
+        partial.write_text(json.dumps(r))
+        partial.replace(result)
+
+    report((run_trl if ARMS[arm][0] == "trl" else run_swarmrl)(arm, steps, out, report), complete=True)
+
+
+def run_arms(args) -> list[dict]:
+    """Each arm in its own process, `args.parallel` at a time; the summaries in the order of `args.arms`."""
+    scratch, started = Path(tempfile.mkdtemp(prefix="vs-trl-")), time.perf_counter()
+    print(f"results of each arm, after every step: {scratch}", flush=True)
+    queue, running, rows = list(args.arms), {}, {}
+
+    def finish(arm: str, code: int) -> None:
+        result = scratch / f"{arm}.json"
+        if not result.is_file():  # the other arms still report
+            print(f"arm {arm}: the process exited with {code} before it finished a step", flush=True)
+            return
+        r = json.loads(result.read_text())
+        if not r["step_s"]:
+            print(f"arm {arm}: the process exited with {code} before it finished a step", flush=True)
+            return
+        if code != 0:  # the measurements stand; say how the process ended rather than drop the arm
+            print(f"arm {arm}: the process exited with {code} after {len(r['step_s'])} step(s)", flush=True)
+        rows[arm] = summary(arm, r)
+        print(f"{arm}: ended at {time.perf_counter() - started:.0f} s; {json.dumps(rows[arm])}", flush=True)
+
+    while queue or running:
+        while queue and len(running) < args.parallel:
+            arm = queue.pop(0)
+            running[arm] = subprocess.Popen(
+                [sys.executable, __file__, "--child", arm, "--steps", str(args.steps), "--threads", str(args.threads),
+                 "--result", str(scratch / f"{arm}.json")], env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+            for arm in queue:
+                print(f"arm {arm}: not started before the deadline", flush=True)
+            queue = []
+            for proc in running.values():
+                proc.terminate()
+        for arm, proc in list(running.items()):
+            code = proc.poll()
+            if code is not None:
+                del running[arm]
+                finish(arm, code)
+        time.sleep(1.0)
+    return [rows[a] for a in args.arms if a in rows]
 
 
 def main() -> None:
@@ -210,31 +283,30 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    ap.add_argument("--parallel", type=int, default=1, help="arms run at once (same load for all on a shared machine)")
+    ap.add_argument("--deadline-s", type=float, help="stop arms still running after this many seconds; report their steps")
+    ap.add_argument("--from-dir", type=Path, help="print the table of the arms' results saved in this folder")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args.child, args.steps, args.threads, args.result)
-    rows, scratch = [], Path(tempfile.mkdtemp(prefix="vs-trl-"))
-    for arm in args.arms:
-        result = scratch / f"{arm}.json"
-        started = time.perf_counter()
-        code = subprocess.run([sys.executable, __file__, "--child", arm, "--steps", str(args.steps), "--threads",
-                               str(args.threads), "--result", str(result)],
-                              env={**os.environ, "OMP_NUM_THREADS": str(args.threads)}).returncode
-        if not result.is_file():
-            raise SystemExit(f"arm {arm} failed (exit {code}) before it had a result")
-        if code != 0:  # the measurement is complete; say how the process ended rather than drop the arm
-            print(f"arm {arm}: the process exited with {code} after writing its result", flush=True)
-        rows.append(summary(arm, json.loads(result.read_text())))
-        print(f"{arm}: done in {time.perf_counter() - started:.0f} s; {json.dumps(rows[-1])}", flush=True)
+    if args.from_dir:  # results of an earlier invocation (its folder is printed at the start)
+        saved = {a: json.loads((args.from_dir / f"{a}.json").read_text()) for a in args.arms
+                 if (args.from_dir / f"{a}.json").is_file()}
+        rows = [summary(a, r) for a, r in saved.items() if r["step_s"]]
+    else:
+        rows = run_arms(args)
     print(f"\n{'arm':<22} {'s/step':>6} {'compl/s':>7} {'train s':>7} {'rollout s':>9} {'0-adv':>5} {'RSS GB':>6} "
           f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6}")
     for r in rows:
         print(f"{r['arm']:<22} {r['s_step']:>6.2f} {r['cps']:>7.2f} {r['train_s']:>7.2f} {r['rollout_s']:>9.2f} "
               f"{r['zero_adv']:>2}/{r['steps']:<2} {r['rss_gb']:>6.2f} {r['first3']:>8.3f} {r['last3']:>7.3f} "
-              f"{r['limit']:>5.2f} {r['wasted']:>6.3f}")
-    print(f"torch threads {args.threads}; limit = achieved fraction of the compute limit (see FLOPS); "
+              f"{r['limit']:>5.2f} {r['wasted']:>6.3f}" + ("  (partial: stopped at the deadline)" if r["partial"] else ""))
+    ran = f"re-printed from {args.from_dir}" if args.from_dir else (
+        f"torch threads {args.threads}; {args.parallel} arm(s) at a time; load average {os.getloadavg()[0]:.1f} "
+        f"on {os.cpu_count()} cores at the end")
+    print(f"{ran}; limit = achieved fraction of the compute limit (see FLOPS); "
           "0-adv = steps whose every group had one reward (swarmrl skips the update, TRL does not)")
     by = {r["arm"]: r for r in rows}
     ratio = {k: by[k]["cps"] / by["trl"]["cps"] if k in by and "trl" in by else float("nan")

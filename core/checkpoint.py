@@ -155,6 +155,14 @@ def save(
 
 
 def _save_model(folder: Path, trainer: Trainer) -> None:
+    remote = getattr(trainer, "remote_save", None)
+    if remote is not None:  # a trainer in a Ray actor (`core.ray_actors`) writes its own files, same layout
+        return remote(str(folder))
+    save_trainer(folder, trainer)
+
+
+def save_trainer(folder: Path, trainer: Trainer) -> None:
+    """Write one trainer's weights (or adapter) and state into `folder` (a checkpoint's models/<name>)."""
     folder.mkdir(parents=True)
     if trainer.lora:
         trainer.policy.save_pretrained(str(folder / ADAPTER_DIR))
@@ -249,37 +257,54 @@ def restore(ckpt: Checkpoint, trainers: dict[str, Trainer]) -> None:
         raise CheckpointError(
             f"checkpoint {ckpt.path} holds models {sorted(ckpt.models)}, the run trains {sorted(trainers)}"
         )
-    loaded: dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
+    # A trainer in a Ray actor restores itself (the same checks, inside the actor) once the local ones
+    # have all been read and checked.
+    remote = {name: t for name, t in trainers.items() if getattr(t, "remote_restore", None) is not None}
+    loaded = {name: _read_model(ckpt, name, t) for name, t in trainers.items() if name not in remote}
     for name, trainer in trainers.items():
-        entry = ckpt.models[name]
-        if entry.lora != trainer.lora:
-            raise CheckpointError(
-                f"model {name!r} was saved with lora={entry.lora} but is now configured with lora={trainer.lora}"
-            )
-        folder = ckpt.path / "models" / name
-        try:
-            state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
-            if entry.lora:
-                from peft.utils import load_peft_weights  # peft loads only for LoRA runs
-
-                weights = load_peft_weights(str(folder / ADAPTER_DIR))
-                _check_adapter(trainer.policy, weights, name)
-            else:
-                weights = load_file(folder / FULL_WEIGHTS)
-                _check_full_weights(trainer.policy, weights, name)
-        except (OSError, RuntimeError, ValueError) as e:
-            raise CheckpointError(f"cannot read model {name!r} from {folder}: {e}") from e
-        loaded[name] = (weights, state)
-
-    for name, trainer in trainers.items():
-        weights, state = loaded[name]
-        if trainer.lora:
-            _load_adapter(trainer.policy, weights, name)
+        if name in remote:
+            trainer.remote_restore(str(ckpt.path))
         else:
-            # strict=False only for tied weights, which are stored once and checked above.
-            trainer.policy.load_state_dict(weights, strict=False)
-        trainer.load_state_dict(state)
+            _load_model(trainer, *loaded[name], name)
     log.info("restored %s from %s (step %d)", sorted(trainers), ckpt.path, ckpt.step)
+
+
+def restore_one(ckpt: Checkpoint, name: str, trainer: Trainer) -> None:
+    """Load one model's weights and state from `ckpt` (checked first): a restarted Ray actor restores itself."""
+    if name not in ckpt.models:
+        raise CheckpointError(f"checkpoint {ckpt.path} holds no model {name!r}")
+    _load_model(trainer, *_read_model(ckpt, name, trainer), name)
+
+
+def _read_model(ckpt: Checkpoint, name: str, trainer: Trainer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    entry = ckpt.models[name]
+    if entry.lora != trainer.lora:
+        raise CheckpointError(
+            f"model {name!r} was saved with lora={entry.lora} but is now configured with lora={trainer.lora}"
+        )
+    folder = ckpt.path / "models" / name
+    try:
+        state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
+        if entry.lora:
+            from peft.utils import load_peft_weights  # peft loads only for LoRA runs
+
+            weights = load_peft_weights(str(folder / ADAPTER_DIR))
+            _check_adapter(trainer.policy, weights, name)
+        else:
+            weights = load_file(folder / FULL_WEIGHTS)
+            _check_full_weights(trainer.policy, weights, name)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"cannot read model {name!r} from {folder}: {e}") from e
+    return weights, state
+
+
+def _load_model(trainer: Trainer, weights: dict[str, torch.Tensor], state: dict[str, Any], name: str) -> None:
+    if trainer.lora:
+        _load_adapter(trainer.policy, weights, name)
+    else:
+        # strict=False only for tied weights, which are stored once and checked above.
+        trainer.policy.load_state_dict(weights, strict=False)
+    trainer.load_state_dict(state)
 
 
 def _check_full_weights(policy: torch.nn.Module, weights: dict[str, torch.Tensor], name: str) -> None:

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from core.config import ConfigError, RunConfig, load_config
+from core.sandbox import SandboxNotFound, locate, sandbox_roots
 
 app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -35,6 +36,17 @@ def _setup_logging(verbose: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hidden network: models come from presets or local folders
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a down tracking server must not stall training
+
+
+def _located(spec: str, roots: list[Path]) -> str:
+    """A client spec as an absolute folder when it names one (`sandbox:NAME` looked up in `roots`); a
+    missing sandbox is a one-line error naming where it looked, and exit code 2."""
+    try:
+        spec = locate(spec, roots)
+    except SandboxNotFound as e:
+        console.print(f"[red]{e}[/red]", soft_wrap=True)  # one line, however long the paths
+        raise typer.Exit(2) from None
+    return str(Path(spec).resolve()) if Path(spec).is_dir() else spec
 
 
 def _config(path: Path | None, overrides: list[str]) -> RunConfig:
@@ -69,6 +81,9 @@ def serve(
         if value is not None:
             extra.append(f"{key}={value}")
     cfg = _config(config, extra)
+    if cfg.placement.kind != "local":  # Ray actors are placed by `swarm run` (the driver); serve hosts here
+        console.print("[red]placement.kind ray is for `swarm run`; `swarm serve` hosts its models in this process[/red]")
+        raise typer.Exit(2)
     from core.entrypoints import serve as serve_run
 
     serve_run(cfg, train=train if train is not None else config is not None)
@@ -84,11 +99,16 @@ def run(
     run_id_file: Path = typer.Option(None, help="write the MLflow run id here as soon as it exists"),
     resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint in trainer.checkpoint_dir"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no live progress line"),
+    ray_address: str = typer.Option(None, "--ray-address", help="place models and clients as Ray actors: local (a "
+                                    "private Ray), auto (the cluster this machine joined) or a cluster address"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate the config, print what would run where; start nothing"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """A whole manual core run: server, trainer and the configured clients, until the steps are done."""
     _setup_logging(verbose)
     extra = list(overrides)
+    if ray_address:
+        extra += ["placement.kind=ray", f"placement.address={json.dumps(ray_address)}"]
     if experiment:
         extra.append(f"telemetry.experiment={json.dumps(experiment)}")
     if run_name:
@@ -99,6 +119,17 @@ def run(
         raise typer.Exit(2)
     cfg = _config(config, extra)
     cfg.telemetry.tags.update(dict(t.split("=", 1) for t in tags))  # tag keys have dots: not overrides
+    for c in cfg.clients:  # a missing sandbox stops the run here, before any model loads
+        _located(c.agent, sandbox_roots(cfg.source_file))
+    if dry_run:
+        from core.placement import describe
+
+        try:
+            print(describe(cfg))
+        except ConfigError as e:
+            console.print(f"[red]{e}[/red]")
+            raise typer.Exit(2) from None
+        raise typer.Exit(0)
     from core.entrypoints import run as run_core
 
     code = run_core(cfg, resume=resume, run_id_file=run_id_file, progress=not quiet)
@@ -113,29 +144,46 @@ def client(
     episodes: int = typer.Option(0, help="stop after this many episodes (0: run until interrupted)"),
     group_size: int = typer.Option(None, help="episodes per task group (default: the server's)"),
     kind: str = typer.Option("train", help="train | eval | debug"),
+    client_id: str = typer.Option(None, help="this client's id in the server's client table (default: sandbox-host-pid-random)"),
     max_consecutive_failures: int = typer.Option(  # 20: core.runner.MAX_CONSECUTIVE_FAILURES (not imported: start-up time)
         20, min=0, help="give up (exit 2) after this many failed episodes in a row; 0: never"),
+    workdir: Path = typer.Option(None, help="run in this working folder (created); `swarm run` gives each isolated client its own"),
+    split: str = typer.Option("train", help="the split of the sandbox's tasks() to run"),
+    tasks: int = typer.Option(None, help="stop after this many tasks (default: cycle until stopped)"),
+    episode_timeout: float = typer.Option(  # None: core.deadline.EPISODE_TIMEOUT_S (not imported: start-up time)
+        None, min=0, help="cancel a rollout and abort its episode after this many seconds (default 600; 0: no limit)"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Attach a client to a running server; SIGTERM drains (at most one lease), a second SIGTERM or SIGINT exits now."""
     _setup_logging(verbose)
+    if workdir is not None:
+        sandbox = _located(sandbox, sandbox_roots())  # sandbox:NAME or a relative folder: found before leaving
+        workdir.mkdir(parents=True, exist_ok=True)
+        sys.path.insert(0, os.getcwd())  # a module agent still imports from where the client was started
+        os.chdir(workdir)
     from core.runner import run_client
 
     sys.exit(run_client(sandbox, server, concurrency=concurrency, episodes=episodes, group_size=group_size, kind=kind,
-                        max_consecutive_failures=max_consecutive_failures))
+                        max_consecutive_failures=max_consecutive_failures, client_id=client_id, split=split,
+                        max_tasks=tasks, episode_timeout_s=episode_timeout))
 
 
 @app.command()
 def swap(
-    sandbox: str = typer.Argument(..., help="the sandbox whose new code should take over"),
-    server: str = typer.Option(..., "--server", help="swarm server URL"),
-    concurrency: int = typer.Option(4, help="episodes in flight for the new version"),
+    sandbox: str = typer.Argument(..., help="the sandbox (new code) that takes over: sandbox:NAME or a folder"),
+    server: str = typer.Option(..., "--server", help="swarm server URL, or a run's server.json (or its run folder)"),
+    concurrency: int = typer.Option(None, help="episodes in flight for the new version (default: the old client's)"),
+    admin_token: str = typer.Option(None, "--admin-token", help="the server's admin token (default: $SWARMRL_ADMIN_TOKEN, "
+                                    "the server file, or this machine's record of the server)"),
+    timeout: float = typer.Option(180.0, help="seconds the new client gets to register and finish its first episode "
+                                  "(180: core.swap.REGISTER_TIMEOUT_S); past them it is stopped and the old one keeps serving"),
 ):
-    """Hot-swap a client: start the new code, let the old process drain, then stop it."""
+    """Hot-swap a sandbox's clients through the server: start the new code with the old one's kind and group size,
+    wait until it has registered, then have the server drain the old clients (they may run anywhere)."""
     _setup_logging(False)
     from core.swap import swap as swap_client
 
-    sys.exit(swap_client(sandbox, server, concurrency=concurrency))
+    sys.exit(swap_client(sandbox, server, concurrency=concurrency, admin_token=admin_token, register_timeout_s=timeout))
 
 
 @app.command()
@@ -162,6 +210,11 @@ def status(url: str = typer.Argument("http://127.0.0.1:8000", help="swarm server
         f"episodes {data['episodes']}\ncalls {t['calls']} ({t['calls_per_s']:.1f}/s)  tokens/s {t['tokens_per_s']:.1f}  "
         f"token-in-token-out {t['tito']}"
     )
+    for c in data.get("clients", []):  # registered client processes (hot swap drains through this table)
+        Console().print(f"client {c['client_id']}: {c['sandbox']} @ {c['version'] or '-'} ({c['kind']}, group "
+                        f"{c['group_size']}, pid {c['pid']} on {c['host']}) {c['state']}")
+    if data.get("stalled"):  # the hang watchdog's diagnostic (core.watchdog)
+        Console().print(f"[red]{data['stalled']}[/red]")
 
 
 @app.command()

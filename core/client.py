@@ -183,6 +183,18 @@ class SwarmClient:
     def status(self) -> dict:
         return self.call("GET", "/status")
 
+    def register(self, info: dict, key: str = "", deadline_s: float | None = None) -> dict:
+        """Register this client process (`core.wire.RegisterClient`), or renew it with its `key`: the
+        answer (`ClientOrders`) carries the key for the next beat and whether to drain (a hot swap)."""
+        return self.call("POST", "/clients", info, deadline_s=deadline_s, key=key or None)
+
+    def leave(self, client_id: str, key: str) -> None:
+        """Remove the registration on exit; a courtesy (a silent client is dropped anyway), so bounded."""
+        try:
+            self.call("DELETE", f"/clients/{client_id}", deadline_s=ABORT_DEADLINE_S, key=key)
+        except SwarmError as e:
+            log.debug("could not leave the client table: %s", e)
+
     def close(self) -> None:
         self._http.close()
 

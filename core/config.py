@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 
 class Strict(BaseModel):
@@ -26,6 +26,21 @@ class LoraConfig(Strict):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+class RayResources(Strict):
+    """What one Ray actor reserves on the cluster (`placement.kind: ray` only; ignored otherwise)."""
+
+    num_cpus: float = Field(1.0, ge=0)  # Ray schedules by these reservations, it does not cap real use
+    num_gpus: float = Field(0.0, ge=0)  # a model on cuda needs >= 1: Ray sets CUDA_VISIBLE_DEVICES from it
+    resources: dict[str, float] = Field(default_factory=dict)  # custom node resources, e.g. {"agent_node": 1}
+
+
+class ClientRay(RayResources):
+    """A client's Ray actors: `replicas` copies of the client, each with `concurrency` episodes in flight."""
+
+    num_gpus: float = Field(0.0, ge=0, le=0)  # clients run agent code, never a model
+    replicas: int = Field(1, ge=1)  # actors started from this client entry, spread over the cluster's CPUs
+
+
 class ModelConfig(Strict):
     name: str = "policy"  # what clients pass as `model`; also the MLflow metric prefix for multi-model runs
     source: str = "tiny"  # a preset (`swarm models`) or a local Hugging Face folder
@@ -37,6 +52,7 @@ class ModelConfig(Strict):
     lora: LoraConfig | None = None
     trainable: bool = True
     seed: int = 0  # seeds the `tiny` preset's random weights
+    ray: RayResources = Field(default_factory=RayResources)  # its engine+trainer actor under Ray placement
 
     @field_validator("device")
     @classmethod
@@ -57,10 +73,16 @@ class EngineConfig(Strict):
 class ServerConfig(Strict):
     host: str = "127.0.0.1"  # loopback unless told otherwise: no hidden network
     port: int = Field(8000, ge=0, le=65535)  # 0 picks a free port
-    allow_anonymous: bool = True  # serve requests without an episode key (never recorded)
+    # Serve requests without an episode key (never recorded) when nothing trains (`swarm serve` without
+    # training); a run that trains (`swarm run`, `swarm serve` with a trainer) answers them 401 regardless.
+    allow_anonymous: bool = True
     admin_token: str | None = None  # None: a random token, printed once at start (never logged in full)
     lease_s: float = Field(60.0, gt=0)
     max_open_episodes: int = Field(512, ge=1)
+    # The hang watchdog (`core.watchdog`): no finished episode and no train step for this long while a
+    # trainer waits means the run is stalled: one diagnostic line, thread stacks dumped, status `stalled`.
+    # Ten minutes is far beyond a CPU step of the shipped models, so a slow step is never taken for a hang. 0: off.
+    stall_s: float = Field(600.0, ge=0)
 
 
 class TrainerConfig(Strict):
@@ -94,13 +116,20 @@ class ClientConfig(Strict):
     """A local client started by `swarm run`: an agent function or a sandbox folder."""
 
     agent: str  # "sandbox:NAME" (a folder under sandboxes/) or an importable module with tasks() and rollout()
-    isolate: bool = False  # run as its own OS process (`swarm client`) rather than inside the run
+    # Run as its own OS process (`swarm client`, in a working folder of its own, in the sandbox's own venv
+    # when its sandbox.toml lists requirements) rather than inside the run: a crash, a hang or a
+    # clashing dependency of agent code then stays out of the server. False: a thread of the run (cheaper).
+    isolate: bool = True
     concurrency: int = Field(4, ge=1)  # episodes in flight
     group_size: int | None = Field(None, ge=1)  # None: trainer.group_size
     split: str = "train"
     mix: float = Field(1.0, gt=0)  # share of episode openings relative to other clients
     kind: Literal["train", "eval", "debug"] = "train"
     tasks: int | None = Field(None, ge=1)  # stop after this many tasks (None: cycle until the run ends)
+    # Seconds a rollout may run before it is cancelled and its episode aborted, naming the sandbox file
+    # (`swarm client --episode-timeout`); None: the runner's default (`core.deadline.EPISODE_TIMEOUT_S`, 600), 0: none.
+    episode_timeout: float | None = Field(None, ge=0)
+    ray: ClientRay = Field(default_factory=ClientRay)  # its actors under Ray placement (isolate is then moot)
 
     @property
     def sandbox_name(self) -> str:
@@ -116,13 +145,35 @@ class TelemetryConfig(Strict):
     trajectories_per_step: int = Field(4, ge=0)
 
 
+class PlacementConfig(Strict):
+    """Where the run's parts live (`core.placement`): this process, or actors on a Ray cluster."""
+
+    kind: Literal["local", "ray"] = "local"  # local: nothing about Ray is imported or started
+    # local: a private Ray instance in this process; auto: the cluster this machine joined (`ray start`);
+    # else a cluster address (host:6379 or ray://host:10001).
+    address: str = "auto"
+    namespace: str = "swarmrl"  # Ray namespace of the run's actors
+    # How often a lost model actor is restarted (weights and optimizer from the last checkpoint)
+    # before the run fails; Ray restarts the process, the run restores its state.
+    max_restarts: int = Field(3, ge=0)
+
+
 class RunConfig(Strict):
+    # The YAML file it was loaded from (None: a dict or the defaults). Not a setting, so never dumped:
+    # `sandbox:NAME` clients resolve against that file's project (`core.sandbox.sandbox_roots`).
+    _source_file: Path | None = PrivateAttr(None)
+
+    @property
+    def source_file(self) -> Path | None:
+        return self._source_file
+
     models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig()])
     engine: EngineConfig = Field(default_factory=EngineConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     clients: list[ClientConfig] = Field(default_factory=list)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
     @field_validator("models")
     @classmethod
@@ -202,9 +253,12 @@ def load_config(source: str | Path | dict[str, Any] | None = None, overrides: li
     if "models" not in data:
         data["models"] = [ModelConfig().model_dump()]
     try:
-        return RunConfig.model_validate(data)
+        cfg = RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation(e, origin)) from None
+    if source is not None and not isinstance(source, dict):
+        cfg._source_file = Path(source).resolve()
+    return cfg
 
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,9 @@ into a stop after the current step, trains, checkpoints, and always ends the MLf
 status: FINISHED, KILLED (stopped early) or FAILED (an exception, or the local clients crashed).
 `serve` does the same around a foreground server with a trainer thread. Both print the admin token
 once at start, on stdout and never through logging (logs are kept and shared; see `announce_admin_token`).
+`run` also writes `<run folder>/server.json` (the folder holding `trainer.checkpoint_dir`): the URL
+and the path of a 0600 admin-token file, for `swarm swap --server <run folder>` and the researcher;
+removed when the run ends (`core.swap.write_server_files`).
 
 The RL loop itself lives in `core.run`; this module adds no training logic.
 """
@@ -25,8 +28,11 @@ from core import checkpoint
 from core.auth import masked
 from core.config import RunConfig, flatten
 from core.run import CoreRun
+from core.placement import PlacementError, core_run
 from core.server import Server
+from core.swap import remove_server_files, write_server_files
 from core.telemetry import ResumePoint, RunStatus, Telemetry, TelemetryError
+from core.watchdog import run_folder
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,11 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
     `/admin/shutdown` stopped it first (after the current step, with a checkpoint); FAILED on an
     exception, logged with its traceback. With `resume` it continues the checkpoint's MLflow run.
     """
-    core = CoreRun(cfg)
+    try:
+        core = core_run(cfg)  # in this process, or models and clients as Ray actors (`core.placement`)
+    except PlacementError as e:
+        log.error("cannot place the run: %s", e)
+        return 1
     try:
         point = _resume_point(core.resume()) if resume else None
         core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
@@ -55,16 +65,20 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
         Path(run_id_file).write_text(core.telemetry.run_id)
     previous = {sig: signal.signal(sig, lambda *_: core.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     status: RunStatus = "FAILED"
+    advertised: list[Path] = []
     try:
         core.server.start()
         announce_admin_token(core.server)
+        # <run folder>/server.json: where outside tools (`swarm swap`, the researcher) find the URL and token
+        advertised = write_server_files(core.server.url, core.server.admin_token, run_folder(cfg.trainer.checkpoint_dir))
+        print(f"swarm server file: {advertised[0]}", flush=True)
         log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
         core.start_clients()
         if progress:
             with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
                 core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
         else:
-            core.train(on_step=lambda step, m: log.info("step %d reward %.3f", step, m.get("reward/mean", float("nan"))))
+            core.train(on_step=lambda step, m: log.info("step %d reward %s", step, reward_text(m)))
         status = _outcome(core)
         core.checkpoint()  # also after a client crash: the trainer's state is sound, and a fixed sandbox resumes here
     except Exception:
@@ -75,6 +89,7 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
             core.stop_clients()
             core.server.stop()
         finally:  # the run's status is written whatever happened above, so no run is left RUNNING
+            remove_server_files(advertised)
             core.telemetry.close(status)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -116,6 +131,16 @@ def serve(cfg: RunConfig, train: bool) -> None:
     """
     server = Server(cfg)
     announce_admin_token(server)
+    # This machine's record of the server, so `swarm swap --server URL` here finds the admin token
+    # (port 0 is only known once serving: such a server is swapped with --admin-token).
+    advertised = write_server_files(server.url, server.admin_token, None) if server.port else []
+    try:
+        _serve(cfg, server, train)
+    finally:
+        remove_server_files(advertised)
+
+
+def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
     if not train:
         server.serve_forever()
         return
@@ -162,5 +187,14 @@ def _progress_bar(total: int, done: int):
 
 
 def _progress_fields(m: dict[str, float]) -> dict[str, str]:
-    return {"reward": f"{m.get('reward/mean', float('nan')):.3f}", "eps": f"{m.get('rollout/episodes_per_s', 0):.1f}"}
+    return {"reward": reward_text(m), "eps": f"{m.get('rollout/episodes_per_s', 0):.1f}"}
+
+
+def reward_text(m: dict[str, float]) -> str:
+    """A step's mean reward: `0.412`, or one per model (`drafter 0.41 reviewer 0.12`) in multi-model runs."""
+    if "reward/mean" in m:
+        return f"{m['reward/mean']:.3f}"
+    per_model = [(k.removesuffix("/reward/mean"), v) for k, v in m.items() if k.endswith("/reward/mean")
+                 and k.count("/") == 2]
+    return " ".join(f"{name} {v:.3f}" for name, v in per_model) or "nan"
 

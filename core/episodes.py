@@ -4,12 +4,15 @@ Lifecycle: open -> (calls...) -> finished | aborted | expired. Finished train ep
 group, keyed by (sandbox, task_id); a group with `group_size` finished episodes is ready, and the
 trainer takes ready groups in arrival order. Eval and debug episodes never train.
 
+Mix quotas hold in what trains, not only in what opens: with two or more sandboxes in `mix`, each
+batch slot goes to the sandbox furthest below its share of all groups trained so far (oldest group
+first, `core.mix.next_group`); when that sandbox has no ready group but one under way (or a client
+that asked to open within a lease and has admission room), the batch waits for it. A sandbox silent
+for a lease with nothing under way is skipped, so a dead client costs the trainer at most a lease of
+waiting, never a stop. Which opens are admitted (admission control, mix shares, back-pressure) is
+`core.admission`'s job.
+
 Staleness counts by the weights that generated an episode: the oldest version among its calls.
-Admission control (on once a trainer calls `admit_within`) keeps generation from being wasted: an
-episode that starts a new group is refused (503 + Retry-After) while the groups already started
-would fill every step the staleness budget allows, `max_staleness + 1` steps, one fewer while an
-overlapped step is between taking its batch and its weight sync. An episode that completes a
-started group is always admitted, so a partial group can never block the trainer.
 
 All state sits behind one lock because HTTP handlers and the trainer thread both touch it. The
 registry does not render, generate or train; it only keeps the books.
@@ -17,7 +20,6 @@ registry does not render, generate or train; it only keeps the books.
 
 from __future__ import annotations
 
-import math
 import secrets
 import threading
 import time
@@ -26,14 +28,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.auth import path_secret, same_secret
+from core.admission import Admission, Refusal
+from core.mix import next_group
 from core.records import Call, Episode
 from core.wire import OpenEpisode
 
 KEY_PREFIX = "sk-swarm-"
 TOMBSTONES = 20_000  # ended episodes remembered so late calls get 409 and repeated finishes stay idempotent
-READY_FACTOR = 2  # more than this many batches of ready groups waiting means clients outrun the trainer
-# Seconds a refused open is told to wait: about one short train step; HTTP allows whole seconds only.
-ADMISSION_RETRY_S = 1.0
+# Finished eval episodes kept for the trainer's metrics: a server without a trainer never takes them,
+# so the oldest go first rather than growing for as long as the server lives.
+EVAL_KEPT = 10_000
 
 
 class EpisodeError(Exception):
@@ -42,6 +46,11 @@ class EpisodeError(Exception):
     def __init__(self, status: int, message: str, code: str, retry_after: float | None = None):
         super().__init__(message)
         self.status, self.code, self.retry_after = status, code, retry_after
+
+    @classmethod
+    def refused(cls, refusal: Refusal) -> EpisodeError:
+        """An open that `core.admission` refuses: 503 with Retry-After."""
+        return cls(503, refusal.message, refusal.code, retry_after=refusal.retry_after)
 
 
 @dataclass
@@ -53,8 +62,15 @@ class Batch:
     def episodes(self) -> list[Episode]:
         return [e for g in self.groups for e in g]
 
+    def by_version(self) -> dict[tuple[str, str], list[Episode]]:
+        """The batch's episodes by (sandbox, client code version; "unknown" when the client sent none)."""
+        out: dict[tuple[str, str], list[Episode]] = {}
+        for e in self.episodes:
+            out.setdefault((e.sandbox, e.client_version or "unknown"), []).append(e)
+        return out
 
-class Registry:
+
+class Registry(Admission):
     def __init__(
         self,
         lease_s: float,
@@ -80,26 +96,36 @@ class Registry:
         self._ended: OrderedDict[str, Episode] = OrderedDict()  # tombstones, calls dropped
         self._filling: dict[tuple[str, str], list[Episode]] = {}
         self._ready: deque[list[Episode]] = deque()
-        self._finished_eval: list[Episode] = []
+        self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
+        self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
+        self._seen: dict[str, float] = {}  # sandbox -> its last train open attempt: who shares admission room
         self.paused = False
-        self.max_staleness: int | None = None  # None: no admission control (no trainer consumes steps)
+        self.max_staleness: int | None = None  # None: no admission control (`admit_within` turns it on)
         self._overlapped_steps = 0  # steps that took their batch while generation goes on, not yet synced
         # generated: train episodes that ended having made a call; wasted: those never trained
         # (stale at batch time, or aborted/expired after generating).
         self.counters = {"opened": 0, "finished": 0, "aborted": 0, "expired": 0, "calls": 0, "trained": 0,
-                         "stale": 0, "generated": 0, "wasted": 0, "refused": 0}
+                         "stale": 0, "generated": 0, "wasted": 0, "refused": 0,
+                         # finished eval/debug episodes (never trained), and episodes a checkpoint put back
+                         # in the buffer: both terms of the books (`unbalanced`)
+                         "finished_not_train": 0, "restored": 0}
+        self._finished_by: dict[str, int] = {}  # client id -> episodes it finished (a restarted client's record)
 
     # -- client side ---------------------------------------------------------------------------
     def open(self, req: OpenEpisode, versions: dict[str, int]) -> tuple[Episode, str]:
         with self._lock:
             self._expire_due()
+            if req.kind == "train":
+                self._seen[req.sandbox] = self.clock()  # a refused attempt counts: it wants room
             if self.paused:
                 raise EpisodeError(503, "the server is paused", "paused", retry_after=1.0)
             if len(self._open) >= self.max_open:
                 raise EpisodeError(503, "too many open episodes", "busy", retry_after=1.0)
             if req.kind == "train":
-                self._check_quota(req.sandbox)
-                self._check_admission(req)
+                refusal = self._quota_refusal(req.sandbox) or self._admission_refusal(
+                    req.sandbox, req.task_id, req.group_size or self.default_group_size)
+                if refusal is not None:
+                    raise EpisodeError.refused(refusal)
             now = self.clock()
             ep = Episode(
                 id="ep_" + secrets.token_hex(8),
@@ -122,66 +148,6 @@ class Registry:
             self._path_of[ep.id] = secret
             self.counters["opened"] += 1
             return ep, key
-
-    def _check_quota(self, sandbox: str) -> None:
-        """Back-pressure: clients that outrun the trainer, or a sandbox above its mix share, wait."""
-        buffered = sum(len(g) for g in self._ready)
-        capacity = READY_FACTOR * self.batch_groups * self.default_group_size
-        if len(self._ready) >= READY_FACTOR * self.batch_groups:
-            raise EpisodeError(503, "the trainer is behind; retry shortly", "backpressure", retry_after=0.5)
-        if len(self.mix) < 2 or sandbox not in self.mix:
-            return
-        share = self.mix[sandbox] / sum(self.mix.values())
-        mine = sum(1 for e in self._open.values() if e.sandbox == sandbox and e.kind == "train")
-        mine += sum(len(g) for g in self._ready if g[0].sandbox == sandbox)
-        mine += sum(len(g) for k, g in self._filling.items() if k[0] == sandbox)
-        total = buffered + sum(1 for e in self._open.values() if e.kind == "train")
-        total += sum(len(g) for g in self._filling.values())
-        if mine >= math.ceil(share * max(total, capacity)) + self.default_group_size:
-            raise EpisodeError(503, f"sandbox {sandbox!r} is above its mix share", "mix_quota", retry_after=0.5)
-
-    def admit_within(self, max_staleness: int) -> None:
-        """Turn admission control on, for a trainer that drops episodes older than `max_staleness`."""
-        with self._lock:
-            self.max_staleness = max_staleness
-
-    def step_started(self) -> None:
-        """An overlapped step took its batch: episodes generated now will be one version old at once."""
-        with self._lock:
-            self._overlapped_steps += 1
-
-    def step_synced(self) -> None:
-        with self._lock:
-            self._overlapped_steps = max(0, self._overlapped_steps - 1)
-
-    def _check_admission(self, req: OpenEpisode) -> None:
-        if self.max_staleness is None:
-            return
-        size = req.group_size or self.default_group_size
-        started: dict[tuple[str, str], int] = {}
-        sizes: dict[tuple[str, str], int] = {}
-        for e in self._open.values():
-            if e.kind == "train":
-                started[e.group_key] = started.get(e.group_key, 0) + 1
-                sizes[e.group_key] = e.group_size
-        abandoned_before = self.clock() - self.lease_s
-        for key, group in self._filling.items():
-            # A partial group nobody touched for a lease is abandoned: it stops holding a slot.
-            if key in started or max(e.ended_at or 0.0 for e in group) > abandoned_before:
-                started[key] = started.get(key, 0) + len(group)
-                sizes[key] = group[0].group_size
-        if started.get((req.sandbox, req.task_id), 0) % size:
-            return  # completes a started group
-        groups = len(self._ready) + sum(math.ceil(n / sizes[k]) for k, n in started.items())
-        budget = self.batch_groups * (self.max_staleness + 1 - self._overlapped_steps)
-        if groups >= budget:
-            raise EpisodeError(503, f"{groups} groups already fill the next {self.max_staleness + 1} steps; "
-                               "retry after the weight sync", "admission", retry_after=ADMISSION_RETRY_S)
-
-    def note_refused(self) -> None:
-        """Count an open that admission control finally refused (after any wait for room)."""
-        with self._lock:
-            self.counters["refused"] += 1
 
     def by_key(self, key: str) -> Episode:
         with self._lock:
@@ -248,6 +214,10 @@ class Registry:
             ep.metrics = dict(body.get("metrics") or {})
             self._close(ep)
             self.counters["finished"] += 1
+            if ep.client_id:
+                self._finished_by[ep.client_id] = self._finished_by.get(ep.client_id, 0) + 1
+            if ep.kind != "train":
+                self.counters["finished_not_train"] += 1
             if ep.kind == "train":
                 group = self._filling.setdefault(ep.group_key, [])
                 group.append(ep)
@@ -299,25 +269,49 @@ class Registry:
             return len(self._ready)
 
     def take_batch(self, current_versions: dict[str, int], max_staleness: int) -> Batch | None:
-        """`batch_groups` ready groups, minus episodes generated more than `max_staleness` versions ago."""
+        """`batch_groups` ready groups, minus episodes generated more than `max_staleness` versions ago.
+
+        Groups are taken in arrival order, or by mix quota (`core.mix.next_group`); None while there are too
+        few ready groups, or while the batch waits for the group of a sandbox owed its share."""
         with self._lock:
             if len(self._ready) < self.batch_groups:
                 return None
-            groups, dropped = [], 0
-            while self._ready and len(groups) < self.batch_groups:
-                group = self._ready.popleft()
+            candidates, taken = list(self._ready), dict(self._trained_groups)
+            # Able to deliver a group soon: one under way, or a client that asked to open within a lease
+            # (it may be between two episodes) and would be admitted (waiting on a sandbox the full
+            # room keeps out would never end). A dead client stops asking.
+            started = self._started_groups()
+            coming = {sandbox for sandbox, _ in started}
+            coming |= {s for s in self._active_sandboxes() if self._no_room(s, started) is None}
+            groups, consumed, dropped = [], [], 0
+            while candidates and len(groups) < self.batch_groups:
+                group = next_group(candidates, taken, self.mix, coming)
+                if group is None:
+                    return None  # the plan is dropped, nothing taken: it is made again on the next call
+                candidates = [g for g in candidates if g is not group]
+                consumed.append(group)
                 fresh = [e for e in group if _staleness(e, current_versions) <= max_staleness]
                 dropped += len(group) - len(fresh)
-                if fresh:
+                if fresh:  # a group dropped whole as stale fills no slot and counts for no quota
                     groups.append(fresh)
+                    taken[group[0].sandbox] = taken.get(group[0].sandbox, 0) + 1
+            gone = {id(g) for g in consumed}
+            self._ready = deque(g for g in self._ready if id(g) not in gone)
+            self._trained_groups = taken
             self.counters["trained"] += sum(len(g) for g in groups)
             self.counters["stale"] += dropped
             self.counters["wasted"] += dropped
             return Batch(groups, dropped) if groups else None
 
+    def trained_groups(self) -> dict[str, int]:
+        """Groups trained so far per sandbox (the mix quotas' ledger)."""
+        with self._lock:
+            return dict(self._trained_groups)
+
     def take_eval(self) -> list[Episode]:
         with self._lock:
-            done, self._finished_eval = self._finished_eval, []
+            done = list(self._finished_eval)
+            self._finished_eval.clear()
             return done
 
     def buffered(self) -> list[list[Episode]]:
@@ -332,6 +326,21 @@ class Registry:
                     self._ready.append(group)
                 elif group:
                     self._filling[group[0].group_key] = group
+                self.counters["restored"] += len(group)
+
+    def open_by_client(self) -> dict[str, list[str]]:
+        """Ids of the open episodes per client id (the chaos bench kills clients mid-episode)."""
+        with self._lock:
+            self._expire_due()
+            out: dict[str, list[str]] = {}
+            for ep in self._open.values():
+                out.setdefault(ep.client_id or "", []).append(ep.id)
+            return out
+
+    def finished_by(self) -> dict[str, int]:
+        """Finished episodes per client id: whether a client that died had done any work (`core.supervisor`)."""
+        with self._lock:
+            return dict(self._finished_by)
 
     def status(self) -> dict:
         with self._lock:
@@ -341,9 +350,26 @@ class Registry:
                 "open_episodes": len(self._open),
                 "ready_groups": len(self._ready),
                 "filling_groups": len(self._filling),
+                "buffered_episodes": sum(len(g) for g in self._ready) + sum(len(g) for g in self._filling.values()),
+                "oldest_open_s": self.clock() - min(e.opened_at for e in self._open.values()) if self._open else None,
                 "clients": sorted({e.client_id for e in self._open.values() if e.client_id}),
                 "counters": dict(self.counters),
             }
+
+
+def unbalanced(counters: dict[str, int], open_episodes: int, buffered: int) -> list[str]:
+    """The identities the registry's books must satisfy at any snapshot, as the ones that fail (empty: balanced).
+
+    Every opened episode is finished, aborted, expired or still open; every finished (or restored) one
+    is trained, dropped as stale, still buffered, or of a kind that never trains (eval, debug)."""
+    c = counters
+    books = {
+        "opened = finished + aborted + expired + open": (
+            c["opened"], c["finished"] + c["aborted"] + c["expired"] + open_episodes),
+        "finished + restored = trained + stale + buffered + not-train": (
+            c["finished"] + c["restored"], c["trained"] + c["stale"] + buffered + c["finished_not_train"]),
+    }
+    return [f"{rule}: {left} != {right}" for rule, (left, right) in books.items() if left != right]
 
 
 def _staleness(ep: Episode, current: dict[str, int]) -> int:

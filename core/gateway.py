@@ -11,7 +11,6 @@ map to OpenAI-style JSON. The gateway renders and records; engines generate, the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -28,7 +27,8 @@ from core.chat import TemplateError
 from core.engine import Generation, SamplingParams
 from core.episodes import KEY_PREFIX, EpisodeError
 from core.records import Call, Episode
-from core.server import Policy, Server
+from core.state import Policy, ServerState
+from core.streaming import stream_chat
 from core.swarm_api import swarm_router
 from core.wire import ChatRequest, CompletionRequest
 
@@ -51,7 +51,7 @@ def error_response(status: int, message: str, code: str | None = None, retry_aft
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def build_app(server: Server) -> FastAPI:
+def build_app(server: ServerState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         sweeper = asyncio.create_task(server.sweep_leases())
@@ -121,15 +121,16 @@ def build_app(server: Server) -> FastAPI:
 
 
 class _Gateway:
-    def __init__(self, server: Server):
+    def __init__(self, server: ServerState):
         self.server = server
 
     def episode_from_key(self, request: Request) -> Episode | None:
         key = bearer(request)
         if key.startswith(KEY_PREFIX):
             return self.server.registry.by_key(key)
-        if not self.server.cfg.server.allow_anonymous:
-            raise APIError(401, "this server needs an episode key (Authorization: Bearer sk-swarm-...)", "invalid_api_key")
+        if not self.server.allow_anonymous:  # off while a trainer runs: nothing unrecorded reaches its engine
+            raise APIError(401, "this server needs an episode key (Authorization: Bearer sk-swarm-...): anonymous "
+                           "use is off while it trains", "invalid_api_key")
         return None
 
     def policy(self, name: str) -> Policy:
@@ -184,8 +185,6 @@ class _Gateway:
         tp.tito_broken += rendered.broken
         params = self.sampling(body, policy, len(rendered.prompt_ids), body.max_completion_tokens or body.max_tokens)
         if body.stream:
-            from core.streaming import stream_chat
-
             return StreamingResponse(
                 stream_chat(self, policy, body, messages, rendered, params, tools_offered, episode),
                 media_type="text/event-stream",
@@ -259,7 +258,3 @@ class _Gateway:
                       "total_tokens": prompt_tokens + completion_tokens},
             "system_fingerprint": f"swarmrl-v{policy.version}",
         }
-
-
-def sse(data: dict | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()

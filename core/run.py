@@ -2,8 +2,9 @@
 
 This is the one file that holds the whole RL loop:
 
-    start the server (policies behind the gateway) and the configured clients
-    repeat `trainer.steps` times:
+    start the server (policies behind the gateway) and the configured clients (isolated ones as
+        processes that `core.supervisor` restarts when they die)
+    repeat `trainer.steps` times, under the hang watchdog (`core.watchdog`):
         wait for `batch_groups` ready groups (episodes that clients finished; admission control
             refuses new groups beyond what the staleness budget can train, so none is wasted)
         for each trainable policy, one trainer step (prepare, backward, apply):
@@ -26,9 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -37,10 +35,14 @@ from core.config import RunConfig
 from core.episodes import Batch
 from core.records import Episode
 from core.runner import run_agent
-from core.sandbox import load_agent
+from core.sandbox import load_agent, locate, sandbox_roots
 from core.server import Server
+from core.supervisor import Supervisor
 from core.telemetry import Telemetry
+from core.venvs import client_python
+from core.wire import SwapRecord
 from core.train.trainer import Trainer, seed_everything
+from core.watchdog import Watchdog, run_folder
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +51,12 @@ CLIENT_DRAIN_S = 30.0  # how long clients get to finish in-flight episodes at th
 
 
 class CoreRun:
-    def __init__(self, cfg: RunConfig, server: Server | None = None):
+    def __init__(self, cfg: RunConfig, server: Server | None = None, trainers: dict[str, Trainer] | None = None):
+        """`trainers`: given by a placement that hosts them elsewhere (`core.ray_actors`), else built here."""
         seed_everything(cfg.trainer.seed)
         self.cfg = cfg
         self.server = server or Server(cfg)
-        self.trainers = {
+        self.trainers = trainers if trainers is not None else {
             name: Trainer(p.model, cfg.trainer, name, lora=_lora(cfg, name))
             for name, p in self.server.policies.items()
             if p.trainable
@@ -63,14 +66,17 @@ class CoreRun:
         self._step_lock = threading.RLock()  # a checkpoint (also `/admin/checkpoint`) never interleaves with a step
         if self.trainers:
             self.server.registry.admit_within(cfg.trainer.max_staleness)
+            self.server.allow_anonymous = False  # during training every generation belongs to an episode: 401
         self.telemetry: Telemetry | None = None
         self.failure: BaseException | None = None  # what ended the run early (local clients crashed), if anything
         self.server.on_checkpoint = self.checkpoint
         self.server.on_shutdown = self.stop.set
+        self.server.clients.on_swap = self._on_swap  # `swarm swap` drained old clients: tag it on the run
         self._clients_stop: asyncio.Event | None = None
         self._clients_loop: asyncio.AbstractEventLoop | None = None
         self._client_threads: list[threading.Thread] = []
-        self._client_procs: list[subprocess.Popen] = []
+        # Isolated clients: restarted when they die; a client that keeps dying without work fails the run.
+        self.supervisor = Supervisor(self.server.registry.finished_by, self._give_up)
         self._last = (time.time(), 0)  # (time, completion tokens served) at the previous step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -104,14 +110,19 @@ class CoreRun:
     def start_clients(self) -> None:
         url = self.server.url
         local = [c for c in self.cfg.clients if not c.isolate]
-        for c in self.cfg.clients:
+        roots = sandbox_roots(self.cfg.source_file)  # `sandbox:NAME` is looked up in the config's project first
+        for i, c in enumerate(self.cfg.clients):
             if c.isolate:
-                cmd = [sys.executable, "-m", "core.cli", "client", c.agent, "--server", url,
+                spec = locate(c.agent, roots)  # an absolute folder: the client runs in a working folder of its own
+                workdir = run_folder(self.cfg.trainer.checkpoint_dir) / "clients" / f"{i}-{c.sandbox_name}"
+                cmd = [client_python(spec), "-m", "core.cli", "client", spec, "--server", url,
                        "--concurrency", str(c.concurrency), "--group-size", str(c.group_size or self.cfg.trainer.group_size),
-                       "--kind", c.kind]
-                self._client_procs.append(subprocess.Popen(cmd))
+                       "--kind", c.kind, "--workdir", str(workdir), "--split", c.split,
+                       *(["--tasks", str(c.tasks)] if c.tasks else []),
+                       *(["--episode-timeout", str(c.episode_timeout)] if c.episode_timeout is not None else [])]
+                self.supervisor.start(c.agent, cmd)
         if local:
-            agents = [(c, load_agent(c.agent)) for c in local]  # import errors surface before training starts
+            agents = [(c, load_agent(c.agent, roots)) for c in local]  # import errors surface before training starts
             ready = threading.Event()
             t = threading.Thread(target=self._run_local_clients, args=(agents, url, ready), daemon=True, name="clients")
             t.start()
@@ -125,7 +136,8 @@ class CoreRun:
             ready.set()
             await asyncio.gather(*(
                 run_agent(agent, url, concurrency=c.concurrency, group_size=c.group_size or self.cfg.trainer.group_size,
-                          kind=c.kind, split=c.split, max_tasks=c.tasks, stop=self._clients_stop)
+                          kind=c.kind, split=c.split, max_tasks=c.tasks, stop=self._clients_stop,
+                          episode_timeout_s=c.episode_timeout)
                 for c, agent in agents
             ), return_exceptions=False)
 
@@ -138,22 +150,51 @@ class CoreRun:
         finally:
             ready.set()
 
+    def _give_up(self, why: str) -> None:
+        """An isolated client keeps dying before doing any work: end the run as failed, with the reason."""
+        log.error("%s", why)
+        self.failure = RuntimeError(why)
+        self.stop.set()
+
     def stop_clients(self) -> None:
         if self._clients_loop is not None and self._clients_stop is not None:
             self._clients_loop.call_soon_threadsafe(self._clients_stop.set)
-        for p in self._client_procs:
-            p.send_signal(signal.SIGTERM)
+        # Registered clients this run did not start (`swarm swap` started them) end with it too: the
+        # server tells them to drain at their next heartbeat; they are not ours to signal.
+        deadline = time.monotonic() + CLIENT_DRAIN_S
+        self.server.clients.drain_all()
         for t in self._client_threads:
             t.join(timeout=CLIENT_DRAIN_S)
-        for p in self._client_procs:
+        self.supervisor.stop(CLIENT_DRAIN_S)
+        while self.server.clients.count() and time.monotonic() < deadline:
+            time.sleep(BATCH_POLL_S)
+
+    def _on_swap(self, record: SwapRecord) -> None:
+        """A hot swap happened (the server drained old clients for a registered successor): tag the
+        MLflow run `swarmrl.sandbox_swap.<n>` with it and the trainer step. Telemetry never stops training."""
+        record.step = self.step
+        log.info("hot swap %d of %s at step %d: %s -> %s", record.n, record.sandbox, self.step,
+                 ",".join(record.from_versions), record.to_version)
+        t = self.telemetry
+        if t is not None:
             try:
-                p.wait(timeout=CLIENT_DRAIN_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
+                t.client.set_tag(t.run_id, f"swarmrl.sandbox_swap.{record.n}", record.model_dump_json())
+            except Exception as e:  # noqa: BLE001 - an unreachable tracking store must not fail the swap
+                log.warning("could not tag hot swap %d on MLflow: %s", record.n, e)
 
     # -- the loop --------------------------------------------------------------------------------
     def train(self, on_step=None) -> None:
-        """Train until `trainer.steps` steps are done or `stop` is set."""
+        """Train until `trainer.steps` steps are done or `stop` is set, under the hang watchdog."""
+        stall_s = self.cfg.server.stall_s
+        watchdog = Watchdog(self.server, stall_s, run_folder(self.cfg.trainer.checkpoint_dir),
+                            lambda: self.step).start() if stall_s else None
+        try:
+            self._train(on_step)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+
+    def _train(self, on_step) -> None:
         registry = self.server.registry
         idle_since = time.perf_counter()  # the trainer waits for groups from here
         while self.step < self.cfg.trainer.steps and not self.stop.is_set():
@@ -253,11 +294,17 @@ class CoreRun:
             # Of the train episodes that generated anything so far, those never trained (stale, or
             # aborted/expired after generating).
             "episodes/wasted_frac": counters["wasted"] / max(counters["generated"], 1),
+            **self.server.throughput.tito_metrics(),  # tito/{reused,drift,broken}, cumulative
         }
         by_sandbox: dict[str, list[float]] = {}
         for ep in self.server.registry.take_eval():
             if ep.reward:
                 by_sandbox.setdefault(ep.sandbox, []).append(sum(ep.reward.values()) / len(ep.reward))
+        for (sandbox, version), eps in batch.by_version().items():  # every episode names its code version
+            rewards = [sum(e.reward.values()) / len(e.reward) for e in eps if e.reward]
+            out[f"episodes/{sandbox}/version/{version}"] = float(len(eps))
+            if rewards:
+                out[f"reward/{sandbox}/version/{version}"] = sum(rewards) / len(rewards)
         for sandbox, rewards in by_sandbox.items():
             out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
         return out

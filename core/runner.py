@@ -5,12 +5,19 @@ failed episode is retried (so its group can still fill), but failures are also c
 last episode failed, the runner admits one episode at a time after an exponential backoff (the
 `core.client.backoff_delay` schedule), so a failing client never opens episodes faster than it
 finishes them. After `max_consecutive_failures` failed episodes in a row it gives up with one line
-naming the error, the sandbox and the likely fix.
+naming the error, the sandbox and the likely fix. Every rollout has a deadline (`--episode-timeout`):
+one that runs past it, even while it still awaits (and so still heartbeats), is cancelled and its
+episode aborted with a reason naming the sandbox's file and function; that counts as a failed
+episode. A rollout that blocks its event loop cannot be cancelled: its heartbeats stop with it, so
+the server expires its episodes by lease instead.
 
-`run_client` is `swarm client`: the runner as its own OS process, with a pid file for `swarm swap`.
-SIGTERM drains in-flight episodes for at most one lease, then aborts what is left and exits; a
-second SIGTERM, or SIGINT, exits at once. Both hold whether the server is up or gone, and the pid
-file is removed on every exit. The runner does not know about training.
+`run_client` is `swarm client`: the runner as its own OS process. It registers with the server
+(id, sandbox, code version, pid, host, kind, group size) and renews that registration as a
+heartbeat; when the answer orders a drain (`swarm swap` took over with new code), it drains exactly
+as on SIGTERM: in-flight episodes for at most one lease, then aborts what is left and exits 0. A
+second SIGTERM, or SIGINT, exits at once. Both hold whether the server is up or gone. It also
+leaves a local pid file (removed on every exit) so tools on this machine can find detached
+clients; `swarm swap` does not use it. The runner does not know about training.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -27,6 +36,7 @@ from typing import Any
 import openai
 
 from core.client import ABORT_DEADLINE_S, ClientStopping, ServerUnreachable, SwarmClient, SwarmError, backoff_delay
+from core.deadline import EPISODE_TIMEOUT_S, EpisodeTimeout, rollout_source, within_limit
 from core.sandbox import Agent, Outcome, load_agent
 from core.swap import PidFile
 
@@ -117,6 +127,9 @@ def likely_fix(error: BaseException, agent: Agent, url: str) -> str:
                 "model), or serve the model under the name the sandbox uses (`swarm serve --name NAME`)")
     if status == 400:
         return f"the server refused a request of the sandbox (see the message): fix the request in {where}"
+    if isinstance(error, EpisodeTimeout):
+        return (f"find where the rollout in {where} waits forever (run it with `--episodes 1 -v`), or raise "
+                "--episode-timeout if its episodes are just slow")
     if status == 409:
         return "episodes ended before their reward arrived: raise the server's server.lease_s or shorten the rollout"
     if isinstance(error, SwarmError):
@@ -137,26 +150,31 @@ async def run_agent(
     stop: asyncio.Event | None = None,
     stats: RunnerStats | None = None,
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+    client_id: str | None = None,
+    episode_timeout_s: float | None = None,
 ) -> RunnerStats:
     """Keep `concurrency` episodes in flight until `stop` is set or the episode/task budget is spent.
+    `episode_timeout_s`: each rollout's deadline (None: EPISODE_TIMEOUT_S, 0: none).
 
     Raises `ClientGaveUp` after `max_consecutive_failures` failed episodes in a row (0: never)."""
     stop = stop or asyncio.Event()
     stats = stats or RunnerStats()
-    client = SwarmClient(url, client_id=f"{agent.name}-{os.getpid()}", client_version=agent.version,
+    client = SwarmClient(url, client_id=client_id or f"{agent.name}-{os.getpid()}", client_version=agent.version,
                          unreachable_s=UNREACHABLE_S)
     gate = FailureGate(max_consecutive_failures)
     slots = asyncio.Semaphore(concurrency)
     running: set[asyncio.Task] = set()
     leases = [0.0]  # the longest lease seen: the drain bound
     started = 0
+    limit_s = EPISODE_TIMEOUT_S if episode_timeout_s is None else episode_timeout_s
+    source = rollout_source(agent)
 
     async def attempt(task: dict[str, Any], task_id: str) -> BaseException | None:
         """One episode; None when it finished, else the error that ended it."""
         try:
             async with client.aepisode(task_id, agent.name, group_size, kind, cancel=stop) as ep:
                 leases[0] = max(leases[0], ep.lease_s)
-                out = await agent.rollout(task, ep.openai)
+                out = await within_limit(agent.rollout(task, ep.openai), limit_s, source)
                 out = out if isinstance(out, Outcome) else Outcome(float(out))
                 await ep.finish(out.reward, out.metrics or None)
         except Exception as e:  # agent code crashed or the server refused: the episode was aborted
@@ -255,24 +273,81 @@ async def _acquire(slots: asyncio.Semaphore, stop: asyncio.Event) -> bool:
     return False
 
 
+class Registration:
+    """This client process in the server's client table (`core.clients`): registered at start, renewed
+    by a heartbeat whose answer may order a drain (a hot swap), removed on exit."""
+
+    def __init__(self, url: str, info: dict, stats: RunnerStats):
+        self.info, self.stats, self.key = info, stats, ""
+        self.client = SwarmClient(url, unreachable_s=UNREACHABLE_S)
+        self.heartbeat_s = 1.0
+
+    def beat(self) -> bool:
+        """Register or renew (with the failed-episode count: `swarm swap` gives up on a new client that only
+        fails); -> whether the server orders this client to drain."""
+        orders = self.client.register({**self.info, "failed": self.stats.failed}, self.key, deadline_s=UNREACHABLE_S)
+        self.key, self.heartbeat_s = orders["key"], float(orders["heartbeat_s"])
+        return bool(orders["drain"])
+
+    async def keep(self, stop: asyncio.Event, name: str) -> None:
+        """Renew until `stop`; a drain order sets `stop`, so the runner drains exactly as on SIGTERM."""
+        while not stop.is_set():
+            await _sleep_unless(stop, self.heartbeat_s)
+            if stop.is_set():
+                return
+            try:
+                drain = await asyncio.to_thread(self.beat)
+            except SwarmError as e:  # the server is away: episodes fail and back off on their own
+                log.warning("%s: client heartbeat failed: %s", name, e)
+                continue
+            if drain:
+                log.info("%s: the server asks this client to drain (a hot swap): finishing in-flight episodes, "
+                         "then exiting", name)
+                stop.set()
+
+    def leave(self) -> None:
+        if self.key:
+            self.client.leave(self.info["client_id"], self.key)
+        self.client.close()
+
+
+def new_client_id(name: str) -> str:
+    """Unique per process and readable in `swarm status`: sandbox, host, a random part (pids are reused),
+    and the pid last (`core.supervisor` credits a process's finished episodes by that suffix)."""
+    return f"{name}-{socket.gethostname()}-{secrets.token_hex(2)}-{os.getpid()}"
+
+
 def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, group_size: int | None = None,
-               kind: str = "train", max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES) -> int:
-    """`swarm client`: run an agent against a server until done or stopped; the exit code says how it ended."""
+               kind: str = "train", max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
+               client_id: str | None = None, split: str = "train", max_tasks: int | None = None,
+               episode_timeout_s: float | None = None) -> int:
+    """`swarm client`: run an agent against a server until done, drained or stopped; the exit code says how
+    it ended. It registers with the server first (and gives up at once when it cannot)."""
     try:
         agent = load_agent(spec)
     except ValueError as e:
         log.error("%s", e)
         return EXIT_GAVE_UP
-    if group_size is None:
-        probe = SwarmClient(url, unreachable_s=UNREACHABLE_S)
-        try:
-            group_size = probe.status()["trainer"]["group_size"]
-        except SwarmError as e:
-            log.error("client %s cannot start: %s. Likely fix: start the swarm server (`swarm serve ...`) or point "
-                      "--server at a running one", agent.name, e)
-            return EXIT_GAVE_UP
-        finally:
-            probe.close()
+    client_id = client_id or new_client_id(agent.name)
+    stats = RunnerStats()
+    try:
+        if group_size is None:
+            probe = SwarmClient(url, unreachable_s=UNREACHABLE_S)
+            try:
+                group_size = probe.status()["trainer"]["group_size"]
+            finally:
+                probe.close()
+        registration = Registration(url, {
+            "client_id": client_id, "sandbox": agent.name, "version": agent.version, "pid": os.getpid(),
+            "host": socket.gethostname(), "kind": kind, "group_size": group_size, "concurrency": concurrency,
+            "spec": spec}, stats)
+        registration.beat()
+    except SwarmError as e:
+        log.error("client %s cannot start: %s. Likely fix: start the swarm server (`swarm serve ...`) or point "
+                  "--server at a running one", agent.name, e)
+        return EXIT_GAVE_UP
+    log.info("client %s registered as %s (version %s, kind %s, group size %d)", agent.name, client_id, agent.version,
+             kind, group_size)
     pid_file = PidFile.create(agent.name, url)
 
     def exit_now(code: int, why: str) -> None:
@@ -292,8 +367,15 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
 
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
         loop.add_signal_handler(signal.SIGINT, lambda: exit_now(EXIT_SIGINT, "SIGINT"))
-        return await run_agent(agent, url, concurrency=concurrency, group_size=group_size, kind=kind,
-                               max_episodes=episodes, stop=stop, max_consecutive_failures=max_consecutive_failures)
+        beating = asyncio.create_task(registration.keep(stop, agent.name))
+        try:
+            return await run_agent(agent, url, concurrency=concurrency, group_size=group_size, kind=kind,
+                                   max_episodes=episodes, stop=stop, max_consecutive_failures=max_consecutive_failures,
+                                   client_id=client_id, stats=stats, split=split, max_tasks=max_tasks,
+                                   episode_timeout_s=episode_timeout_s)
+        finally:
+            stop.set()
+            await beating
 
     try:
         stats = asyncio.run(main())
@@ -303,6 +385,7 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
     except KeyboardInterrupt:  # before the loop's own SIGINT handler was installed
         return EXIT_SIGINT
     finally:
+        registration.leave()
         pid_file.remove()
     log.info("client %s done: %d finished, %d failed, %d aborted on stop", agent.name, stats.finished, stats.failed,
              stats.aborted_on_stop)

@@ -4,6 +4,8 @@ A `Policy` is one trainable model with its tokenizer, chat renderer and engine. 
 or more policies behind one gateway (multi-model RL), owns the registry, and can run uvicorn in the
 foreground (`swarm serve`) or in a background thread (`swarm run`, tests). Training is not here: the
 run loop (`core.run`) pauses the engines, steps the trainers and bumps versions through this object.
+The server owns the state; the route modules (`core.gateway` and what it includes) take it as a
+parameter typed by `core.state.ServerState` and never import this module.
 """
 
 from __future__ import annotations
@@ -15,58 +17,22 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import torch
 import uvicorn
 
 from core import models
 from core.chat import ChatRenderer
 from core.auth import masked
+from core.clients import ClientTable
 from core.config import RunConfig
-from core.engine import Engine, make_engine
+from core.engine.factory import make_engine
 from core.episodes import Registry
+from core.gateway import build_app
+from core.state import Policy, Throughput  # noqa: F401 (Policy: re-exported, callers build policies from here)
 
 log = logging.getLogger(__name__)
 
 EXPIRY_SWEEP_S = 1.0  # how often leases are checked when nobody is calling
-
-
-@dataclass
-class Policy:
-    name: str
-    model: torch.nn.Module
-    tokenizer: object
-    renderer: ChatRenderer
-    engine: Engine
-    trainable: bool = True
-    step: int = 0
-
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
-
-@dataclass
-class Throughput:
-    """Counters the gateway bumps and `/status` reads; rates are derived, never stored."""
-
-    started: float = field(default_factory=time.time)
-    calls: int = 0
-    completion_tokens: int = 0
-    tito_reused: int = 0
-    tito_drift: int = 0  # a fresh tokenisation would have differed from the exact ids we reused
-    tito_broken: int = 0  # history edited by the client: ids re-rendered, no reuse
-
-    def as_dict(self) -> dict:
-        elapsed = max(time.time() - self.started, 1e-9)
-        return {
-            "calls": self.calls,
-            "completion_tokens": self.completion_tokens,
-            "calls_per_s": self.calls / elapsed,
-            "tokens_per_s": self.completion_tokens / elapsed,
-            "tito": {"reused": self.tito_reused, "drift": self.tito_drift, "broken": self.tito_broken},
-        }
 
 
 class Server:
@@ -80,10 +46,15 @@ class Server:
             max_open=cfg.server.max_open_episodes,
             mix={c.sandbox_name: c.mix for c in cfg.clients if c.kind == "train"},
         )
+        self.clients = ClientTable()  # registered client processes: `swarm swap` drains through it
         self.admin_token = cfg.server.admin_token or secrets.token_urlsafe(24)
+        # Requests without an episode key: served (unrecorded) only while nothing trains; the run loop
+        # turns this off when it has trainers (see `core.run`, docs/architecture.md "Anonymous use").
+        self.allow_anonymous = cfg.server.allow_anonymous
         self.throughput = Throughput()
         self.on_checkpoint: Callable[[], str] | None = None  # set by the run loop
         self.on_shutdown: Callable[[], None] | None = None
+        self.stalled: str | None = None  # the hang watchdog's diagnostic while nothing progresses (`core.watchdog`)
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port = cfg.server.port
@@ -96,8 +67,6 @@ class Server:
         return {name: p.version for name, p in self.policies.items()}
 
     def app(self):
-        from core.gateway import build_app
-
         return build_app(self)
 
     def _uvicorn_server(self) -> uvicorn.Server:
@@ -152,13 +121,19 @@ class Server:
 
     def status(self) -> dict:
         reg = self.registry.status()
+        finished = self.registry.finished_by()
         return {
-            "state": "paused" if reg["paused"] else "serving",
+            "state": "paused" if reg["paused"] else "stalled" if self.stalled else "serving",
+            "stalled": self.stalled,
             "models": {n: {"version": p.version, "step": p.step, "trainable": p.trainable} for n, p in self.policies.items()},
             "trainer": {"group_size": self.cfg.trainer.group_size, "batch_groups": self.cfg.trainer.batch_groups},
-            "buffer": {"ready_groups": reg["ready_groups"], "filling_groups": reg["filling_groups"]},
+            "buffer": {"ready_groups": reg["ready_groups"], "filling_groups": reg["filling_groups"],
+                       "episodes": reg["buffered_episodes"]},
             "open_episodes": reg["open_episodes"],
-            "clients": reg["clients"],
+            # Registered client processes (DESIGN §3.7), each with the episodes it finished: `swarm swap`
+            # waits for its new client's first one before it drains the old.
+            "clients": [{**c, "finished": finished.get(c["client_id"], 0)} for c in self.clients.listing()],
+            "swaps": [s.model_dump() for s in self.clients.swaps],
             "episodes": reg["counters"],
             "throughput": self.throughput.as_dict(),
         }

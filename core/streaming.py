@@ -9,17 +9,25 @@ for non-streamed calls, once a choice is complete.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from core.episodes import EpisodeError
+from core.state import Policy
 from core.wire import ChatRequest
 
 
-async def stream_chat(gw, policy, body: ChatRequest, messages, rendered, params, tools_offered, episode) -> AsyncIterator[bytes]:
-    from core.gateway import sse
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: a JSON object, or a bare string such as `[DONE]`."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
+
+async def stream_chat(gw, policy: Policy, body: ChatRequest, messages, rendered, params, tools_offered,
+                      episode) -> AsyncIterator[bytes]:
+    """The SSE body of one streamed chat completion. `gw` is the gateway that renders and records
+    (`text_of`, `make_call`, `record`): passed in, so this module never imports the gateway."""
     chunk_id, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
     hold = max((len(s) for s in body.stop or ()), default=1) - 1
 

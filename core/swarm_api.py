@@ -1,11 +1,12 @@
-"""The swarm routes under `/swarm/v1`: open, heartbeat, finish, abort, status, admin.
+"""The swarm routes under `/swarm/v1`: open, heartbeat, finish, abort, status, client registration, admin.
 
 Finishing is idempotent: the same body again returns the same answer, a different body is a 409.
 Heartbeat, finish and abort need the episode's key as bearer (401 otherwise, and nothing changes);
 admin routes need the server's admin token. An open refused by admission control waits here for
 room (the trainer taking its batch) for up to `ADMISSION_HOLD_S` before it is answered 503 +
 Retry-After, so a client is not left asleep for a whole second after room opened. These handlers
-translate HTTP into registry calls and back; the rules themselves live in `core.episodes`.
+translate HTTP into registry calls and back; the rules themselves live in `core.episodes` (and, for
+client registration and `/admin/drain`, the hot-swap path, in `core.clients`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from fastapi import APIRouter, Request
 
 from core.auth import bearer, same_secret
 from core.episodes import EpisodeError
-from core.server import Server
-from core.wire import AbortEpisode, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode
+from core.state import ServerState
+from core.clients import ClientError
+from core.wire import (AbortEpisode, ClientOrders, DrainClients, EpisodeOpened, EpisodeState, FinishEpisode,
+                       OpenEpisode, RegisterClient, SwapRecord)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +31,7 @@ ADMISSION_HOLD_S = 2.0
 ADMISSION_POLL_S = 0.02
 
 
-def swarm_router(server: Server) -> APIRouter:
+def swarm_router(server: ServerState) -> APIRouter:
     router = APIRouter()
     registry = server.registry
 
@@ -74,10 +77,35 @@ def swarm_router(server: Server) -> APIRouter:
     async def status():
         return server.status()
 
+    @router.post("/clients", response_model=ClientOrders)
+    async def register_client(body: RegisterClient, request: Request):
+        """A client's registration, sent again as its heartbeat; the answer says whether to drain."""
+        try:
+            return server.clients.register(body, bearer(request))
+        except ClientError as e:
+            raise EpisodeError(e.status, str(e), e.code) from None
+
+    @router.delete("/clients/{client_id}")
+    async def leave(client_id: str, request: Request):
+        try:
+            server.clients.leave(client_id, bearer(request))
+        except ClientError as e:
+            raise EpisodeError(e.status, str(e), e.code) from None
+        return {"client_id": client_id, "state": "left"}
+
     def admin(request: Request) -> None:
         token = bearer(request) or request.headers.get("x-admin-token", "")
         if not same_secret(token, server.admin_token):
             raise EpisodeError(401, "admin routes need the admin token", "invalid_admin_token")
+
+    @router.post("/admin/drain", response_model=SwapRecord | None)
+    async def drain(body: DrainClients, request: Request):
+        """`swarm swap`: the named clients drain (finish in-flight episodes, open none, exit)."""
+        admin(request)
+        try:
+            return await asyncio.to_thread(server.clients.drain, body)  # on_swap may write to MLflow
+        except ClientError as e:
+            raise EpisodeError(e.status, str(e), e.code) from None
 
     @router.post("/admin/pause")
     async def pause(request: Request):
@@ -104,8 +132,8 @@ def swarm_router(server: Server) -> APIRouter:
         admin(request)
         if server.on_shutdown is not None:
             server.on_shutdown()
-        elif server._uvicorn is not None:
-            server._uvicorn.should_exit = True
+        else:
+            server.request_exit()
         return {"state": "shutting_down"}
 
     return router
@@ -121,12 +149,19 @@ def _ended_finished(registry, episode_id: str) -> bool:
         return True  # ended: let finish() decide whether this is an idempotent repeat or a conflict
 
 
-def _rewards(server: Server, reward: float | dict[str, float], ep) -> dict[str, float]:
+def _rewards(server: ServerState, reward: float | dict[str, float], ep) -> dict[str, float]:
     if isinstance(reward, dict):
         unknown = sorted(set(reward) - set(server.policies))
         if unknown:
             raise EpisodeError(400, f"reward names unknown models {unknown}; served: {sorted(server.policies)}",
                                "invalid_reward")
+        # Every trainable model that acted needs its reward, or its trainer could not train the episode:
+        # refuse the finish (the episode stays open) rather than lose the episode at batch time.
+        acted = {c.model for c in ep.calls if server.policies[c.model].trainable} if ep is not None else set()
+        missing = sorted(acted - set(reward))
+        if missing:
+            raise EpisodeError(400, f"reward names {sorted(reward)} but models {missing} also acted in this episode; "
+                               "give each model that was called its reward", "invalid_reward")
         return dict(reward)
     called = sorted({c.model for c in ep.calls}) if ep is not None else []
     return {m: float(reward) for m in (called or server.policies)}

@@ -92,6 +92,10 @@ def plateau(history: History, objective: Objective, settings: MonitorSettings) -
     return None
 
 
+# The reason `overdue` gives a hung run starts with this word, and the run ends with it as its status.
+STALLED = "stalled"
+
+
 def overdue(launch: Launch, run_timeout: float | None, stall_s: float | None, now: float) -> str | None:
     """Why a running run must be stopped for time: past its timeout, or stalled (no new trainer step
     for `stall_s`, counted from its start until it logs one); None when neither applies."""
@@ -101,7 +105,7 @@ def overdue(launch: Launch, run_timeout: float | None, stall_s: float | None, no
         return f"timeout: still running after {now - launch.started_at:.0f} s (launch.run_timeout {run_timeout:g} s)"
     last = launch.progress_at or launch.started_at
     if stall_s is not None and now - last > stall_s:
-        return (f"stalled: no new metric for {now - last:.0f} s (monitor.stall_s {stall_s:g} s; "
+        return (f"{STALLED}: no new metric for {now - last:.0f} s (monitor.stall_s {stall_s:g} s; "
                 f"last step {launch.steps_done})")
     return None
 
@@ -161,6 +165,8 @@ def run_outcome(launch: Launch, history: History | None, objective: Objective, l
     logged every step); without it the objective's own last step is used.
     """
     if launch.status != "finished":
+        if launch.reason.startswith(launch.status):  # "stalled: no new metric ...": said once
+            return Outcome(None, launch.reason)
         return Outcome(None, f"{launch.status}" + (f": {launch.reason}" if launch.reason else ""))
     if not history:
         return Outcome(None, f"finished without logging {objective.metric}")

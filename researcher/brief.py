@@ -125,6 +125,10 @@ class RunSpec(_Strict):
     overrides: dict[str, Any] = Field(default_factory=dict)  # dotted key -> value, applied to every run
     sandboxes: list[str] = Field(default_factory=list)  # shorthand for clients [{agent: sandbox:NAME}]
     clients: list[dict[str, Any]] = Field(default_factory=list)  # full client entries; replace the base's
+    # Keep one long core run going (its sandboxes as isolated clients); `hot_swap` proposals are swapped
+    # into it (`swarm swap`) instead of starting runs of their own (researcher/live.py).
+    live: bool = False
+    swap_window: int = Field(5, ge=2)  # trainer steps of reward compared on each side of a hot swap
 
     @model_validator(mode="after")
     def _one_client_source(self) -> RunSpec:
@@ -217,6 +221,10 @@ class LaunchSettings(_Strict):
     grace_s: float = Field(10.0, ge=0)  # SIGTERM -> SIGKILL delay when stopping a run
     run_timeout: float | None = None  # a run still going after this long is stopped as `timeout` (e.g. 2h)
     gpus: int = Field(0, ge=0)  # GPUs each run requests; GPU-hours = wall time x gpus (0 on CPU)
+    # local: each run is a `swarm run` process here; ray: a Ray job (the Jobs API) on the cluster below,
+    # with the same command line, tags, monitoring and adoption (researcher/ray_jobs.py).
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str = "http://127.0.0.1:8265"  # the cluster's dashboard (job server), for backend ray
 
     @field_validator("run_timeout", mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from typing import Any
 from researcher.brief import Brief
 from researcher.records import Launch
 
-LAUNCHED = ("running", "finished", "failed", "stopped")
+LAUNCHED = ("running", "finished", "failed", "stopped", "stalled")
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,16 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from core.config import ConfigError, flatten
-from researcher.brief import BriefError
+from researcher.brief import BriefError, load_brief
 from researcher.budget import Spent
 from researcher.code_cli import checkout, diff, print_diff, propose, show
-from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table
+from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table, verdicts_table
 from researcher.lazy import lazy_module
 from researcher.planner import PlannerError, choose_planner
 from researcher.records import Decision
 from researcher.store import StudyError, StudyMeta, StudyPaths, list_studies, load_meta, owner_pid, study_paths
-from researcher.views import status_json
+from researcher.snapshot import read_state as read_snapshot
+from researcher.views import best_result, proposal_view, status_json
 
 # How long `stop` waits for the study process to release its lock after SIGTERM.
 _STOP_WAIT_S = 30.0
@@ -207,8 +208,10 @@ def status(ctx: typer.Context, name: str,
            as_json: bool = typer.Option(False, "--json", help="Machine-readable: every proposal with its verdict.")) -> None:
     """Phase, budget used, pending reviews and the best result so far."""
     paths, meta = _load(ctx, name)
-    brief = runner.study_brief(paths, meta)
-    values, nxt, waiting = runner.read_state(paths, name)
+    # Without the study runtime where it can (bench/startup.py): the brief as `runner.study_brief`
+    # reads it, the state straight from the checkpoint, MLflow only when a review may be pending.
+    brief = load_brief(paths.brief, Path(meta.workdir))
+    values, nxt, waiting = read_snapshot(paths, name) or runner.read_state(paths, name)
     pid = owner_pid(paths)
     phase = "done" if values and not nxt else ("review: waiting for decisions" if waiting else (nxt[0] if nxt else "new"))
     if as_json:
@@ -219,10 +222,14 @@ def status(ctx: typer.Context, name: str,
     if values.get("stop_reason"):
         console.print(f"stopped: {values['stop_reason']}")
     console.print(budget_table(Spent.of(values, gpus=brief.launch.gpus), brief))
-    pending = [r for r in runner.open_board(meta).board() if r["status"] == "pending"]
-    if pending:
-        console.print(proposals_table("pending reviews", pending))
-    best = reports.best_result(values, brief)
+    # A proposal decided in the state is decided on the board too (a decision is final), and one that
+    # failed validation is published as invalid: the board can hold a pending review only when the
+    # state has a proposal that is neither.
+    if any(proposal_view(values, p["id"]).status == "pending" for p in values.get("proposals", [])):  # type: ignore[union-attr]
+        pending = [r for r in runner.open_board(meta).board() if r["status"] == "pending"]
+        if pending:
+            console.print(proposals_table("pending reviews", pending))
+    best = best_result(values, brief)
     if best:
         console.print(f"best so far: {best[0].id} {best[0].overrides}: {brief.objective.metric} {best[1].summary.fmt()}")  # type: ignore[union-attr]
 
@@ -316,19 +323,25 @@ def report(ctx: typer.Context, name: str) -> None:
     base = flatten(brief.resolve_config(Path(meta.workdir)))
     from mlflow.tracking import MlflowClient
 
-    path = reports.write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base)
+    board = runner.open_board(meta)
+    board.audit([Decision.model_validate(d) for d in values.get("decisions", [])])
+    path = reports.write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base, board.ignored())
     console.print(f"report written: [bold]{path}[/bold]")
 
 
 @study_app.command()
 def history(ctx: typer.Context, name: str) -> None:
-    """Every decision: who, when, what and why."""
+    """Every decision: who, when, what and why; later edits of decided tags (ignored); each verdict and its test."""
     paths, meta = _load(ctx, name)
     values, _, _ = runner.read_state(paths, name)
     decisions = values.get("decisions", [])
     taken = {d["proposal_id"] for d in decisions}
-    recorded = [r for r in runner.open_board(meta).board() if r["status"] in ("approved", "vetoed") and r["id"] not in taken]
-    console.print(decisions_table(decisions, recorded))
+    board = runner.open_board(meta)
+    board.audit([Decision.model_validate(d) for d in decisions])  # edits no running study has seen yet
+    recorded = [r for r in board.board() if r["status"] in ("approved", "vetoed") and r["id"] not in taken]
+    console.print(decisions_table(decisions, recorded, board.ignored()))
+    if values.get("results"):
+        console.print(verdicts_table(values["results"]))
 
 
 study_app.command()(propose)

@@ -65,6 +65,8 @@ def propose(ctx: typer.Context, name: str,
                                                            "relative to the workspace root."),
             set_: list[str] = typer.Option([], "--set", help="key=value run-config overrides."),
             parent: Optional[str] = typer.Option(None, help="Apply the patch on this code proposal's version."),
+            hot_swap: bool = typer.Option(False, "--hot-swap", help="Swap the validated, approved code into the "
+                                                                   "study's live run (brief `run.live: true`)."),
             by: Optional[str] = typer.Option(None, help="Who proposes; default the OS user.")) -> None:
     """Add a person's proposal to a study; prints its id last."""
     paths, meta = _load(ctx, name)
@@ -88,12 +90,14 @@ def propose(ctx: typer.Context, name: str,
         raise _fail(str(e)) from None
     if text is not None and brief.code is None:
         raise _fail(f"study {name} edits no code: its brief has no `code:` section")
+    if hot_swap and (text is None or not brief.run.live):
+        raise _fail("--hot-swap needs --patch and a study with a live run (brief `run.live: true`)")
     try:
         brief.resolve_config(Path(meta.workdir), overrides)
     except Exception as e:  # noqa: BLE001 - any config error is the person's to fix; nothing was stored
         raise _fail(f"--set: {e}") from None
     item = inbox.add(paths.inbox, {"hypothesis": hypothesis, "overrides": overrides, "patch": text, "parent": parent,
-                                   "by": by or getpass.getuser()})
+                                   "by": by or getpass.getuser(), "hot_swap": hot_swap})
     console.print(f"proposed to study {name}; it is validated and put up for review at the study's next plan")
     print(item.id)
 
@@ -137,6 +141,8 @@ def show(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..., m
         console.print(f"run {r.key}: {r.status} (MLflow {r.mlflow_run_id or '-'})")
     if view.score is not None:
         console.print(f"score: {view.score:.4g}")
+    if view.swap:
+        console.print(f"swap: {view.swap}", markup=False, highlight=False)
     if view.result:
         console.print(f"result: {view.result}")
 

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from researcher.brief import Brief
 from researcher.budget import Spent
+from researcher.records import ExperimentResult, IgnoredChange
 
 
 class StudyConsole:
@@ -50,6 +51,9 @@ class StudyConsole:
         elif event == "decision":
             c.print(f"  {info['proposal_id']}: [{'green' if info['verdict'] == 'approved' else 'red'}]"
                     f"{info['verdict']}[/] by {info['by']}" + (f" ({info['reason']})" if info["reason"] else ""))
+        elif event == "review.ignored":
+            c.print(f"  [yellow]{info['proposal_id']}: its tags were changed to {info['changed_to']!r} by {info['by']} "
+                    f"after it was {info['decided']}: ignored (a decision is final)[/yellow]")
         elif event == "review.waiting":
             ids = ", ".join(info["ids"])
             c.print(f"[yellow]waiting for review[/yellow] of {ids}: `researcher study approve {self.name} "
@@ -101,7 +105,20 @@ def budget_table(spent: Spent, brief: Brief) -> Table:
     return table
 
 
-def decisions_table(decisions: list[dict[str, Any]], recorded_only: list[dict[str, str]]) -> Table:
+def verdicts_table(results: list[dict[str, Any]]) -> Table:
+    """Each judged experiment against its baseline: result, effect with its CI, p, and the test that decided."""
+    table = Table(title="verdicts against the baseline")
+    for col in ("proposal", "verdict (effect, 95% CI, p, test)", "confirmation"):
+        table.add_column(col, overflow="fold")
+    for raw in results:
+        r = ExperimentResult.model_validate(raw)
+        verdict = r.verdict.fmt() if r.verdict else ("baseline (the reference)" if r.status == "ok" else r.status)
+        table.add_row(r.proposal_id, verdict, r.confirmation.fmt() if r.confirmation else "")
+    return table
+
+
+def decisions_table(decisions: list[dict[str, Any]], recorded_only: list[dict[str, str]],
+                    ignored: list[IgnoredChange] | None = None) -> Table:
     table = Table(title="decisions")
     for col in ("proposal", "verdict", "by", "when", "source", "why"):
         table.add_column(col, overflow="fold")
@@ -110,4 +127,7 @@ def decisions_table(decisions: list[dict[str, Any]], recorded_only: list[dict[st
         table.add_row(d["proposal_id"], d["verdict"], d["by"], when, d["source"], d["reason"])
     for r in recorded_only:
         table.add_row(r["id"], r["status"], r["by"] or "mlflow-ui", r["at"], "mlflow (not yet taken up)", r["reason"])
+    for c in ignored or []:
+        table.add_row(c.proposal_id, f"{c.changed_to} (ignored)", c.by, c.at + (" (seen at poll time)" if c.at_poll_time else ""),
+                      "mlflow (after the decision)", f"changed after it was {c.decided}: a decision is final")
     return table

@@ -1,16 +1,18 @@
 """The study graph: LangGraph nodes and edges from brief to report, looping over rounds.
 
-    load_brief -> workspace -> plan -> validate ⟲ -> review ⟲ -> prepare -> launch
-                                ^                                            |
-                              decide <- analyze <- monitor ⟲ (to launch while runs are queued) <-
-                                | stop    (analyze -> launch while re-runs of failed seeds are queued)
-                              report
+    load_brief -> workspace -> start_live -> plan -> validate ⟲ -> review ⟲ -> prepare -> live -> launch
+                                              ^                                                    |
+                                            decide <- analyze <- monitor ⟲ (to launch while runs are queued) <-
+                                              | stop    (analyze -> launch while re-runs of failed seeds are queued)
+                                            report
 
 `workspace` sets up the study's code workspace (when the brief has a `code:` section);
 `validate` loops over the round's code proposals one at a time, so each validation is
-checkpointed; review sees only proposals that validated. State is plain JSON; every node is
-idempotent: it recomputes its answer from the state and looks up what it already did outside
-(proposal runs on MLflow, launch intents, workspace refs) before acting. Review waits through
+checkpointed; review sees only proposals that validated. `start_live` starts the brief's live run
+(if any) before the first plan, and `live` keeps it going and swaps approved `hot_swap` proposals
+into it (researcher/nodes/live.py). State is plain JSON; every node is idempotent: it recomputes
+its answer from the state and looks up what it already did outside (proposal runs on MLflow,
+launch intents, workspace refs) before acting. Review waits through
 `interrupt()`; the runner resumes it with `Command(resume=decisions)`. This module wires the
 graph; the nodes live in `researcher/nodes/`. The graph does not own processes, poll for
 decisions, or print: the runner and CLI do.
@@ -60,8 +62,8 @@ def _after_decide(state: StudyState) -> str:
     return "report" if state.get("stop_reason") else "plan"
 
 
-NODES = ("load_brief", "workspace", "plan", "validate", "review", "prepare", "launch", "monitor", "analyze",
-         "decide", "report")
+NODES = ("load_brief", "workspace", "start_live", "plan", "validate", "review", "prepare", "live", "launch", "monitor",
+         "analyze", "decide", "report")
 
 
 def _read_only(state: StudyState) -> dict[str, Any]:
@@ -76,11 +78,13 @@ def build_graph(ctx: StudyContext | None) -> StateGraph:
         g.add_node(name, getattr(nodes, name) if nodes is not None else _read_only)
     g.add_edge(START, "load_brief")
     g.add_edge("load_brief", "workspace")
-    g.add_edge("workspace", "plan")
+    g.add_edge("workspace", "start_live")
+    g.add_edge("start_live", "plan")
     g.add_conditional_edges("plan", _after_plan, ["validate", "report"])
     g.add_conditional_edges("validate", _after_validate, ["validate", "review"])
     g.add_conditional_edges("review", _after_review, ["review", "prepare"])
-    g.add_edge("prepare", "launch")
+    g.add_edge("prepare", "live")
+    g.add_edge("live", "launch")
     g.add_edge("launch", "monitor")
     g.add_conditional_edges("monitor", _after_monitor, ["launch", "monitor", "analyze"])
     g.add_conditional_edges("analyze", _after_analyze, ["launch", "decide"])

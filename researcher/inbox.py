@@ -28,6 +28,7 @@ class PersonProposal(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict)  # --set key=value, values parsed as YAML
     patch: str | None = None  # unified diff against the workspace, paths a/<path> b/<path>
     parent: str | None = None  # the code proposal whose version the patch applies on; None: the base
+    hot_swap: bool = False  # --hot-swap: swap the code into the study's live run instead of new runs
     by: str
     at: str = Field(default_factory=now_iso)
 

@@ -13,8 +13,9 @@ code never collide) before spawning, and tags the run `swarmrl.sandbox_version=<
 
 A finished run is judged by its exit code when it is our child, else by its MLflow run status.
 A stop records its reason in the intent before it signals, so a stop cut short by a crash is
-still reported as a stop. A run that ends stopped or failed while its MLflow run still reads
-RUNNING (killed before it could close it) is set to KILLED or FAILED. Linux only (/proc). It does not read metrics or decide anything.
+still reported as a stop, with the status the stop asked for (`stopped`, or `stalled` for a hang).
+A run that ends stopped, stalled or failed while its MLflow run still reads RUNNING (killed before
+it could close it) is set to KILLED (stopped, stalled) or FAILED. Linux only (/proc). It does not read metrics or decide anything.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ class LaunchTarget:
     study: str
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write an intent record durably (fsynced, then renamed): what was about to act survives a kill -9."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     with open(tmp, "rb+") as fh:
@@ -107,6 +110,16 @@ class Launcher:
 
     def run_dir(self, key: str) -> Path:
         return self.runs / key
+
+    def _check_out(self, launch: Launch, rd: Path) -> Launch | None:
+        """Write a code proposal's commit to `rd/code` (its runs use exactly that code); the failed launch if it cannot."""
+        if launch.commit and self.workspace is not None:
+            try:
+                self.workspace.checkout(launch.commit, rd / "code")
+            except WorkspaceError as e:
+                return launch.model_copy(update={"status": "failed", "reason": f"could not check out the code: {e}",
+                                                 "ended_at": time.time()})
+        return None
 
     def argv(self, launch: Launch) -> list[str]:
         rd, t = self.run_dir(launch.key), self.target
@@ -160,15 +173,12 @@ class Launcher:
                                                  "started_at": intent.get("started_at") or time.time()})
         rd = self.run_dir(launch.key)
         rd.mkdir(parents=True, exist_ok=True)
-        if launch.commit and self.workspace is not None:
-            try:
-                self.workspace.checkout(launch.commit, rd / "code")
-            except WorkspaceError as e:
-                return launch.model_copy(update={"status": "failed", "reason": f"could not check out the code: {e}",
-                                                 "ended_at": time.time()})
+        failed = self._check_out(launch, rd)
+        if failed is not None:
+            return failed
         argv = self.argv(launch)
         started = time.time()
-        _write_json(self.intents / f"{launch.key}.json", {"key": launch.key, "argv": argv, "started_at": started})
+        write_json(self.intents / f"{launch.key}.json", {"key": launch.key, "argv": argv, "started_at": started})
         self.emit("launch.intent", key=launch.key)
         env = {**os.environ, "MLFLOW_TRACKING_URI": self.target.tracking_uri}
         with open(rd / "run.log", "ab") as logfile:
@@ -178,7 +188,7 @@ class Launcher:
             except OSError as e:
                 return launch.model_copy(update={"status": "failed", "reason": f"could not start {argv[0]}: {e}",
                                                  "log_path": str(rd / "run.log"), "ended_at": time.time()})
-        _write_json(self.intents / f"{launch.key}.json",
+        write_json(self.intents / f"{launch.key}.json",
                     {"key": launch.key, "argv": argv, "started_at": started, "pid": proc.pid})
         self._children[launch.key] = proc
         self.emit("launch.spawned", key=launch.key, pid=proc.pid)
@@ -207,25 +217,27 @@ class Launcher:
         mlflow_status = client.get_run(run_id).info.status if run_id else None
         update["ended_at"] = time.time()
         if intent.get("stop_reason"):
-            update.update(status="stopped", reason=intent["stop_reason"])
+            update.update(status=intent.get("stop_status", "stopped"), reason=intent["stop_reason"],
+                          log_tail=log_tail(update["log_path"]))
         elif code == 0 or (code is None and mlflow_status == "FINISHED"):
             update.update(status="finished")
         else:
             why = f"exit code {code}" if code is not None else "the process is gone"
             update.update(status="failed", reason=f"{why}; MLflow run status {mlflow_status or '(no run)'}",
                           log_tail=log_tail(update["log_path"]))
-        if run_id and mlflow_status == "RUNNING" and update.get("status") in ("stopped", "failed"):
+        if run_id and mlflow_status == "RUNNING" and update.get("status") in ("stopped", "stalled", "failed"):
             # A run killed before it could close its MLflow run would read RUNNING forever.
-            client.set_terminated(run_id, status="KILLED" if update["status"] == "stopped" else "FAILED")
+            client.set_terminated(run_id, status="FAILED" if update["status"] == "failed" else "KILLED")
         self._children.pop(launch.key, None)
         return launch.model_copy(update=update)
 
-    def stop(self, launch: Launch, reason: str, client: MlflowClient) -> Launch:
-        """Record why, then SIGTERM the run's process group; SIGKILL after the grace period."""
+    def stop(self, launch: Launch, reason: str, client: MlflowClient, status: str = "stopped") -> Launch:
+        """Record why (and the status it ends with: `stopped` or `stalled`), then SIGTERM the run's
+        process group; SIGKILL after the grace period."""
         if launch.status != "running":
             return launch
         intent = self._intent(launch.key) or {"key": launch.key}
-        _write_json(self.intents / f"{launch.key}.json", {**intent, "stop_reason": reason})
+        write_json(self.intents / f"{launch.key}.json", {**intent, "stop_reason": reason, "stop_status": status})
         alive, _ = self._alive(launch)
         pid = launch.pid or find_process(self._marker(launch.key))
         if alive and pid:
@@ -247,6 +259,17 @@ class Launcher:
             pass
 
 
+def make_launcher(settings: Any, target: LaunchTarget, state_dir: Path, emit: Emit,
+                  workspace: Workspace | None = None) -> Launcher:
+    """The launcher for `launch.backend` (a brief's LaunchSettings): local processes, or Ray jobs."""
+    if settings.backend == "ray":
+        from researcher.ray_jobs import RayJobLauncher  # Ray's job client loads only for Ray studies
+
+        return RayJobLauncher(target, state_dir, settings.grace_s, emit, workspace,
+                              address=settings.ray_address, gpus=settings.gpus)
+    return Launcher(target, state_dir, settings.grace_s, emit, workspace)
+
+
 def stop_all(state_dir: Path, reason: str, grace_s: float) -> list[str]:
     """Stop every live run of a study from its launch intents (for `researcher study stop --kill-runs`).
 
@@ -255,11 +278,19 @@ def stop_all(state_dir: Path, reason: str, grace_s: float) -> list[str]:
     stopped = []
     for path in sorted((state_dir / "launches").glob("*.json")):
         intent = json.loads(path.read_text())
+        if intent.get("submission_id"):  # a Ray job (launch.backend ray): the cluster stops it
+            from researcher.ray_jobs import stop_job
+
+            if "stop_reason" not in intent:
+                write_json(path, {**intent, "stop_reason": reason})
+            if stop_job(intent["ray_address"], intent["submission_id"]):
+                stopped.append(intent["key"])
+            continue
         marker = str(state_dir / "runs" / intent["key"] / "run_id")
         pid = intent.get("pid") or find_process(marker)
         if not pid or marker not in _cmdline(pid):
             continue
-        _write_json(path, {**intent, "stop_reason": reason})
+        write_json(path, {**intent, "stop_reason": reason})
         Launcher._signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while marker in _cmdline(pid) and time.monotonic() < deadline:

@@ -19,8 +19,10 @@ Verdict = Literal["approved", "vetoed"]
 # Validation steps of a code proposal, in the order they run (see researcher/validation.py).
 VALIDATION_STEPS = ("apply", "compile", "import", "tests", "smoke")
 DecisionSource = Literal["cli", "mlflow", "policy"]
-LaunchStatus = Literal["queued", "running", "finished", "failed", "stopped", "skipped"]
-TERMINAL: frozenset[str] = frozenset({"finished", "failed", "stopped", "skipped"})
+# `stalled`: stopped by the study because it logged no new metric for `monitor.stall_s` (a hang);
+# `stopped`: stopped for any other reason (collapse, timeout, budget, a person).
+LaunchStatus = Literal["queued", "running", "finished", "failed", "stopped", "stalled", "skipped"]
+TERMINAL: frozenset[str] = frozenset({"finished", "failed", "stopped", "stalled", "skipped"})
 
 
 def now_iso() -> str:
@@ -63,6 +65,9 @@ class ProposalDraft(BaseModel):
     parent: str | None = None  # the code proposal whose version these edits build on; None: the base
     prediction: Prediction | None = None  # what the planner expects against the baseline
     ablation: bool = False  # removes or reverts one part of a parent to test whether it mattered
+    # runs: the change gets core runs of its own; hot_swap: a code change swapped into the study's live
+    # run (`run.live: true`), judged by the reward of the new version against the old one there.
+    mode: Literal["runs", "hot_swap"] = "runs"
 
     @field_validator("code_change")
     @classmethod
@@ -106,6 +111,18 @@ class Decision(BaseModel):
     reason: str = ""
     source: DecisionSource = "cli"
     at_poll_time: bool = False  # the reviewer set no `review.at` in MLflow: `at` is when the study saw it
+
+
+class IgnoredChange(BaseModel):
+    """A decided proposal's review tags changed after the decision (say approved turned to vetoed in
+    the MLflow UI). A decision is final: the change is recorded in the history and changes nothing."""
+
+    proposal_id: str
+    decided: Verdict  # the decision that stands
+    changed_to: str  # the review.status the tag was set to
+    by: str  # the change's own review.by; "mlflow-ui" when the reviewer set none
+    at: str  # the change's own review.at; else when the study saw it
+    at_poll_time: bool = False  # the change carried no review.at of its own: `at` is when it was seen
 
 
 class Launch(BaseModel):
@@ -161,6 +178,31 @@ class ExperimentResult(BaseModel):
     # The mean curve over seeds in numbers a planner can read: start, end, slope (per step),
     # best_step, and the last train/kl, train/entropy and train/clip_frac (analysis.curve_summary).
     curve: dict[str, float] = Field(default_factory=dict)
+
+
+class SwapSide(BaseModel):
+    """One side of a hot swap's comparison: a code version's per-step rewards in the live run."""
+
+    version: str
+    steps: dict[int, float] = Field(default_factory=dict)  # trainer step -> mean reward of that version's episodes
+
+    @property
+    def mean(self) -> float | None:
+        return sum(self.steps.values()) / len(self.steps) if self.steps else None
+
+
+class SwapResult(BaseModel):
+    """A hot swap of a proposal's code into the live run, as done and as judged (researcher/live.py)."""
+
+    proposal_id: str
+    n: int  # the live server's swap number; tag `swarmrl.swap.<n>` on the live run
+    step: int | None  # the trainer step at which the old clients were told to drain
+    sandbox: str
+    from_version: str
+    to_version: str
+    before: SwapSide | None = None  # the old version's last `swap_window` steps up to the swap
+    after: SwapSide | None = None  # the new version's first `swap_window` steps after it
+    verdict: TestVerdict | None = None  # after against before (Welch's t-test over the steps)
 
 
 class StepResult(BaseModel):

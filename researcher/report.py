@@ -4,7 +4,8 @@ Lineage reads hypothesis -> config diff -> code (a link to the proposal's diff a
 commit, or why it failed validation) -> decision -> runs -> metric for every proposal. The
 report also states the budget spent, why the study stopped, each planner's notes, the planner's
 overhead against the time spent in core runs, the best configuration with its interval over
-seeds, and the log tails of failed runs. It can be written at any time ("the study so far").
+seeds, the log tails of failed and stalled runs, and edits of decided review tags that were
+ignored. It can be written at any time ("the study so far").
 It reads; it never changes the study.
 """
 
@@ -18,8 +19,9 @@ from mlflow.tracking import MlflowClient
 from researcher import analysis, confirmation, decision
 from researcher.brief import Brief
 from researcher.budget import Spent
-from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
+from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal
 from researcher.store import StudyPaths
+from researcher.views import best_result, trained_steps as _steps  # also what `status` prints
 
 # How verdicts are reached, stated in every report so a reader can weigh a "better".
 DECISION_RULE = (
@@ -37,27 +39,6 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", "<br>")
 
 
-def _steps(p: Proposal) -> int:
-    return int(p.overrides.get("trainer.steps", 0))
-
-
-def best_result(state: dict[str, Any], brief: Brief) -> tuple[Proposal, ExperimentResult] | None:
-    """The best scored experiment among the longest-trained ones.
-
-    A score after more trainer steps is not comparable with one after fewer (successive halving
-    trains survivors longer), so the longest runs are judged first.
-    """
-    proposals = {p["id"]: Proposal.model_validate(p) for p in state.get("proposals", [])}
-    scored = [(proposals[r.proposal_id], r) for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))
-              if r.summary is not None and r.summary.n and r.proposal_id in proposals]
-    if not scored:
-        return None
-    longest = max(_steps(p) for p, _ in scored)
-    best: tuple[Proposal, ExperimentResult] | None = None
-    for p, r in scored:
-        if _steps(p) == longest and (best is None or brief.objective.better(r.summary.mean, best[1].summary.mean)):  # type: ignore[union-attr]
-            best = (p, r)
-    return best
 
 
 def _ranking(proposals: list[Proposal], results: dict[str, ExperimentResult], brief: Brief) -> list[str]:
@@ -78,7 +59,7 @@ def _ranking(proposals: list[Proposal], results: dict[str, ExperimentResult], br
 def _curves(brief: Brief, launches: list[Launch], client: MlflowClient) -> dict[str, analysis.History]:
     by_proposal: dict[str, list[analysis.History]] = {}
     for x in launches:
-        if x.run_id and x.status in ("finished", "stopped"):
+        if x.run_id and x.status in ("finished", "stopped", "stalled"):
             try:
                 history = analysis.read_history(client, x.run_id, brief.objective.metric)
             except Exception:  # noqa: BLE001 - a deleted run must not stop a report
@@ -137,7 +118,8 @@ def _code_cell(p: Proposal, version: CodeVersion | None, paths: StudyPaths) -> s
 
 
 def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
-           base_flat: dict[str, str]) -> str:
+           base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None) -> str:
+    """`ignored`: edits of decided proposals' review tags (`ReviewBoard.ignored`), listed as such."""
     proposals = [Proposal.model_validate(p) for p in state.get("proposals", [])]
     decisions = {d.proposal_id: d for d in (Decision.model_validate(x) for x in state.get("decisions", []))}
     launches = [Launch.model_validate(x) for x in state.get("launches", [])]
@@ -193,11 +175,16 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
         lines.append(f"| {p.id} | {_cell(p.hypothesis)} | {_cell(p.diff_text(base_flat))} | "
                      f"{_cell(_code_cell(p, code.get(p.id), paths))} | {_cell(decision)} | {_cell(runs)} | "
                      f"{_cell(score)} | {_cell(verdict)} |")
+    if ignored:
+        lines += ["", "## Review changes ignored", "",
+                  "A decision is final: these later edits of decided proposals' review tags were recorded, not applied.", ""]
+        lines += [f"- {c.proposal_id}: {c.decided}, then changed to `{c.changed_to}` by {c.by} at {c.at}"
+                  + (" (seen at poll time)" if c.at_poll_time else "") + ": ignored" for c in ignored]
     for fig in figures:
         lines += ["", f"![{fig.stem}]({fig.relative_to(paths.root).as_posix()})"]
-    failed = [x for x in launches if x.status == "failed"]
+    failed = [x for x in launches if x.status in ("failed", "stalled")]
     if failed:
-        lines += ["", "## Failed runs", ""]
+        lines += ["", "## Failed and stalled runs", ""]
         for x in failed:
             lines += [f"<details><summary>{x.key}: {x.reason}</summary>", "", "```", x.log_tail, "```", "",
                       "</details>", ""]
@@ -205,6 +192,6 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
 
 
 def write_report(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
-                 base_flat: dict[str, str]) -> Path:
-    paths.report.write_text(render(name, brief, state, client, paths, base_flat))
+                 base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None) -> Path:
+    paths.report.write_text(render(name, brief, state, client, paths, base_flat, ignored))
     return paths.report

@@ -7,7 +7,10 @@ effect and config diff as tags and as the run's description note. A decision is 
 (with `review.by`, `review.reason`, `review.at`, `review.source` in the same batch) or by hand in
 the MLflow UI. A waiting study polls these tags. A UI decision is recorded with the reviewer's
 `review.by`/`review.at` when set, else as `mlflow-ui` at the time the study saw it, labelled so
-(`at_poll_time`). A veto is final: a decided proposal cannot be decided again.
+(`at_poll_time`). A decision is final: a decided proposal cannot be decided again. A later edit of
+a decided proposal's tags (say `approved` turned to `vetoed` in the UI) is recorded on its run as
+`review.ignored.<n>` (what it was changed to, by whom, when: the edit's own `review.by`/`review.at`
+when set, else `mlflow-ui` at the time it was seen) and the decision's tags are put back.
 
 A code proposal's run is tagged `swarmrl.kind=code` and carries its diff as the artifact
 `proposal.diff` and its validation log as `validation.log`; one that failed validation is
@@ -18,6 +21,7 @@ It reads and writes MLflow runs; it does not wait, plan or launch.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -26,7 +30,7 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 
-from researcher.records import CodeVersion, Decision, Proposal, Summary, now_iso
+from researcher.records import CodeVersion, Decision, IgnoredChange, Proposal, Summary, now_iso
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ STATUS = "review.status"
 VERDICTS = ("approved", "vetoed")
 INVALID = "invalid"  # a code proposal that failed validation: never reviewed
 KINDS = ("proposal", "code")  # swarmrl.kind of proposal runs: config proposals, code proposals
+IGNORED = "review.ignored."  # + n: JSON of the n-th change of a decided proposal's tags (an IgnoredChange)
 
 
 class ReviewError(ValueError):
@@ -155,6 +160,47 @@ class ReviewBoard:
                 log.warning("proposal %s: %s", pid, message)
                 self.client.set_tag(run.info.run_id, "review.error", message)
         return sorted(found, key=lambda d: d.proposal_id)
+
+    def audit(self, decided: list[Decision]) -> list[IgnoredChange]:
+        """Record, once each, the edits of decided proposals' tags that disagree with their decision.
+
+        The decision's tags are put back after the edit is recorded, so each edit is recorded once
+        and MLflow keeps showing the decision that stands. Returns the edits recorded now.
+        """
+        by_id, found = {d.proposal_id: d for d in decided}, []
+        for run in self._runs():
+            tags = run.data.tags
+            d = by_id.get(tags.get("swarmrl.proposal", ""))
+            if d is None:
+                continue
+            status = tags.get(STATUS, "pending").strip().lower()
+            tag_by, tag_at = tags.get("review.by", "").strip(), tags.get("review.at", "").strip()
+            # A UI decision without review.by/review.at was taken as `mlflow-ui` at poll time: an empty tag agrees.
+            if status == d.verdict and tag_by in ("", d.by) and tag_at in ("", d.at):
+                continue
+            new_by, new_at = tag_by not in ("", d.by), tag_at not in ("", d.at)
+            change = IgnoredChange(proposal_id=d.proposal_id, decided=d.verdict, changed_to=status,
+                                   by=tag_by if new_by else "mlflow-ui", at=tag_at if new_at else now_iso(),
+                                   at_poll_time=not new_at)
+            n = 1 + sum(1 for k in tags if k.startswith(IGNORED))
+            log.warning("proposal %s is %s; the later change of its tags to %r by %s is ignored: a decision is final",
+                        d.proposal_id, d.verdict, status, change.by)
+            self.client.log_batch(run.info.run_id, tags=[
+                RunTag(f"{IGNORED}{n}", change.model_dump_json()), RunTag(STATUS, d.verdict),
+                RunTag("review.by", d.by), RunTag("review.at", d.at), RunTag("review.reason", _clip(d.reason)),
+                RunTag("review.source", d.source)])
+            found.append(change)
+        return found
+
+    def ignored(self) -> list[IgnoredChange]:
+        """Every recorded change of a decided proposal's tags, by proposal, oldest first."""
+        rows = []
+        for run in self._runs():
+            for key, value in run.data.tags.items():
+                if key.startswith(IGNORED) and key[len(IGNORED):].isdigit():
+                    rows.append((run.data.tags.get("swarmrl.proposal", ""), int(key[len(IGNORED):]),
+                                 IgnoredChange.model_validate(json.loads(value))))
+        return [change for _, _, change in sorted(rows, key=lambda r: r[:2])]
 
     def close(self, proposal_id: str, summary: Summary | None, status: str = "FINISHED",
               reason: str = "") -> None:

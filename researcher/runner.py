@@ -25,11 +25,11 @@ from mlflow.tracking import MlflowClient
 
 from researcher.brief import Brief, load_brief
 from researcher.graph import StudyContext, build_graph
-from researcher.launcher import Emit, Launcher, LaunchTarget
+from researcher.launcher import Emit, LaunchTarget, make_launcher
 from researcher.planner import make_planner
 from researcher.review import ReviewBoard
 from researcher.planner import PlannerSpec
-from researcher.records import now_iso
+from researcher.records import Decision, now_iso
 from researcher.workspace import Workspace
 from researcher.store import (StudyLock, StudyMeta, StudyPaths, create_study, default_swarm_command, experiment_name,
                               load_meta, resolve_tracking_uri, study_paths)
@@ -87,7 +87,7 @@ def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit) -> StudyContex
     workspace = Workspace(paths.workspace, brief.code, Path(meta.workdir)) if brief.code else None
     return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
                         board=ReviewBoard(client, meta.experiment, meta.name, _artifacts(paths, meta)),
-                        launcher=Launcher(target, paths.state, brief.launch.grace_s, emit, workspace),
+                        launcher=make_launcher(brief.launch, target, paths.state, emit, workspace),
                         planner=make_planner(meta.planner), emit=emit, workspace=workspace)
 
 
@@ -108,10 +108,13 @@ def read_state(paths: StudyPaths, name: str) -> tuple[dict[str, Any], tuple[str,
         return dict(snap.values or {}), tuple(snap.next), waiting
 
 
-def _wait_for_decisions(board: ReviewBoard, pending: list[str], poll_s: float,
-                        stop: threading.Event) -> list[dict[str, Any]] | None:
-    """Decisions for any of `pending` as soon as MLflow has one; None if asked to stop first."""
+def _wait_for_decisions(board: ReviewBoard, pending: list[str], poll_s: float, stop: threading.Event,
+                        decided: list[Decision], emit: Emit) -> list[dict[str, Any]] | None:
+    """Decisions for any of `pending` as soon as MLflow has one; None if asked to stop first.
+    Meanwhile, edits of the `decided` proposals' tags are recorded as ignored."""
     while not stop.is_set():
+        for change in board.audit(decided):
+            emit("review.ignored", **change.model_dump())
         found = board.collect(pending)
         if found:
             return [d.model_dump() for d in found]
@@ -142,7 +145,8 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
                     answer = [d.model_dump() for d in ctx.board.collect(pending)] or None
                     if answer is None and wait_for_review:
                         emit("review.waiting", ids=pending, poll_s=ctx.brief.review.poll_s)
-                        answer = _wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop)
+                        decided = [Decision.model_validate(d) for d in snap.values.get("decisions", [])]
+                        answer = _wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop, decided, emit)
                     if answer is None:
                         return Outcome(done=False, waiting=pending, state=dict(snap.values))
                     command = Command(resume=answer)

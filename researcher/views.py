@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from researcher.brief import Brief
 from researcher.budget import Spent
-from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
+from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, SwapResult
 
 ProposalStatus = Literal["validating", "invalid", "pending", "approved", "vetoed", "running", "done", "failed"]
 
@@ -27,7 +27,7 @@ class ValidationView(BaseModel):
 
 class RunView(BaseModel):
     mlflow_run_id: str | None
-    status: str  # the launch status: queued | running | finished | failed | stopped | skipped
+    status: str  # the launch status: queued | running | finished | failed | stopped | stalled | skipped
     key: str
     commit: str  # workspace commit the run's sandbox ran at ("" outside code studies)
 
@@ -51,6 +51,9 @@ class ProposalView(BaseModel):
     # baseline itself and until the experiment is scored.
     verdict: dict[str, Any] | None = None
     confirmation: str | None = None  # the held-out-seed confirmation of a recommendation, in words
+    # A hot swap into the live run: {step, before, after} (mean reward of the old version's last and
+    # the new version's first `run.swap_window` steps), plus n, versions and the verdict; None otherwise.
+    swap: dict[str, Any] | None = None
 
 
 def _status(p: Proposal, version: CodeVersion | None, decision: Decision | None, launches: list[Launch],
@@ -94,7 +97,18 @@ def proposal_view(state: dict[str, Any], proposal_id: str) -> ProposalView | Non
         score=score, result=result.note if result is not None else "",
         seed_scores=result.seed_scores if result is not None else {},
         verdict=result.verdict.json_view() if result is not None and result.verdict is not None else None,
-        confirmation=result.confirmation.fmt() if result is not None and result.confirmation is not None else None)
+        confirmation=result.confirmation.fmt() if result is not None and result.confirmation is not None else None,
+        swap=_swap_view(state, p.id))
+
+
+def _swap_view(state: dict[str, Any], proposal_id: str) -> dict[str, Any] | None:
+    swaps = [SwapResult.model_validate(x) for x in state.get("swaps", []) if x["proposal_id"] == proposal_id]
+    if not swaps:
+        return None
+    s = swaps[0]
+    return {"step": s.step, "before": s.before.mean if s.before else None, "after": s.after.mean if s.after else None,
+            "n": s.n, "sandbox": s.sandbox, "from_version": s.from_version, "to_version": s.to_version,
+            "verdict": s.verdict.json_view() if s.verdict else None}
 
 
 def proposal_diff(state: dict[str, Any], proposal_id: str) -> str | None:
@@ -117,3 +131,26 @@ def status_json(name: str, state: dict[str, Any], phase: str, pid: int | None, b
             "stop_reason": state.get("stop_reason", ""),
             "budget": {what: {"used": used, "limit": limit} for what, used, limit in spent.rows(brief)},
             "proposals": proposals}
+
+
+def trained_steps(p: Proposal) -> int:
+    return int(p.overrides.get("trainer.steps", 0))
+
+
+def best_result(state: dict[str, Any], brief: Brief) -> tuple[Proposal, ExperimentResult] | None:
+    """The best scored experiment among the longest-trained ones (`status` and the report).
+
+    A score after more trainer steps is not comparable with one after fewer (successive halving
+    trains survivors longer), so the longest runs are judged first.
+    """
+    proposals = {p["id"]: Proposal.model_validate(p) for p in state.get("proposals", [])}
+    scored = [(proposals[r.proposal_id], r) for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))
+              if r.summary is not None and r.summary.n and r.proposal_id in proposals]
+    if not scored:
+        return None
+    longest = max(trained_steps(p) for p, _ in scored)
+    best: tuple[Proposal, ExperimentResult] | None = None
+    for p, r in scored:
+        if trained_steps(p) == longest and (best is None or brief.objective.better(r.summary.mean, best[1].summary.mean)):  # type: ignore[union-attr]
+            best = (p, r)
+    return best

@@ -16,23 +16,34 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Per process, set unconditionally: under pytest-xdist each worker imports this file with the
+# environment the controller set up, so `setdefault` would hand every worker the same client pid
+# folder and Ray temp dir. Each worker gets its own MLflow store, client state and Ray state.
 _scratch = tempfile.mkdtemp(prefix="swarmrl-tests-")
-os.environ.setdefault("RAY_TMPDIR", os.path.join(_scratch, "ray"))
+os.environ["RAY_TMPDIR"] = os.path.join(_scratch, "ray")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_scratch}/mlflow.db"
-os.environ.setdefault("SWARMRL_STATE", os.path.join(_scratch, "clients"))
+os.environ["SWARMRL_STATE"] = os.path.join(_scratch, "clients")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+try:  # pytest >= 9.2: structured node ids (see pytest_collection_modifyitems)
+    from _pytest.nodeid import NodeId  # noqa: E402
+except ImportError:
+    NodeId = None
+
 torch.set_num_threads(1)
 
-from tests.support import serve_policies, tool_calling_tiny  # noqa: E402
+from tests.support import serve_policies, tool_calling_tiny, tool_calling_tiny_shared  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def tool_model():
+def tool_model(tmp_path_factory):
     """A tiny model trained to call `add` after a user turn and to answer after a tool result."""
-    return tool_calling_tiny()
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tool_calling_tiny()
+    # Under xdist the base temp is per worker and its parent is this session's, shared by the workers.
+    return tool_calling_tiny_shared(tmp_path_factory.getbasetemp().parent)
 
 
 @pytest.fixture
@@ -48,3 +59,27 @@ def live_server():
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Keep each module's tests that share a module- or class-scoped fixture on one xdist worker.
+
+    `make test` spreads tests over workers one by one (`--dist loadgroup`), so the long tests do not
+    queue behind each other; but a shared fixture (a tracking server, a trained run) would then be
+    built again on every worker that draws one of its tests. Grouping those tests by file builds it once.
+    """
+    if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
+        return
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope in ("module", "class") for chain in defs for d in chain):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                         for m in item.iter_markers("xdist_group")})
+        if groups and NodeId is not None and isinstance(getattr(item, "_id", None), NodeId):
+            # xdist reads the group from an `@group` suffix on the node id, which it writes to the
+            # legacy `_nodeid`; pytest 9.2's structured ids ignore that, and grouped tests would be
+            # spread one by one (pytest-dev/pytest-xdist#1386). Write the suffix where pytest reads it.
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")

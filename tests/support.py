@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from core.chat import ChatRenderer
 from core.config import load_config
-from core.engine import make_engine
+from core.engine.factory import make_engine
 from core.models import build_tiny
 from core.server import Policy, Server
 
@@ -37,6 +39,24 @@ def serve_policies(policies: dict[str, Policy] | None = None, **overrides) -> Se
 def tiny_policy(model, tok, name: str = "policy", engine: str = "hf") -> Policy:
     cfg = load_config()
     return Policy(name, model, tok, ChatRenderer(tok), make_engine(engine, model, tok, cfg.engine, 2048))
+
+
+def tool_calling_tiny_shared(folder: Path, steps: int = 250):
+    """`tool_calling_tiny()`, trained once per test session however many pytest-xdist workers ask.
+
+    The first worker trains it (tens of seconds) and saves the weights in `folder`, which all workers
+    of one session share; the others wait on the lock and load the very same weights.
+    """
+    weights = folder / "tool-calling-tiny.pt"
+    with FileLock(str(weights) + ".lock"):
+        if weights.is_file():
+            model, tok = build_tiny(seed=0)
+            model.load_state_dict(torch.load(weights))
+            model.eval()
+            return model, tok
+        model, tok = tool_calling_tiny(steps)
+        torch.save(model.state_dict(), weights)
+        return model, tok
 
 
 def tool_calling_tiny(steps: int = 250, seed: int = 0):

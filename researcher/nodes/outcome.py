@@ -79,7 +79,14 @@ class OutcomeNodes(NodeBase):
 
     def report(self, state: StudyState) -> dict[str, Any]:
         self._enter("report", state)
+        board = self.ctx.board
+        for change in board.audit(list(self._verdicts(state).values())):
+            self.ctx.emit("review.ignored", **change.model_dump())
         path = write_report(self.ctx.name, self.ctx.brief, dict(state), self.ctx.client, self.ctx.paths,
-                            self.base_flat)
+                            self.base_flat, board.ignored())
         self.ctx.emit("report", path=str(path))
-        return {"report": str(path)}
+        update: dict[str, Any] = {"report": str(path)}
+        if state.get("live"):  # the study is over: so is its live run (researcher/nodes/live.py)
+            live = self.ctx.launcher.stop(Launch.model_validate(state["live"]), "the study ended", self.ctx.client)
+            update["live"] = live.model_dump()
+        return update

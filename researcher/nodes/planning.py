@@ -5,7 +5,9 @@ next to the planner's. With the `manual` planner the study proposes nothing itse
 waits, polling the inbox, until someone proposes (days if need be) or the study is stopped.
 When the search is over (the planner has nothing more, or the rounds or budget ran out) and it
 has a recommendation, the node plans the confirmation round instead of stopping: the pick and
-the baseline at full length on held-out seeds (`researcher.confirmation`). Every stop reason ends
+the baseline at full length on held-out seeds (`researcher.confirmation`). A planner that fails
+after spending LLM tokens ends the search the same way, its tokens counted against the budget; one
+that spent nothing (an unreachable endpoint) stops the study, to be resumed. Every stop reason ends
 with what the study may recommend. It plans; it does not validate, review or launch.
 """
 
@@ -17,7 +19,7 @@ from typing import Any
 from researcher import confirmation, inbox
 from researcher.budget import Spent
 from researcher.nodes.base import NodeBase, StudyState, dump, models_of
-from researcher.planner import PlanContext
+from researcher.planner import PlanContext, PlannerError, PlanResult
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
 
 MANUAL = "manual"
@@ -27,7 +29,7 @@ def from_person(item: inbox.PersonProposal, number: int) -> Proposal:
     return Proposal(id=item.id, round=number, planner=f"person:{item.by}", hypothesis=item.hypothesis,
                     rationale=f"proposed by {item.by} at {item.at}", expected_effect="as the hypothesis states",
                     overrides=item.overrides, patch=item.patch, parent=item.parent,
-                    proposed_by=item.by)
+                    proposed_by=item.by, mode="hot_swap" if item.hot_swap else "runs")
 
 
 class PlanNode(NodeBase):
@@ -68,7 +70,14 @@ class PlanNode(NodeBase):
                                runs_left=runs_left, steps_left=steps_left, tokens_left=tokens_left,
                                code=models_of(state.get("code"), CodeVersion), code_files=self._code_files(state),
                                launches=models_of(state.get("launches"), Launch))
-            result = ctx.planner.plan(pctx)
+            try:
+                result = ctx.planner.plan(pctx)
+            except PlannerError as e:
+                if not e.tokens:
+                    raise  # nothing was spent (say the endpoint is down): the study stops here and resumes later
+                # Tokens were spent on replies that never became a plan: they count, and the search ends
+                # as if the planner had nothing more (people's proposals and a confirmation still run).
+                result = PlanResult([], done=True, tokens=e.tokens, note=f"{ctx.planner.name} failed: {e}")
             planned, note, tokens = result.planned, result.note, result.tokens
         info = {"round": number, "planner": ctx.planner.name, "note": note, "tokens": tokens,
                 "plan_s": time.monotonic() - started, "proposals": len(planned) + len(people)}

@@ -4,6 +4,7 @@ Config proposals and validated code proposals wait for a person unless the brief
 policy auto-approves them within budget (`approval.config_only`, `approval.code_change`). Code
 proposals that failed validation are published as `invalid`, with their log, and are never put
 to a person. Waiting is a LangGraph `interrupt()`; the runner resumes it with the decisions.
+Edits of already decided proposals' tags are recorded as ignored (`ReviewBoard.audit`) each round.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class ReviewNode(NodeBase):
         self._enter("review", state)
         brief, ctx = self.ctx.brief, self.ctx
         current, verdicts, code = self._current(state), self._verdicts(state), versions(state)
+        for change in ctx.board.audit(list(verdicts.values())):
+            ctx.emit("review.ignored", **change.model_dump())
         for p in current:
             ctx.board.publish(p, p.diff_text(self.base_flat), code.get(p.id))
         ctx.emit("review.published", ids=[p.id for p in current])

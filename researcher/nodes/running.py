@@ -5,8 +5,9 @@ a code workspace every run executes the sandbox exactly at its proposal's commit
 proposals at the base commit): its config points the client at `runs/<key>/code/...`, a folder
 of its own the launcher checks that commit out into. `launch` starts queued runs within the
 concurrency limit; `monitor` polls them (MLflow metrics, exit codes), stops the diverging,
-collapsing, plateaued, over-budget, timed-out (`launch.run_timeout`) and stalled (no new step for
-`monitor.stall_s`) ones, and returns when something ended.
+collapsing, plateaued, over-budget and timed-out (`launch.run_timeout`) ones, ending them `stopped`,
+and the stalled ones (no new step for `monitor.stall_s`), ending them `stalled`; it returns when
+something ended.
 They do not analyse results or decide what comes next.
 """
 
@@ -61,7 +62,7 @@ class RunNodes(NodeBase):
                 known.add(p.id)
         approved = [p for p in self._current(state) if (d := verdicts.get(p.id)) and d.verdict == "approved"]
         for p in sorted(approved, key=lambda q: (q.priority, q.id)):
-            if p.id in known:
+            if p.id in known or p.mode == "hot_swap":  # hot swaps go into the live run (the live node)
                 continue
             if p.needs_code_change and p.kind != "code":
                 results.append(ExperimentResult(proposal_id=p.id, status="skipped", note=NO_EDITS))
@@ -138,7 +139,8 @@ class RunNodes(NodeBase):
                     reason = reason or analysis.overdue(x, brief.launch.run_timeout, brief.monitor.stall_s, now)
                 if x.status == "running" and reason:
                     ctx.emit("run.stopping", key=x.key, reason=reason)
-                    x = ctx.launcher.stop(x, reason, ctx.client)
+                    status = "stalled" if reason.startswith(analysis.STALLED) else "stopped"
+                    x = ctx.launcher.stop(x, reason, ctx.client, status)
                 if x.status in TERMINAL:
                     changed = True
                     ctx.emit("run.ended", key=x.key, status=x.status, reason=x.reason)

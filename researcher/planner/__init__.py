@@ -20,6 +20,10 @@ from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, 
 class PlannerError(RuntimeError):
     """The planner could not produce a usable plan; the message says why and what was tried."""
 
+    def __init__(self, message: str, tokens: int = 0) -> None:
+        super().__init__(message)
+        self.tokens = tokens  # LLM tokens the failed attempts spent: they count against the study's budget
+
 
 @dataclass
 class PlanContext:

@@ -34,7 +34,9 @@ def describe_code(ctx: PlanContext) -> str:
     return (f"# Code you may edit\nEditable: {spec.editable}; read-only: {spec.readonly}.\n"
             f"A code proposal adds {EDIT_FORMAT} to its object (and needs_code_change=true): each search text "
             "must occur exactly once in the file. Set \"parent\" to an earlier valid proposal id to build on "
-            "its code.\n\n" + files + ("\n\n# Earlier code proposals\n" + "\n".join(history) if history else ""))
+            "its code." + (" This study keeps a live run: add \"mode\": \"hot_swap\" to swap the change into it "
+                          "(judged on the reward just before and after the swap) instead of new runs."
+                          if ctx.brief.run.live else "") + "\n\n" + files + ("\n\n# Earlier code proposals\n" + "\n".join(history) if history else ""))
 
 
 def edit_problems(drafts: list[ProposalDraft], ctx: PlanContext) -> str | None:

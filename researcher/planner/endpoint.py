@@ -6,6 +6,9 @@ the endpoint's `/v1/models` entry when it says (`max_model_len`, as vLLM and `sw
 or from the message of a 400 that refused a request as too long (OpenAI, vLLM and `swarm serve`
 wordings). Each request then fits: `max_tokens` is lowered to the room the prompt leaves, and when
 even the smallest reply would not fit, the oldest retry exchanges are dropped; both are logged.
+A request may carry a JSON schema as `response_format` (structured output, as OpenAI and vLLM take
+it); an endpoint that refuses the field with a 400 is asked again without it, and from then on
+never with it. One that silently ignores it needs nothing: the caller checks every reply anyway.
 
 This module sends requests; what the prompt says is `researcher.planner.llm`'s business.
 """
@@ -62,6 +65,28 @@ def parse_context_refusal(message: str) -> tuple[int, int] | None:
     return None
 
 
+# A 400 that names one of these refused the structured-output request, not the prompt.
+_FORMAT_WORDS = ("response_format", "json_schema", "guided_json", "structured output")
+
+
+def refuses_response_format(message: str) -> bool:
+    """Whether a server's 400 is about the `response_format` field (not supported, or its schema refused)."""
+    lowered = message.lower()
+    return any(word in lowered for word in _FORMAT_WORDS)
+
+
+def error_usage(error: openai.APIError) -> int:
+    """Tokens an error response says it spent (some servers send `usage` with an error); 0 when it says none."""
+    response = getattr(error, "response", None)
+    try:
+        body = response.json() if response is not None else None
+    except ValueError:
+        return 0
+    usage = body.get("usage") if isinstance(body, dict) else None
+    total = usage.get("total_tokens") if isinstance(usage, dict) else None
+    return total if isinstance(total, int) and total > 0 else 0
+
+
 def _chars(messages: list[dict[str, str]]) -> int:
     return sum(len(m["content"]) for m in messages)
 
@@ -77,6 +102,7 @@ class Endpoint:
         self.context: int | None = None  # the model's context length once known
         self.chars_per_token = DEFAULT_CHARS_PER_TOKEN
         self._discovered = False
+        self.structured: bool | None = None  # takes `response_format` json_schema: None until a reply tells
 
     def discover(self) -> None:
         """Read `/v1/models` once: the single served model when none was named, and its context length."""
@@ -101,26 +127,45 @@ class Endpoint:
                 self.context = extra["max_model_len"]
         self._discovered = True
 
-    def complete(self, messages: list[dict[str, str]], max_tokens: int, temperature: float) -> ChatCompletion:
-        """One chat completion that fits the model's context; once more when a 400 reveals the context."""
+    def complete(self, messages: list[dict[str, str]], max_tokens: int, temperature: float,
+                 schema: dict[str, Any] | None = None) -> ChatCompletion:
+        """One chat completion that fits the model's context, asking for JSON that follows `schema` when
+        given and the endpoint takes it. Sent again once when a 400 reveals the context, and once when
+        a 400 refuses `response_format`."""
         self.discover()
-        sent, fitted = self.fit(messages, max_tokens)
-        try:
-            return self._send(sent, fitted, temperature)
-        except openai.BadRequestError as e:
-            refusal = parse_context_refusal(str(e))
-            if refusal is None:
-                raise
-            self.context = refusal[0]
-            self._learn_density(sent, refusal[1])
-            log.warning("llm planner: %s has a context of %d tokens and counts this prompt as %d; refitting",
-                        self.model, refusal[0], refusal[1])
-        sent, fitted = self.fit(messages, max_tokens)
-        return self._send(sent, fitted, temperature)
+        refitted = False
+        while True:
+            fmt = schema if self.structured is not False else None
+            sent, fitted = self.fit(messages, max_tokens)
+            try:
+                reply = self._send(sent, fitted, temperature, fmt)
+            except openai.BadRequestError as e:
+                if fmt is not None and refuses_response_format(str(e)):
+                    self.structured = False
+                    log.warning("llm planner: %s refuses response_format (%s); asking for JSON in the prompt only",
+                                self.base_url, e)
+                    continue
+                refusal = parse_context_refusal(str(e))
+                if refusal is None or refitted:
+                    raise
+                refitted = True
+                self.context = refusal[0]
+                self._learn_density(sent, refusal[1])
+                log.warning("llm planner: %s has a context of %d tokens and counts this prompt as %d; refitting",
+                            self.model, refusal[0], refusal[1])
+                continue
+            if fmt is not None:
+                self.structured = True
+            return reply
 
-    def _send(self, sent: list[dict[str, str]], max_tokens: int, temperature: float) -> ChatCompletion:
+    def _send(self, sent: list[dict[str, str]], max_tokens: int, temperature: float,
+              schema: dict[str, Any] | None) -> ChatCompletion:
+        extra: dict[str, Any] = {}
+        if schema is not None:
+            extra["response_format"] = {"type": "json_schema",
+                                        "json_schema": {"name": "plan", "schema": schema, "strict": False}}
         reply = self.client.chat.completions.create(model=self.model or "", messages=sent,  # type: ignore[arg-type]
-                                                    temperature=temperature, max_tokens=max_tokens)
+                                                    temperature=temperature, max_tokens=max_tokens, **extra)
         if reply.usage is not None:
             self._learn_density(sent, reply.usage.prompt_tokens)
         return reply

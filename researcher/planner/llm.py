@@ -7,9 +7,12 @@ and why any seed failed with the tail of its log; the best few first, then the n
 brief's history budget. Each proposal carries a falsifiable `prediction`, its `parent` and
 whether it is an `ablation`; a configuration already run is refused as a repeat. It must answer with one JSON object that validates against
 `LlmPlan`; the proposals must also stay inside the search space and must not repeat a vetoed
-configuration. Invalid output is re-asked a bounded number of times with the error fed back, and
-then fails with a clear `PlannerError`. Every token the endpoint reports is counted against the
-brief's budget. The endpoint's own retries are off, so the brief's bound is the only one; requests
+configuration. Requests carry `LlmPlan`'s JSON schema as `response_format` where the endpoint takes
+it; where it does not (a 400, or a server that ignores the field) the reply is extracted from prose
+and fences and checked all the same. Invalid output is re-asked a bounded number of times with the
+error fed back, and then fails with a clear `PlannerError`. Every token the endpoint reports,
+failed attempts and error replies that carry `usage` included, is counted against the brief's
+budget (a failed plan's tokens travel on the `PlannerError`). The endpoint's own retries are off, so the brief's bound is the only one; requests
 go through `researcher.planner.endpoint`, which names the model and fits each request to its context.
 
 It plans; it does not review, launch, or apply code changes.
@@ -29,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from researcher.brief import ChoiceParam, RangeParam
 from researcher.planner import Planned, PlanContext, PlannerError, PlanResult
 from researcher.planner.code_context import describe_code, edit_problems
-from researcher.planner.endpoint import Endpoint
+from researcher.planner.endpoint import Endpoint, error_usage
 from researcher.records import Proposal, ProposalDraft
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class LlmPlan(BaseModel):
     stop_reason: str = ""
 
 
+# Structured output for endpoints that take it: the same shape the example below shows.
+PLAN_SCHEMA = LlmPlan.model_json_schema()
 # The reply format as a compact example rather than a JSON schema dump: small models follow an
 # example better, and the prompt must fit small contexts (the project's own `tiny` model: 2048).
 FORMAT = ('{"proposals": [{"hypothesis": "...", "rationale": "...", "overrides": {"search.key": value}, '
@@ -240,8 +245,11 @@ class LlmPlanner:
                                   note=f"{self.name}: LLM token budget exhausted ({ctx.brief.budget.llm_tokens})")
             try:
                 reply = self.endpoint.complete(messages, min(settings.max_tokens, max(64, ctx.tokens_left - tokens)),
-                                               settings.temperature)
+                                               settings.temperature, PLAN_SCHEMA)
+            except PlannerError as e:  # the prompt cannot fit: what earlier attempts spent is still spent
+                raise PlannerError(str(e), tokens=tokens + e.tokens) from None
             except openai.APIError as e:
+                tokens += error_usage(e)  # a server may have generated (and billed) before it failed
                 errors.append(f"attempt {attempt}: endpoint error: {e}")
                 log.warning("llm planner attempt %d failed: %s", attempt, e)
                 continue
@@ -272,7 +280,7 @@ class LlmPlanner:
                 continue
             return self._result(plan, ctx, tokens, attempt)
         raise PlannerError(f"{self.name} gave no valid plan after {settings.max_retries + 1} attempts "
-                           f"({tokens} tokens spent):\n  " + "\n  ".join(errors))
+                           f"({tokens} tokens spent):\n  " + "\n  ".join(errors), tokens=tokens)
 
     def _result(self, plan: LlmPlan, ctx: PlanContext, tokens: int, attempt: int) -> PlanResult:
         planned, runs_left, steps_left = [], ctx.runs_left, ctx.steps_left

@@ -125,7 +125,8 @@ def test_weights_swapped_mid_decode_keep_rows_going_and_report_the_oldest_versio
     applied = []
 
     async def go():
-        running = await after_tokens(eng, prompt(eng, 0), SamplingParams(max_tokens=20, temperature=1.0, seed=1), 2)
+        # 64 tokens: the swap must land while the row still decodes, also with the CPU shared (xdist workers).
+        running = await after_tokens(eng, prompt(eng, 0), SamplingParams(max_tokens=64, temperature=1.0, seed=1), 2)
         def change() -> bool:
             applied.append(running.done())
             return True
@@ -135,7 +136,7 @@ def test_weights_swapped_mid_decode_keep_rows_going_and_report_the_oldest_versio
 
     gen = asyncio.run(go())
     assert applied == [False]  # the change ran while the row was still decoding
-    assert len(gen.token_ids) == 20 and gen.version == version  # prefilled by the old weights
+    assert len(gen.token_ids) == 64 and gen.version == version  # prefilled by the old weights
     assert asyncio.run(eng.generate(prompt(eng, 1), SamplingParams(max_tokens=3))).version == version + 1
 
 

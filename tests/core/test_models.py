@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from filelock import FileLock
 
 from core.chat import ChatRenderer
 from core.config import ModelConfig
-from core.models import PRESETS, build_tiny, load
+from core.models import PRESETS, build_tiny, load, smollm2_folder
 
 
 def test_tiny_is_deterministic_per_seed():
@@ -50,3 +53,22 @@ def test_smollm2_loads_from_the_wheel_gguf_and_answers():
         out = model.generate(x, max_new_tokens=5, do_sample=False)
     assert out.shape[1] > x.shape[1]
     assert sum(p.numel() for p in model.parameters()) > 100_000_000
+
+
+def test_a_second_smollm2_converter_waits_for_the_first_and_converts_nothing(tmp_path, monkeypatch):
+    """Parallel test workers (or runs) share the model cache: only one converts, the rest reuse it."""
+    monkeypatch.setenv("SWARMRL_CACHE", str(tmp_path))
+    target = tmp_path / "smollm2-135m-instruct"
+    first = FileLock(str(target) + ".lock")  # another process is converting
+    first.acquire()
+    found = []
+    second = threading.Thread(target=lambda: found.append(smollm2_folder()))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waiting on the lock, not converting alongside
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # the first converter's finished folder
+    first.release()
+    second.join(30)
+    assert found == [target]
+    assert (target / "config.json").read_text() == "{}"  # not converted again, not replaced

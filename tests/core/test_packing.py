@@ -10,10 +10,13 @@ import math
 
 import pytest
 import torch
+import transformers.integrations.flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.records import Call
 from core.timelines import Sample, merge_calls
+from core.train.attention import dense_tree_mask, flex_tree_mask, tree_attention_mask
 from core.train.packing import MicroBatch, pack, token_logprobs
 
 VOCAB = 300
@@ -155,10 +158,55 @@ def test_packed_logprobs_carry_gradient_to_the_weights(model: LlamaForCausalLM) 
 
 
 def test_tree_batches_refuse_attention_without_custom_mask_support() -> None:
-    flex = tiny_llama("flex_attention")
     (mb,) = pack(merge_calls(scored_episode(tiny_llama("sdpa"), EPISODE[:2]), "tree"), token_budget=4096)
-    with pytest.raises(ValueError, match="'flex_attention'"):
-        token_logprobs(flex, mb)
+    with pytest.raises(ValueError, match="'flash_attention_2'"):
+        tree_attention_mask(mb.predictor_index, "flash_attention_2", torch.float32, flex=True)
+
+
+# Hand-built, parents first but not depth-first: 0 -> {1, 2}, 1 -> 3. Node 1's subtree {1, 3} is not
+# one range of positions, so FlexAttention falls back to the dense mask for it.
+NOT_PREORDER = Sample(input_ids=[11, 12, 13, 14], loss_mask=[False, True, True, True], logprobs=[0.0] * 4,
+                      position_ids=[0, 1, 1, 2], parents=[-1, 0, 0, 1])
+
+
+def test_the_flex_block_mask_is_the_dense_tree_mask() -> None:
+    calls = scored_episode(tiny_llama("sdpa"), EPISODE)
+    (mb,) = pack(merge_calls(calls, "tree") + merge_calls(calls, "linear"), token_budget=10_000)
+    block = flex_tree_mask(mb.predictor_index)
+    assert isinstance(block, BlockMask)
+    b, t = mb.input_ids.shape
+    rows, q, kv = torch.arange(b)[:, None, None], torch.arange(t)[None, :, None], torch.arange(t)[None, None, :]
+    assert torch.equal(block.mask_mod(rows, 0, q, kv), dense_tree_mask(mb.predictor_index)[:, 0])
+    (odd,) = pack([NOT_PREORDER], token_budget=16)
+    assert flex_tree_mask(odd.predictor_index) is None
+
+
+def test_flex_attention_gives_the_dense_masks_logprobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FlexAttention path (GPU) against the dense one (CPU), same weights, on the CPU, forward only:
+    torch 2.13 has no FlexAttention backward on the CPU, which is why the CPU trains with the dense mask.
+
+    transformers compiles flex_attention with inductor before its first call: minutes of C++ builds on
+    a CPU runner, and what a GPU does anyway. Here torch's eager flex_attention runs instead: the same
+    operator and block mask, without the compiled kernel.
+    """
+    monkeypatch.setattr(transformers.integrations.flex_attention, "is_torchdynamo_compiling", lambda: True)
+    dense, loaded_flex = tiny_llama("sdpa"), tiny_llama("flex_attention")
+    calls = scored_episode(dense, EPISODE)
+    samples = merge_calls(calls, "tree") + merge_calls(calls, "linear") + [NOT_PREORDER]
+    batches = pack(samples, token_budget=10_000)
+    assert [mb.is_tree for mb in batches] == [True]
+    with torch.no_grad():
+        for mb in batches:
+            want, want_entropy = token_logprobs(dense, mb, flex=False)
+            for model, flex in ((dense, True), (loaded_flex, None)):  # switched for the call, or loaded so
+                got, got_entropy = token_logprobs(model, mb, flex=flex)
+                assert torch.allclose(got, want, atol=TOLERANCE)
+                assert torch.allclose(got_entropy, want_entropy, atol=TOLERANCE)
+    assert dense.config._attn_implementation == "sdpa"  # put back after the call
+    (linear,) = pack(merge_calls(calls, "linear"), token_budget=10_000)
+    with torch.no_grad():  # a block mask, not the dense fallback, on the preorder rows
+        block_mask, implementation = tree_attention_mask(linear.predictor_index, "sdpa", torch.float32, flex=True)
+    assert isinstance(block_mask, BlockMask) and implementation == "flex_attention"
 
 
 def linear_sample(n: int, *, advantage: float = 0.0, weight: float = 1.0) -> Sample:
@@ -214,8 +262,9 @@ def test_tree_mask_lets_each_token_see_exactly_itself_and_its_ancestors() -> Non
     )
     (mb,) = pack([tree, linear_sample(6)], token_budget=100)
     assert mb.rows == [1, 0]  # longest first
-    assert mb.attention_mask.shape == (2, 1, 6, 6)
-    assert mb.attention_mask[1, 0].int().tolist() == [
+    mask = dense_tree_mask(mb.predictor_index)
+    assert mask.shape == (2, 1, 6, 6)
+    assert mask[1, 0].int().tolist() == [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
         [1, 1, 1, 0, 0, 0],
@@ -223,7 +272,7 @@ def test_tree_mask_lets_each_token_see_exactly_itself_and_its_ancestors() -> Non
         [0, 0, 0, 0, 1, 0],
         [0, 0, 0, 0, 0, 1],  # padding sees only itself, so no attention row is empty
     ]
-    assert torch.equal(mb.attention_mask[0, 0], torch.tril(torch.ones(6, 6, dtype=torch.bool)))
+    assert torch.equal(mask[0, 0], torch.tril(torch.ones(6, 6, dtype=torch.bool)))
     assert mb.predictor_index[1].tolist() == [-1, 0, 1, 1, -1, -1]
     assert mb.position_ids[1].tolist() == [0, 1, 2, 2, 0, 0]
 

@@ -136,7 +136,7 @@ def test_an_exception_in_a_sandboxs_tasks_fails_the_run_with_the_error_in_the_lo
     run_id_file = tmp_path / "run_id"
     done = subprocess.run(
         swarm("run", TINY, "--quiet", "--experiment", "resume-failed", "--run-id-file", str(run_id_file),
-              "--set", f"clients.0.agent={broken}", "--set", "trainer.steps=3",
+              "--set", f"clients.0.agent={broken}", "--set", "clients.0.isolate=false", "--set", "trainer.steps=3",
               "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}"),
         cwd=ROOT, capture_output=True, text=True, timeout=LINE_WAIT_S,
     )

@@ -45,7 +45,8 @@ def test_swarm_run_exits_zero_and_logs_the_metric_contract(tmp_path):
     cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
            "--set", "trainer.steps=3", "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
            "--experiment", "contract", "--tag", "swarmrl.study=s1", "--run-id-file", str(run_id_file)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # From another folder: `sandbox:letters` resolves against the config's project, not the cwd.
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     run = MlflowClient().get_run(run_id_file.read_text())
     assert run.info.status == "FINISHED"
@@ -53,7 +54,8 @@ def test_swarm_run_exits_zero_and_logs_the_metric_contract(tmp_path):
     assert run.data.params["trainer.steps"] == "3"
     for name in ("reward/mean", "reward/std", "reward/letters/mean", "train/loss", "train/kl", "train/entropy",
                  "train/clip_frac", "train/grad_norm", "train/tokens", "train/step_time_s", "merge/ratio",
-                 "rollout/episodes_per_s", "rollout/tokens_per_s", "episodes/aborted", "episodes/expired"):
+                 "rollout/episodes_per_s", "rollout/tokens_per_s", "episodes/aborted", "episodes/expired",
+                 "tito/reused", "tito/drift", "tito/broken"):
         history = MlflowClient().get_metric_history(run.info.run_id, name)
         assert [m.step for m in history] == [1, 2, 3], name
 

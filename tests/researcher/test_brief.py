@@ -117,7 +117,7 @@ def test_shipped_briefs_are_valid(name: str) -> None:
     assert brief.search_space and brief.objective.metric == "reward/mean"
 
 
-@pytest.mark.parametrize("name", ["tiny-code.md", "smollm2-oneword-code.md"])
+@pytest.mark.parametrize("name", ["tiny-code.md", "smollm2-oneword-code.md", "tiny-code-live.md"])
 def test_shipped_code_briefs_keep_the_reward_read_only_and_need_a_person(name: str) -> None:
     brief = load_brief(ROOT / "studies" / name, workdir=ROOT)
     assert brief.code is not None and brief.approval.code_change == "human"

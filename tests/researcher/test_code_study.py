@@ -25,6 +25,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from researcher.store import owner_pid, study_paths
+from researcher.views import proposal_view
 from tests.researcher.harness import ROOT, Project, require_swarm
 from tests.researcher.scripted_llm import ScriptedLLM, serve
 
@@ -92,13 +93,17 @@ def _show(project: Project, study: str, pid: str) -> dict:
 
 
 def _wait_status(project: Project, study: str, pid: str, wanted: set[str], timeout: float = 900) -> dict:
+    """The CLI's `show --json` of `pid` once its status is one of `wanted`. The wait reads the state
+    in this process (a CLI process a second would compete with the study for the CPU); the answer
+    comes from the CLI."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        done = project.cli("show", study, pid, "--json", check=False)
-        if done.returncode == 0:
-            view = json.loads(done.stdout)
-            if view["status"] in wanted:
-                return view
+        values, _, _ = project.state(study)
+        view = proposal_view(values, pid) if values else None
+        if view is not None and view.status in wanted:
+            shown = _show(project, study, pid)
+            assert shown["status"] in wanted, shown
+            return shown
         time.sleep(1)
     log = study_paths(project.studies, study).log
     raise AssertionError(f"{pid} never reached {wanted}:\n{log.read_text()[-3000:] if log.exists() else ''}")

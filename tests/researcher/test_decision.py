@@ -209,6 +209,8 @@ def test_a_run_past_its_timeout_or_without_new_steps_is_overdue() -> None:
     assert "last step 3" in (analysis.overdue(moving, None, 60.0, now=1200.0) or "")
     # stalled and timed-out runs are re-run once; a divergence would repeat, so it is not
     scores, failed, reruns = analysis.seed_table(
-        [Launch(key="a-s0", proposal_id="a", seed=0, steps=8, status="stopped", reason=stalled),
+        [Launch(key="a-s0", proposal_id="a", seed=0, steps=8, status="stalled", reason=stalled),
          Launch(key="a-s1", proposal_id="a", seed=1, steps=8, status="stopped", reason="divergence: x")], {})
     assert [x.resumes for x in reruns] == ["a-s0"] and set(failed) == {1}
+    hung = Launch(key="a-s0", proposal_id="a", seed=0, steps=8, status="stalled", reason=stalled)
+    assert analysis.run_outcome(hung, [(1, 1.0)], UP).reason == stalled  # "stalled" said once, not twice

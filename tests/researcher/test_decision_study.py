@@ -35,7 +35,7 @@ search_space:
   {space}
 seeds: {seeds}
 approval: {{config_only: {approval}}}
-planner: {{seed: 0, heuristic: {{arms: 2, eta: 2, min_steps: {steps}}}}}
+planner: {{seed: 0, heuristic: {{arms: 2, eta: 2, min_steps: {min_steps}}}}}
 launch: {{concurrency: 2{launch}}}
 monitor: {{poll_s: 0.5, collapse_drop: null{monitor}}}
 review: {{poll_s: 0.5}}
@@ -46,11 +46,36 @@ Decision-rule test study.
 
 def brief(project: Project, name: str, *, space: str = "trainer.lr: {kind: choice, values: [0.03]}", steps: int = 10,
           seeds: str = "[0, 1, 2]", approval: str = "auto", extra_overrides: str = "", launch: str = "",
-          monitor: str = "") -> Path:
+          monitor: str = "", min_steps: int | None = None) -> Path:
+    """`min_steps`: how long the search trains (default: `steps`, the full length the confirmation uses)."""
     path = project.tmp / f"{name}.md"
     path.write_text(BRIEF.format(title=name, space=space, steps=steps, seeds=seeds, approval=approval,
-                                 extra_overrides=extra_overrides, launch=launch, monitor=monitor))
+                                 extra_overrides=extra_overrides, launch=launch, monitor=monitor,
+                                 min_steps=min_steps or steps))
     return path
+
+
+HANG_AGENT = """import asyncio
+
+# tiny trains on 4 groups of 4 episodes a step: 32 episodes are two steps' worth.
+EPISODES = 32
+started = 0
+
+
+def tasks(split='train'):
+    for i in range(8):
+        yield {'id': f'{split}-{i}', 'prompt': 'hi'}
+
+
+async def rollout(task, llm):
+    global started
+    started += 1
+    if started > EPISODES:
+        await asyncio.sleep(3600)
+    reply = await llm.chat.completions.create(model=llm.model, messages=[{'role': 'user', 'content': task['prompt']}],
+                                              max_tokens=4)
+    return float(len(reply.choices[0].message.content or ''))
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +93,10 @@ def by_id(values: dict, key: str) -> dict:
 
 
 def test_a_real_effect_ends_better_and_replicates_on_seeds_the_search_never_used(project: Project) -> None:
-    project.cli("start", str(brief(project, "real")), "--name", "real", "--planner", "heuristic", timeout=1800)
+    # Search and confirmation both train the full 10 steps, where lr 0.03 is ~0.6 above lr 0. A 5-step
+    # search was tried to save time: its gap (~0.15, seeds 0.24-0.37 apart) gave p = 0.056 in CI.
+    path = brief(project, "real", steps=10)
+    project.cli("start", str(path), "--name", "real", "--planner", "heuristic", timeout=1800)
     values, _, _ = project.state("real")
     proposals, results = by_id(values, "id"), by_id(values, "proposal_id")
     search = [p for p in proposals.values() if not p["confirms"]]
@@ -76,8 +104,9 @@ def test_a_real_effect_ends_better_and_replicates_on_seeds_the_search_never_used
     assert results[candidate["id"]]["verdict"]["result"] == "better"
     confirm = [p for p in proposals.values() if p["confirms"] == candidate["id"]]
     assert len(confirm) == 2 and all(p["seeds"] == [3, 4, 5] for p in confirm)  # never 0, 1 or 2
-    confirm_seeds = {x["seed"] for x in values["launches"] if x["proposal_id"] in {p["id"] for p in confirm}}
-    assert confirm_seeds == {3, 4, 5}
+    confirm_runs = [x for x in values["launches"] if x["proposal_id"] in {p["id"] for p in confirm}]
+    assert {x["seed"] for x in confirm_runs} == {3, 4, 5}
+    assert {x["steps"] for x in values["launches"]} == {10}  # the confirmation at full length, as the search
     assert results[candidate["id"]]["confirmation"]["replicated"] is True
     assert f"recommend {candidate['id']}: replicated" in values["stop_reason"]
     shown = json.loads(project.cli("show", "real", candidate["id"], "--json").stdout)
@@ -88,6 +117,8 @@ def test_a_real_effect_ends_better_and_replicates_on_seeds_the_search_never_used
     assert all({"id", "status", "verdict"} <= set(p) for p in status["proposals"])
     report = (project.studies / "real" / "report.md").read_text()
     assert "paired t-test" in report and "95% CI" in report and "replicated on held-out seeds [3, 4, 5]" in report
+    history = project.cli("history", "real").stdout
+    assert "verdicts against the baseline" in history and "paired t-test" in history and "replicated" in history
 
 
 def test_a_change_with_no_effect_on_learning_ends_with_nothing_better(project: Project) -> None:
@@ -102,11 +133,10 @@ def test_a_change_with_no_effect_on_learning_ends_with_nothing_better(project: P
 
 
 def test_a_stalled_run_is_stopped_marked_and_its_mlflow_run_closed(project: Project) -> None:
-    hang = project.tmp / "hang"  # an agent that never finishes an episode: the run never logs a step
-    hang.mkdir()
-    (hang / "agent.py").write_text("import asyncio\n\n\ndef tasks(split='train'):\n    yield {'id': 't', 'prompt': 'hi'}\n"
-                                   "\n\nasync def rollout(task, llm):\n    await asyncio.sleep(3600)\n    return 0.0\n")
-    path = brief(project, "stall", space="trainer.lr: {kind: choice, values: [0.03]}", steps=3, seeds="[0]",
+    hang = project.tmp / "hang"  # an agent that plays two steps' worth of episodes, then hangs in every one:
+    hang.mkdir()  # the run creates its MLflow run, logs a metric or two, then logs nothing new
+    (hang / "agent.py").write_text(HANG_AGENT)
+    path = brief(project, "stall", space="trainer.lr: {kind: choice, values: [0.03]}", steps=5, seeds="[0]",
                  monitor=", stall_s: 20", launch=", grace_s: 5")
     path.write_text(path.read_text().replace("  base_config: configs/tiny.yaml",
                                              f"  base_config: configs/tiny.yaml\n  clients: [{{agent: '{hang}'}}]")
@@ -115,13 +145,19 @@ def test_a_stalled_run_is_stopped_marked_and_its_mlflow_run_closed(project: Proj
     values, _, _ = project.state("stall")
     launches = {x["key"]: x for x in values["launches"]}
     assert set(launches) == {"r1-1-s0", "r1-1-s0-rerun"}  # stopped, then its one re-run, stalled again
-    client = MlflowClient(project.tracking_uri)
-    for x in launches.values():
-        assert x["status"] == "stopped" and x["reason"].startswith("stalled: no new metric for")
-        if x["run_id"]:
-            assert client.get_run(x["run_id"]).info.status in ("KILLED", "FAILED")  # never left RUNNING
+    assert all(x["status"] == "stalled" and x["reason"].startswith("stalled: no new metric for")
+               for x in launches.values())
+    # Every core run the study started ended KILLED, never left RUNNING. (On a machine so loaded that
+    # `swarm run` needs more than stall_s to start, a run is stalled before it creates its MLflow run.)
+    core = [r for r in project.runs("stall") if "swarmrl.launch" in r.data.tags]
+    assert {r.info.status for r in core} <= {"KILLED"}
+    assert {r.info.run_id for r in core} == {x["run_id"] for x in launches.values() if x["run_id"]}
     result = ExperimentResult.model_validate(by_id(values, "proposal_id")["r1-1"])
     assert result.status == "failed" and "failed twice" in result.failed_seeds[0]
+    shown = json.loads(project.cli("show", "stall", "r1-1", "--json").stdout)
+    assert [r["status"] for r in shown["runs"]] == ["stalled", "stalled"] and shown["status"] == "failed"
+    report = (project.studies / "stall" / "report.md").read_text()
+    assert "r1-1-s0 stalled" in report and "## Failed and stalled runs" in report
 
 
 def test_a_sigkilled_run_resumes_from_its_checkpoint_and_finishes(project: Project) -> None:

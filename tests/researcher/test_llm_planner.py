@@ -9,7 +9,7 @@ import pytest
 
 from researcher.graph import typed_values
 from researcher.planner import PlanContext, PlannerError, choose_planner
-from researcher.planner.llm import LlmPlanner, extract_json
+from researcher.planner.llm import PLAN_SCHEMA, LlmPlanner, extract_json
 from researcher.records import Decision, Proposal
 from tests.researcher.helpers import make_brief
 from tests.researcher.scripted_llm import ScriptedLLM, serve
@@ -63,6 +63,42 @@ def test_garbage_output_fails_clearly_after_bounded_retries(tmp_path: Path) -> N
         LlmPlanner(url, "scripted").plan(context(tmp_path, "planner:\n  llm: {max_retries: 2}"))
     assert len(llm.requests) == 3
     assert "gave no valid plan after 3 attempts" in str(err.value) and "attempt 3:" in str(err.value)
+
+
+def test_structured_output_is_asked_for_and_a_server_that_ignores_it_still_works(tmp_path: Path) -> None:
+    llm = ScriptedLLM([reply(draft()), reply(draft(overrides={"trainer.lr": 1e-4}))])  # prose and fences: ignored
+    with serve(llm) as url:
+        planner = LlmPlanner(url, "scripted")
+        first = planner.plan(context(tmp_path))
+        planner.plan(context(tmp_path))
+    assert first.planned[0].draft.overrides == {"trainer.lr": 0.001} and planner.endpoint.structured is True
+    for request in llm.requests:  # every request asks for the plan's JSON schema
+        fmt = request["response_format"]
+        assert fmt["type"] == "json_schema" and fmt["json_schema"]["schema"] == PLAN_SCHEMA
+        assert "proposals" in fmt["json_schema"]["schema"]["properties"]
+
+
+def test_a_server_that_refuses_response_format_gets_plain_requests_and_replies_are_repaired(tmp_path: Path) -> None:
+    llm = ScriptedLLM(["I would raise the lr.", reply(draft()), reply(draft(overrides={"trainer.lr": 1e-4}))],
+                      reject_format=True)
+    with serve(llm) as url:
+        planner = LlmPlanner(url, "scripted")
+        plan = planner.plan(context(tmp_path))
+        again = planner.plan(context(tmp_path))  # learned: never asks with the field again
+    assert plan.planned[0].draft.overrides == {"trainer.lr": 0.001} and planner.endpoint.structured is False
+    assert ["response_format" in r for r in llm.requests] == [True, False, False, False]
+    assert "no JSON object" in llm.requests[2]["messages"][-1]["content"]  # extraction failed, repair asked
+    assert plan.tokens == 240  # the refused request generated nothing; the garbage reply counts
+    assert again.tokens == 120 and again.planned[0].draft.overrides == {"trainer.lr": 1e-4}
+
+
+def test_tokens_of_failed_attempts_and_error_replies_count(tmp_path: Path) -> None:
+    error = (500, {"error": {"message": "the model crashed mid-reply"}, "usage": {"total_tokens": 50}})
+    llm = ScriptedLLM(["\x00garbage{{", error, "still not json"])
+    with serve(llm) as url, pytest.raises(PlannerError) as err:
+        LlmPlanner(url, "scripted").plan(context(tmp_path, "planner:\n  llm: {max_retries: 2}"))
+    assert err.value.tokens == 120 + 50 + 120 and "(290 tokens spent)" in str(err.value)
+    assert "attempt 2: endpoint error" in str(err.value)
 
 
 def test_unknown_keys_and_vetoed_configurations_are_rejected(tmp_path: Path) -> None:

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import uuid
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from researcher.records import Decision, Proposal, Summary
+from researcher.brief import load_brief
+from researcher.nodes.base import StudyContext
+from researcher.nodes.reviewing import ReviewNode
+from researcher.records import CodeVersion, Decision, Proposal, StepResult, Summary
 from researcher.review import ReviewBoard, ReviewError
+from researcher.store import study_paths
+from tests.researcher.harness import ROOT
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> MlflowClient:
+    """One store for the module: creating an MLflow sqlite database costs seconds; each test has a study of its own."""
+    return MlflowClient(f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
 
 
 @pytest.fixture
-def board(tmp_path: Path) -> ReviewBoard:
-    return ReviewBoard(MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"), "study-t", "t")
+def board(client: MlflowClient) -> ReviewBoard:
+    study = uuid.uuid4().hex[:8]
+    return ReviewBoard(client, f"study-{study}", study)
 
 
 def proposal(pid: str = "r1-1") -> Proposal:
@@ -79,3 +91,67 @@ def test_closing_logs_the_summary_and_finishes_the_run(board: ReviewBoard) -> No
     run = board.client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["study/objective_mean"] == 0.5 and run.data.metrics["study/seeds"] == 2
+
+
+def test_a_later_edit_of_a_decided_tag_is_recorded_as_ignored_and_changes_nothing(board: ReviewBoard) -> None:
+    run_id = board.publish(proposal(), "d")
+    board.publish(proposal("r1-2"), "d")
+    board.decide(Decision(proposal_id="r1-1", verdict="approved", by="ada", reason="worth a look"))
+    board.client.set_tag(board.find("r1-2").info.run_id, "review.status", "vetoed")  # a UI decision, no by/at
+    taken = board.collect(["r1-1", "r1-2"])  # what the study took up
+    assert [d.verdict for d in taken] == ["approved", "vetoed"] and taken[1].at_poll_time
+    assert board.audit(taken) == [] and board.ignored() == []  # tags that agree with the decisions: nothing
+    board.client.set_tag(run_id, "review.status", "vetoed")  # edited in the UI after the decision
+    board.client.set_tag(run_id, "review.by", "mallory")
+    board.client.set_tag(run_id, "review.at", "2026-12-01T08:00:00+00:00")
+    [change] = board.audit(taken)
+    assert (change.proposal_id, change.decided, change.changed_to, change.by, change.at, change.at_poll_time) == \
+        ("r1-1", "approved", "vetoed", "mallory", "2026-12-01T08:00:00+00:00", False)
+    tags = board.client.get_run(run_id).data.tags  # the decision's tags are back: it stands
+    assert (tags["review.status"], tags["review.by"], tags["review.reason"]) == ("approved", "ada", "worth a look")
+    assert board.audit(taken) == []  # recorded once
+    board.client.set_tag(run_id, "review.status", "pending")  # no by/at of its own this time
+    [again] = board.audit(taken)
+    assert (again.changed_to, again.by, again.at_poll_time) == ("pending", "mlflow-ui", True)
+    assert [(c.proposal_id, c.changed_to) for c in board.ignored()] == [("r1-1", "vetoed"), ("r1-1", "pending")]
+    assert [d.verdict for d in board.collect(["r1-1", "r1-2"])] == ["approved", "vetoed"]  # decisions unchanged
+    with pytest.raises(ReviewError, match="already approved by ada"):
+        board.decide(Decision(proposal_id="r1-1", verdict="vetoed", by="mallory"))
+
+
+def _code_proposal(pid: str) -> Proposal:
+    return Proposal(id=pid, round=1, planner="llm:scripted", hypothesis="a shorter reply scores higher",
+                    rationale="the reward is per letter", expected_effect="reward up", needs_code_change=True,
+                    code_change="agent: reply length",
+                    edits=[{"file": "sandboxes/letters/agent.py", "search": "MAX_TOKENS", "replace": "MAX_TOKENS"}])
+
+
+def _review_node(board: ReviewBoard, client: MlflowClient, approval: str, tmp_path):
+    """The real review node over a real board, for a brief whose validated code changes are `approval`."""
+    text = (ROOT / "studies/tiny-code.md").read_text().replace("code_change: human", f"code_change: {approval}")
+    (tmp_path / "brief.md").write_text(text)
+    brief = load_brief(tmp_path / "brief.md", ROOT)
+    events: list[tuple[str, dict]] = []
+    ctx = StudyContext(name=board.study, brief=brief, paths=study_paths(tmp_path, "s"), workdir=ROOT, client=client,
+                       board=board, launcher=None, planner=None, emit=lambda kind, **kw: events.append((kind, kw)))
+    return ReviewNode(ctx), events
+
+
+def _validated(pid: str, passed: bool) -> dict:
+    return CodeVersion(proposal_id=pid, parent_commit="base", passed=passed, commit="c0ffee" if passed else "",
+                       failed_step=None if passed else "import",
+                       steps=[StepResult(step="apply", passed=True), StepResult(step="import", passed=passed)]).model_dump()
+
+
+def test_a_brief_may_auto_approve_validated_code_changes_but_never_invalid_ones(board: ReviewBoard, client: MlflowClient,
+                                                                             tmp_path) -> None:
+    node, events = _review_node(board, client, "auto", tmp_path)
+    good, bad = _code_proposal("r1-1"), _code_proposal("r1-2")
+    state = {"round": 1, "proposals": [good.model_dump(), bad.model_dump()],
+             "code": [_validated("r1-1", True), _validated("r1-2", False)]}
+    decisions = [Decision.model_validate(d) for d in node.review(state)["decisions"]]
+    assert [(d.proposal_id, d.verdict, d.by) for d in decisions] == [("r1-1", "approved", "policy")]
+    assert "validated code change" in decisions[0].reason
+    assert client.get_run(board.find("r1-1").info.run_id).data.tags["review.status"] == "approved"
+    assert client.get_run(board.find("r1-2").info.run_id).data.tags["review.status"] == "invalid"
+    assert not [e for e in events if e[0] == "review.pending"]  # nothing left for a person

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from tests.researcher.harness import ROOT, Project, lineage, require_swarm, write_brief
 
@@ -68,6 +69,23 @@ def test_human_review_waits_and_cli_decisions_resume_the_study(project: Project)
     assert [x["key"] for x in values["launches"]] == ["r1-2-s0"]
     history = project.cli("history", "human").stdout
     assert "ada" in history and "baseline is known" in history and "worth a look" in history
+    assert "verdicts against the baseline" in history and "inconclusive" in history  # r1-1, its baseline, was vetoed
+    # The veto turned to an approval in the MLflow UI after the decision: recorded as ignored, changes nothing.
+    client = MlflowClient(project.tracking_uri)
+    vetoed = next(r for r in project.runs("human") if r.data.tags.get("swarmrl.proposal") == "r1-1"
+                  and r.data.tags.get("swarmrl.kind") == "proposal").info.run_id
+    client.set_tag(vetoed, "review.by", "mallory")
+    client.set_tag(vetoed, "review.status", "approved")
+    history = project.cli("history", "human").stdout
+    row = next(line for line in history.splitlines() if "mallory" in line)
+    assert "r1-1" in row and "approved (ignored)" in row and "after the decision" in row
+    assert client.get_run(vetoed).data.tags["review.status"] == "vetoed"  # the decision's tags are back
+    project.cli("report", "human")
+    report = (project.studies / "human" / "report.md").read_text()
+    assert "- r1-1: vetoed, then changed to `approved` by mallory at" in report
+    values, _, _ = project.state("human")
+    assert [(d["proposal_id"], d["verdict"]) for d in values["decisions"]] == [("r1-1", "vetoed"), ("r1-2", "approved")]
+    assert [x["key"] for x in values["launches"]] == ["r1-2-s0"]
 
 
 def test_broken_brief_fails_at_start_naming_field_and_line(project: Project) -> None:

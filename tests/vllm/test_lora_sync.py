@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from core.config import EngineConfig, LoraConfig, ModelConfig
-from core.engine import SamplingParams, make_engine
+from core.engine import SamplingParams
+from core.engine.factory import make_engine
 from core.engine.hf import HFEngine
 from core.models import load
 from core.train.trainer import prepare_policy

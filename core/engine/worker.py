@@ -1,0 +1,191 @@
+"""The part every in-process engine shares: one worker thread, a request queue, pause and weight swaps.
+
+`WorkerEngine` is the skeleton of the `hf` and `vllm` engines. Callers queue requests (`generate`)
+and weight changes (`swap_weights`) from any thread or event loop; one worker thread, written by the
+subclass (`_run`), owns the model, takes requests, steps the batch and calls `_run_swaps` between two
+forward passes, so a weight change never lands mid-pass. Admission (`hold`, `pause`, `resume`) is
+three events the worker reads. This module deliberately holds no batching, sampling or model code:
+that is each engine's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from core.engine import EngineLoad, Generation, SamplingParams
+
+IDLE_POLL_S = 0.05  # how often an idle worker (or a trainer waiting on a swap) looks up to notice close()
+
+
+@dataclass
+class Request:
+    """One queued generation, resolved on the caller's event loop."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    on_token: Callable[[int], None] | None = None  # called on the request's event loop, for streaming
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Swap:
+    """A weight change the worker runs between two forward passes, for a waiting trainer thread."""
+
+    apply: Callable[[], bool]  # True when it changed the weights
+    done: threading.Event = field(default_factory=threading.Event)
+    changed: bool = False
+    error: BaseException | None = None
+
+
+def stop_ids(model, tokenizer) -> set[int]:
+    """Token ids that end a completion: the model's generation config EOS (one or a list) and the tokenizer's."""
+    gen_cfg = getattr(model, "generation_config", None)
+    eos = gen_cfg.eos_token_id if gen_cfg else None
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    ids.add(tokenizer.eos_token_id)
+    return {int(e) for e in ids if e is not None}
+
+
+def resolve(req: Request, result: Generation | None = None, exc: BaseException | None = None) -> None:
+    """Settle a request's future from the worker thread, on the request's own loop (once)."""
+
+    def settle() -> None:
+        if req.future.done():
+            return
+        if exc is not None:
+            req.future.set_exception(exc)
+        else:
+            req.future.set_result(result)
+
+    req.loop.call_soon_threadsafe(settle)
+
+
+class WorkerEngine:
+    """The `Engine` API over a worker thread; subclasses write `_run` and may extend the hooks."""
+
+    thread_name = "engine"
+    close_join_s = 5.0  # how long close() waits for the worker's current step
+
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg, max_context: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.max_context = max_context
+        self.version = 0
+        self._queue: queue.Queue[Request | None] = queue.Queue()  # None only wakes an idle worker
+        self._swaps: queue.Queue[Swap] = queue.Queue()
+        self._admitting = threading.Event()
+        self._admitting.set()
+        self._drained = threading.Event()
+        self._closed = threading.Event()
+        # Requests not yet answered (queued or decoding) -> when they were submitted: the watchdog's view.
+        self._inflight: dict[int, float] = {}
+        self._inflight_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+
+    def _start(self) -> None:
+        """Start the worker; the subclass calls it last in its constructor, once its own state exists."""
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        """Refuse a prompt before queueing it (a subclass may check more)."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty: a causal model needs at least one token of context")
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
+    ) -> Generation:
+        if self._closed.is_set():
+            raise RuntimeError("engine is closed")
+        self.check_prompt(prompt_ids)
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        req = Request(list(prompt_ids), params, fut, loop, on_token)
+        with self._inflight_lock:
+            self._inflight[id(req)] = req.submitted
+        self._queue.put(req)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            fut.cancel()  # a client that hung up frees its row at the worker's next step
+            raise
+        finally:
+            with self._inflight_lock:
+                del self._inflight[id(req)]
+
+    def load(self) -> EngineLoad:
+        with self._inflight_lock:
+            inflight = list(self._inflight.values())
+        queued = min(self._queue.qsize(), len(inflight))  # the queue may also hold wake-ups (None)
+        oldest = time.perf_counter() - min(inflight) if inflight else None
+        return EngineLoad(queued=queued, active=len(inflight) - queued, admitting=self._admitting.is_set(),
+                          oldest_s=oldest)
+
+    async def pause(self) -> None:
+        self._drained.clear()
+        self._admitting.clear()  # at once, before the await: nothing new is admitted from here
+        await asyncio.to_thread(self._drained.wait)
+
+    def pause_blocking(self) -> None:
+        self._drained.clear()
+        self._admitting.clear()
+        self._drained.wait()
+
+    def hold(self) -> None:
+        self._admitting.clear()
+
+    def resume(self, new_version: int | None = None) -> None:
+        if new_version is not None:
+            self.version = new_version
+        self._admitting.set()
+
+    def swap_weights(self, apply: Callable[[], bool]) -> bool:
+        if self._closed.is_set():
+            raise RuntimeError("engine is closed")
+        swap = Swap(apply)
+        self._swaps.put(swap)
+        self._queue.put(None)  # wake a worker blocked on an empty request queue
+        while not swap.done.wait(IDLE_POLL_S):
+            if not self._thread.is_alive():  # closed meanwhile: nothing generates, apply it here
+                self._run_swaps()
+        if swap.error is not None:
+            raise swap.error
+        return swap.changed
+
+    def close(self) -> None:
+        self._closed.set()
+        self._admitting.set()
+        self._thread.join(timeout=self.close_join_s)
+
+    # -- worker ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _after_swap(self, changed: bool) -> None:
+        """Called on the worker after a swap's `apply`, before the version moves (vLLM syncs its copy)."""
+
+    def _run_swaps(self) -> None:
+        """Apply pending weight changes; only the worker runs forward passes, so none is mid-way."""
+        while True:
+            try:
+                swap = self._swaps.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                with torch.no_grad():
+                    swap.changed = bool(swap.apply())
+                self._after_swap(swap.changed)
+                self.version += int(swap.changed)
+            except BaseException as e:  # handed to the trainer thread, which logs it with its step
+                swap.error = e
+            swap.done.set()

@@ -1,0 +1,136 @@
+"""Attention masks for tree-packed micro-batches: a dense one (CPU fallback) and a FlexAttention one.
+
+In a tree row, token i may attend to token j iff j is i or one of its ancestors. Both masks here are
+built from a micro-batch's ``predictor_index`` (each token's parent; -1 for roots and padding):
+
+- ``dense_tree_mask``: [B, 1, T, T] bool, for the ``sdpa`` and ``eager`` attention of transformers.
+  It costs T x T per row (a 25k-token episode is ~0.6 GB as bool, twice that once made additive).
+- ``flex_tree_mask``: a FlexAttention ``BlockMask`` (torch >= 2.5), used on a CUDA device (the
+  model's attention is switched to ``flex_attention`` for that forward pass) and for models loaded
+  with ``attn_implementation="flex_attention"``. Tree samples come in depth-first preorder
+  (``core.timelines``), so each token's descendants are the positions right after it, up to the end
+  of its subtree: j may be seen from i iff j <= i <= subtree_end[j]. The mask function reads one
+  [B, T] tensor, and the block mask keeps only which 128 x 128 tiles are empty, full or partial, so
+  memory stays linear in T and empty tiles are skipped. Rows that are not in preorder (hand-built
+  samples may order a tree any way that puts parents first) have no such ranges: there the dense
+  mask is used instead, as an additive score mask, which transformers' flex path also accepts.
+
+On the CPU the dense mask stays: torch 2.13 has no FlexAttention backward there (it raises), and
+transformers compiles flex_attention with inductor first (minutes of C++ builds on a small runner).
+
+This module builds masks and picks the attention; it does not score tokens (``core.train.packing``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+try:  # torch >= 2.5; without it only the dense mask exists
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+except ImportError:  # pragma: no cover - torch is pinned at 2.13
+    BlockMask, create_block_mask = None, None
+
+FLEX_ATTENTION = "flex_attention"
+# Attention implementations of transformers 5.x that honour a custom additive 4D mask.
+DENSE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+TREE_ATTENTION_IMPLEMENTATIONS = (*DENSE_ATTENTION_IMPLEMENTATIONS, FLEX_ATTENTION)
+
+
+def dense_tree_mask(predictor_index: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool: row i is True at i and its ancestors; padding rows see only themselves."""
+    b, width = predictor_index.shape
+    mask = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
+    for row, predictors in enumerate(predictor_index.tolist()):
+        # Parents precede children, so each row copies a finished row and adds itself.
+        for i, p in enumerate(predictors):
+            if p >= 0:
+                mask[row, i] |= mask[row, p]
+    return mask[:, None].to(predictor_index.device)
+
+
+def subtree_ends(predictor_index: torch.Tensor) -> torch.Tensor | None:
+    """[B, T] long: the last position of each token's subtree, or None if a row is not in preorder."""
+    ends = []
+    for predictors in predictor_index.tolist():
+        width = len(predictors)
+        end, size = list(range(width)), [1] * width
+        for i in range(width - 1, -1, -1):  # children after parents: one reverse sweep sums subtrees
+            p = predictors[i]
+            if p >= 0:
+                end[p] = max(end[p], end[i])
+                size[p] += size[i]
+        if any(end[i] - i + 1 != size[i] for i in range(width)):
+            return None  # some subtree is not one contiguous range
+        ends.append(end)
+    return torch.tensor(ends, dtype=torch.long, device=predictor_index.device)
+
+
+def flex_tree_mask(predictor_index: torch.Tensor) -> BlockMask | None:
+    """The tree mask as a FlexAttention BlockMask, without a T x T tensor; None if not in preorder."""
+    ends = subtree_ends(predictor_index)
+    if ends is None:
+        return None
+    b, width = predictor_index.shape
+
+    def may_attend(batch, head, q, kv):
+        return (kv <= q) & (q <= ends[batch, kv])
+
+    # Compiled on GPU: the eager builder evaluates the mask function over all T x T pairs at once.
+    return create_block_mask(may_attend, b, None, width, width, device=predictor_index.device,
+                             _compile=predictor_index.device.type == "cuda")
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool "may attend" -> 0 where allowed, the dtype's minimum elsewhere (finite, so no NaN rows)."""
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    blocked = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, blocked)
+
+
+def flex_by_default(device: torch.device) -> bool:
+    """FlexAttention for tree batches on CUDA (where it has a backward) when torch has it."""
+    return device.type == "cuda" and create_block_mask is not None
+
+
+def tree_attention_mask(predictor_index: torch.Tensor, implementation: str | None, dtype: torch.dtype,
+                        flex: bool = False) -> tuple[torch.Tensor | BlockMask, str | None]:
+    """(attention_mask, attention implementation) to run a tree micro-batch with.
+
+    With `flex` (or a model loaded with flex_attention) and rows in preorder: a BlockMask, run by
+    flex_attention. Otherwise the dense mask, additive in the model's dtype (eager Llama attention
+    adds it to the scores), run by the model's own implementation.
+    """
+    if implementation is not None and implementation not in TREE_ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(
+            f"tree-packed micro-batches need attention implementation in {TREE_ATTENTION_IMPLEMENTATIONS}, "
+            f"the model uses {implementation!r}; use merge mode 'linear' or load the model with one of those"
+        )
+    if flex or implementation == FLEX_ATTENTION:
+        if create_block_mask is None:
+            raise ValueError("FlexAttention needs torch >= 2.5")
+        block_mask = flex_tree_mask(predictor_index)
+        if block_mask is not None:
+            return block_mask, FLEX_ATTENTION
+    return additive(dense_tree_mask(predictor_index), dtype), implementation
+
+
+@contextmanager
+def attention_implementation(model: torch.nn.Module, implementation: str | None) -> Iterator[None]:
+    """Run the model's forward passes with another attention implementation, then put it back.
+
+    transformers' attention layers look the implementation up in the shared config at every call, so
+    the autograd graph built inside keeps the kernel it ran with; the backward needs nothing here.
+    """
+    config = getattr(model, "config", None)
+    before = getattr(config, "_attn_implementation", None)
+    if config is None or implementation is None or implementation == before:
+        yield
+        return
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

@@ -1,0 +1,149 @@
+"""The live nodes: keep the study's live core run going and swap approved `hot_swap` proposals into it.
+
+`start_live` (before the first plan) and `live` (between `prepare`, which leaves hot-swap proposals
+to it, and `launch`). With `run.live: true` they start the live run once (launch key `live`,
+adopted on resume like any launch) and refresh its state. Each approved, validated `hot_swap` proposal of the round is then swapped in
+(`researcher.live`: intent before act, never twice), tagged `swarmrl.swap.<n>` on the live run,
+and judged: the new version's reward over its first `run.swap_window` steps after the swap
+against the old version's last `swap_window` steps before it, with `researcher.decision.compare`
+(Welch's t-test over steps). The swap and its verdict join the state (`swaps`), the proposal gets
+its result, and its review run is closed. A swap that fails leaves the old code serving and the
+proposal `failed` with the reason. The node does not plan, validate, review or start other runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from core.config import ConfigError
+from researcher import analysis
+from researcher.decision import compare
+from researcher.live import LIVE_KEY, LiveRun, SwapFailed
+from researcher.nodes.base import StudyState, dump, models_of
+from researcher.nodes.code import versions
+from researcher.nodes.running import RunNodes
+from researcher.records import ExperimentResult, Launch, Proposal, SwapResult
+from researcher.workspace import WorkspaceError
+
+NO_LIVE = "not swapped: a hot swap needs a live run (brief `run.live: true`)"
+LIVE_ENDED = "not swapped: the live run has ended ({status}: {reason})"
+
+
+class LiveNode(RunNodes):
+    def _live_run(self) -> LiveRun:
+        assert self.ctx.workspace is not None
+        return LiveRun(self.ctx.launcher, self.ctx.client, self.ctx.paths.state, self.ctx.workspace)
+
+    def _ensure_live(self, state: StudyState) -> Launch | None:
+        """The live run, started on first use; None when the brief asks for none (or has no workspace)."""
+        ctx = self.ctx
+        if not ctx.brief.run.live or ctx.workspace is None:
+            return None
+        if state.get("live"):
+            live = Launch.model_validate(state["live"])
+            return ctx.launcher.poll(live, ctx.client) if live.status == "running" else live
+        try:
+            config = ctx.brief.resolve_config(ctx.workdir)
+        except ConfigError as e:
+            return Launch(key=LIVE_KEY, proposal_id=LIVE_KEY, seed=0, steps=0, status="failed",
+                          reason=f"invalid run config: {e}")
+        config = self._code_config(config, LIVE_KEY)
+        code = str(ctx.launcher.run_dir(LIVE_KEY) / "code")
+        # Swappable means isolated: each workspace sandbox runs as its own `swarm client` process.
+        clients = [c.model_copy(update={"isolate": True}) if c.agent.startswith(code) else c for c in config.clients]
+        config = config.model_copy(update={"clients": clients})
+        ctx.paths.configs.mkdir(parents=True, exist_ok=True)
+        path = ctx.paths.configs / f"{LIVE_KEY}.yaml"
+        path.write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
+        live = Launch(key=LIVE_KEY, proposal_id=LIVE_KEY, seed=ctx.brief.seeds[0], steps=config.trainer.steps,
+                      config_path=str(path), commit=state.get("workspace_base", ""))
+        live = ctx.launcher.start(live, ctx.client)
+        ctx.emit("live.started", key=live.key, status=live.status, pid=live.pid)
+        return live
+
+    def start_live(self, state: StudyState) -> dict[str, Any]:
+        """Before the first plan: the live run is going before anyone proposes a swap into it."""
+        self._enter("start_live", state)
+        live = self._ensure_live(state)
+        return {"live": live.model_dump() if live is not None else {}}
+
+    def live(self, state: StudyState) -> dict[str, Any]:
+        self._enter("live", state)
+        ctx = self.ctx
+        live = self._ensure_live(state)
+        results = models_of(state.get("results"), ExperimentResult)
+        swaps = models_of(state.get("swaps"), SwapResult)
+        done = {r.proposal_id for r in results}
+        verdicts, code = self._verdicts(state), versions(state)
+        todo = [p for p in self._current(state) if p.mode == "hot_swap" and p.id not in done
+                and (d := verdicts.get(p.id)) is not None and d.verdict == "approved"
+                and p.id in code and code[p.id].passed]
+        update: dict[str, Any] = {"live": live.model_dump() if live is not None else {}}
+        for p in sorted(todo, key=lambda q: (q.priority, q.id)):
+            if live is not None and live.status == "running" and live.run_id is None:
+                live = ctx.launcher.poll(live, ctx.client)
+            try:
+                if live is None:
+                    raise SwapFailed(NO_LIVE)
+                if live.status != "running":
+                    raise SwapFailed(LIVE_ENDED.format(status=live.status, reason=live.reason or "-"))
+                swapped = self._swap(p, code[p.id].commit, code[p.id].diff, live)
+            except (SwapFailed, WorkspaceError) as e:  # the old code keeps serving; the study goes on
+                results.append(ExperimentResult(proposal_id=p.id, status="failed", note=str(e)))
+                ctx.board.close(p.id, None, "FAILED", str(e))
+                ctx.emit("swap.failed", proposal_id=p.id, reason=str(e)[:500])
+                continue
+            swaps += swapped
+            results.append(self._result(p, swapped))
+        update.update(live=live.model_dump() if live is not None else {}, swaps=dump(swaps), results=dump(results))
+        return update
+
+    def _swap(self, p: Proposal, commit: str, diff: str, live: Launch) -> list[SwapResult]:
+        ctx, runner = self.ctx, self._live_run()
+        alive = lambda: ctx.launcher.poll(live, ctx.client).status == "running"  # noqa: E731
+        names = _sandboxes(live)
+        edited = [n for n in names if f"/sandboxes/{n}/" in diff] or names  # a diff names a/sandboxes/<n>/...
+        runner.wait_up(alive)
+        run_id = live.run_id or ctx.launcher.find_run_id(ctx.client, LIVE_KEY)
+        ctx.emit("swap.intent", proposal_id=p.id, commit=commit, sandboxes=edited)
+        records = runner.swap(p.id, commit, edited, run_id)
+        out = []
+        for record in records:
+            if run_id:
+                runner.tag(run_id, record, p.id)
+            ctx.emit("swap.done", proposal_id=p.id, n=record["n"], step=record["step"], to=record["to_version"])
+            before, after = runner.windows(run_id, record, ctx.brief.run.swap_window, alive,
+                                           ctx.brief.launch.run_timeout or 3600.0) if run_id else (None, None)
+            verdict = compare(after.steps, before.steps, "maximize", baseline_id=before.version) if before else None
+            out.append(SwapResult(proposal_id=p.id, n=record["n"], step=record["step"], sandbox=record["sandbox"],
+                                  from_version=",".join(record["from_versions"]), to_version=record["to_version"],
+                                  before=before, after=after, verdict=verdict))
+        return out
+
+    def _result(self, p: Proposal, swapped: list[SwapResult]) -> ExperimentResult:
+        """The proposal's result: the new version's rewards after the swap, judged against the old one's."""
+        values = [v for s in swapped if s.after for v in s.after.steps.values()]
+        first = swapped[0]
+        note = "; ".join(f"hot swap {s.n} at step {s.step}: {s.from_version} -> {s.to_version}, reward "
+                         f"{_fmt(s.before.mean if s.before else None)} -> {_fmt(s.after.mean if s.after else None)}"
+                         for s in swapped)
+        summary = analysis.summarize(values)
+        self.ctx.board.close(p.id, summary, "FINISHED", note)
+        self.ctx.emit("result", proposal_id=p.id, status="ok", summary=summary.fmt(),
+                      verdict=first.verdict.fmt() if first.verdict else "")
+        return ExperimentResult(proposal_id=p.id, status="ok", values=values, summary=summary, note=note,
+                                verdict=first.verdict)
+
+
+def _sandboxes(live: Launch) -> list[str]:
+    """The names of the workspace sandboxes the live run's clients run (from its written config)."""
+    config = yaml.safe_load(Path(live.config_path).read_text()) or {}
+    agents = [str(c.get("agent", "")) for c in config.get("clients", [])]
+    return [a.rsplit("/sandboxes/", 1)[-1].rstrip("/") for a in agents if "/sandboxes/" in a]
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
