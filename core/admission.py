@@ -43,6 +43,13 @@ class Admission:
 
     max_staleness: int | None = None  # None: no admission control (no trainer consumes steps)
     _overlapped_steps = 0  # steps that took their batch while generation goes on, not yet synced
+    training_over: str | None = None  # why no trainer will take another batch (None: one may)
+
+    def end_training(self, reason: str) -> None:
+        """No trainer will consume another batch: new train episodes are refused for good (409), not
+        left to wait on back-pressure that can never ease; eval and debug episodes still open."""
+        with self._lock:
+            self.training_over = reason
 
     def admit_within(self, max_staleness: int) -> None:
         """Turn admission control on, for a trainer that drops episodes older than `max_staleness`."""

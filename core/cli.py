@@ -28,6 +28,10 @@ from core.sandbox import SandboxNotFound, locate, sandbox_roots
 app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 console = Console(stderr=True)
+# `swarm serve --model X --train` trains for as long as it serves (until stopped): a server that
+# trains on whatever clients attach has no natural last step. A config file's trainer.steps, or
+# `--set trainer.steps=N`, bounds it; after the last step it serves on and refuses train episodes.
+SERVE_STEPS = 1_000_000_000
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -77,6 +81,8 @@ def serve(
     extra = list(overrides)
     if model is not None:
         extra[:0] = [f"models=[{{name: {json.dumps(name or model)}, source: {json.dumps(model)}}}]"]
+    if config is None and not any(o.startswith("trainer.steps=") for o in overrides):
+        extra.append(f"trainer.steps={SERVE_STEPS}")
     for key, value in (("server.host", host), ("server.port", port), ("engine.kind", engine)):
         if value is not None:
             extra.append(f"{key}={value}")

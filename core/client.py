@@ -21,10 +21,12 @@ keeps its name. This module does not run agents or decide when a failing client 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -41,6 +43,14 @@ OPENAI_TIMEOUT_S = 600.0  # a generation may wait behind a weight sync; latency,
 # An abort is a courtesy: an episode nobody finishes expires with its lease anyway, so a client that
 # is stopping never waits longer than this for a server that may be gone.
 ABORT_DEADLINE_S = 5.0
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """One verifying TLS context per process (httpx's default one), shared by every HTTP client of every
+    episode. Each client would otherwise build its own, reading the CA bundle: ~30 ms of CPU, twice per
+    episode, which on a 2-core machine came out of the engine's share (profile of bench/vs_trl.py)."""
+    return httpx.create_ssl_context()
 
 
 class SwarmError(RuntimeError):
@@ -140,7 +150,7 @@ class SwarmClient:
         self.client_version = client_version
         self.deadline_s = deadline_s
         self.unreachable_s = deadline_s if unreachable_s is None else unreachable_s
-        self._http = httpx.Client(timeout=30.0)
+        self._http = httpx.Client(timeout=30.0, verify=tls_context())
 
     def retry(self, path: str, deadline_s: float | None = None) -> _Retry:
         deadline = self.deadline_s if deadline_s is None else deadline_s
@@ -250,7 +260,8 @@ class Episode(_EpisodeBase):
 
     def __init__(self, client: SwarmClient, opened: dict):
         super().__init__(client, opened)
-        self.openai = EpisodeOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=OPENAI_TIMEOUT_S, max_retries=2)
+        self.openai = EpisodeOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=OPENAI_TIMEOUT_S, max_retries=2,
+                                    http_client=openai.DefaultHttpxClient(verify=tls_context()))
         self.openai.served = tuple(self.model_versions)
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, daemon=True, name=f"heartbeat-{self.id}")
@@ -295,7 +306,7 @@ class AsyncEpisode(_EpisodeBase):
 
     def __init__(self, client: SwarmClient, body: dict, cancel: asyncio.Event | None = None):
         self.client, self._body, self._cancel = client, body, cancel
-        self._http = httpx.AsyncClient(timeout=30.0)
+        self._http = httpx.AsyncClient(timeout=30.0, verify=tls_context())
         self._beat: asyncio.Task | None = None
         self.openai: EpisodeAsyncOpenAI | None = None
 
@@ -323,7 +334,7 @@ class AsyncEpisode(_EpisodeBase):
             raise
         super().__init__(self.client, opened)
         self.openai = EpisodeAsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=OPENAI_TIMEOUT_S,
-                                         max_retries=2)
+                                         max_retries=2, http_client=openai.DefaultAsyncHttpxClient(verify=tls_context()))
         self.openai.served = tuple(self.model_versions)
         self._beat = asyncio.create_task(self._heartbeat())
         return self

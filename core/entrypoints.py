@@ -54,15 +54,10 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
         return 1
     try:
         point = _resume_point(core.resume()) if resume else None
-        core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
-                                   resume=point)
-    except (checkpoint.CheckpointError, TelemetryError) as e:  # nothing has run yet: say why and stop
-        log.error("cannot %s: %s", "resume" if resume else "start", e)
+    except checkpoint.CheckpointError as e:  # nothing has run yet: say why and stop
+        log.error("cannot resume: %s", e)
         core.server.close()
         return 1
-    if run_id_file is not None:  # the same id after a resume that reopened the run: one run per launch
-        Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(run_id_file).write_text(core.telemetry.run_id)
     previous = {sig: signal.signal(sig, lambda *_: core.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     status: RunStatus = "FAILED"
     advertised: list[Path] = []
@@ -73,7 +68,19 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
         advertised = write_server_files(core.server.url, core.server.admin_token, run_folder(cfg.trainer.checkpoint_dir))
         print(f"swarm server file: {advertised[0]}", flush=True)
         log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
+        # Clients first, the MLflow run second: client processes take a second or two to import and
+        # register, on the other core, while this one opens the run (start-up, bench/startup.py).
+        # Their episodes wait in the registry; no step trains before the run exists.
         core.start_clients()
+        try:
+            core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
+                                       resume=point)
+        except TelemetryError as e:  # no MLflow run to write a status to: say why and stop
+            log.error("cannot %s: %s", "resume" if resume else "start", e)
+            return 1
+        if run_id_file is not None:  # the same id after a resume that reopened the run: one run per launch
+            Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(run_id_file).write_text(core.telemetry.run_id)
         if progress:
             with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
                 core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
@@ -90,7 +97,8 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
             core.server.stop()
         finally:  # the run's status is written whatever happened above, so no run is left RUNNING
             remove_server_files(advertised)
-            core.telemetry.close(status)
+            if core.telemetry is not None:
+                core.telemetry.close(status)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     return EXIT_CODES[status]
@@ -154,6 +162,9 @@ def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
     def train_until_stopped() -> None:
         try:
             core.train()
+            if not core.stop.is_set():  # every step done: the server serves on, but trains nothing more
+                server.registry.end_training(f"its trainer finished all {cfg.trainer.steps} steps")
+                log.info("trainer done after %d steps; serving on (train episodes are refused from now)", core.step)
         except Exception as e:
             log.exception("trainer failed at step %d; stopping the server", core.step)
             core.failure = e

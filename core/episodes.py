@@ -121,6 +121,10 @@ class Registry(Admission):
                 raise EpisodeError(503, "the server is paused", "paused", retry_after=1.0)
             if len(self._open) >= self.max_open:
                 raise EpisodeError(503, "too many open episodes", "busy", retry_after=1.0)
+            if req.kind == "train" and self.training_over is not None:
+                raise EpisodeError(409, f"this server takes no more train episodes: {self.training_over}; open "
+                                        "kind eval or debug episodes, or start a run with more trainer.steps",
+                                   "training_over")
             if req.kind == "train":
                 refusal = self._quota_refusal(req.sandbox) or self._admission_refusal(
                     req.sandbox, req.task_id, req.group_size or self.default_group_size)

@@ -23,8 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers.utils
 from filelock import FileLock
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# transformers' generation code imports scikit-learn's `roc_curve` whenever scikit-learn is installed
+# (MLflow installs it), for assisted generation's dynamic speculation, which swarmrl never uses: 1.8 s
+# of `swarm run`'s start-up (bench/startup.py). Saying it is absent skips that import, before the
+# model classes (and with them the generation code) load below.
+transformers.utils.is_sklearn_available = lambda: False
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from core.config import ModelConfig
 

@@ -48,7 +48,7 @@ console = Console()
 # when one is raised: `except` evaluates its tuple only then, and reviews.ReviewError needs MLflow.
 runner = lazy_module("researcher.runner")
 reports = lazy_module("researcher.report")
-launcher = lazy_module("researcher.launcher")
+backends = lazy_module("researcher.backends")
 reviews = lazy_module("researcher.review")
 
 
@@ -310,7 +310,7 @@ def stop(ctx: typer.Context, name: str,
         console.print(f"study {name} is not running")
     if kill_runs:
         brief = runner.study_brief(paths, meta)
-        keys = launcher.stop_all(paths.state, f"stopped by {getpass.getuser()} (researcher study stop)", brief.launch.grace_s)
+        keys = backends.stop_all(paths.state, f"stopped by {getpass.getuser()} (researcher study stop)", brief.launch.grace_s)
         console.print(f"stopped core runs: {', '.join(keys) or 'none were running'}")
 
 

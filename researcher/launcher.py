@@ -111,6 +111,18 @@ class Launcher:
     def run_dir(self, key: str) -> Path:
         return self.runs / key
 
+    def _record_intent(self, launch: Launch, rd: Path, **extra: Any) -> tuple[list[str], float] | Launch:
+        """Check the launch's code out and write its intent, before anything starts: (argv, start time),
+        or the launch failed at checkout."""
+        rd.mkdir(parents=True, exist_ok=True)
+        failed = self._check_out(launch, rd)
+        if failed is not None:
+            return failed
+        argv, started = self.argv(launch), time.time()
+        write_json(self.intents / f"{launch.key}.json", {"key": launch.key, "argv": argv, "started_at": started, **extra})
+        self.emit("launch.intent", key=launch.key)
+        return argv, started
+
     def _check_out(self, launch: Launch, rd: Path) -> Launch | None:
         """Write a code proposal's commit to `rd/code` (its runs use exactly that code); the failed launch if it cannot."""
         if launch.commit and self.workspace is not None:
@@ -172,14 +184,10 @@ class Launcher:
                 return launch.model_copy(update={"status": "running", "pid": pid, "run_id": run_id,
                                                  "started_at": intent.get("started_at") or time.time()})
         rd = self.run_dir(launch.key)
-        rd.mkdir(parents=True, exist_ok=True)
-        failed = self._check_out(launch, rd)
-        if failed is not None:
-            return failed
-        argv = self.argv(launch)
-        started = time.time()
-        write_json(self.intents / f"{launch.key}.json", {"key": launch.key, "argv": argv, "started_at": started})
-        self.emit("launch.intent", key=launch.key)
+        prepared = self._record_intent(launch, rd)
+        if isinstance(prepared, Launch):
+            return prepared
+        argv, started = prepared
         env = {**os.environ, "MLFLOW_TRACKING_URI": self.target.tracking_uri}
         with open(rd / "run.log", "ab") as logfile:
             try:
@@ -259,43 +267,18 @@ class Launcher:
             pass
 
 
-def make_launcher(settings: Any, target: LaunchTarget, state_dir: Path, emit: Emit,
-                  workspace: Workspace | None = None) -> Launcher:
-    """The launcher for `launch.backend` (a brief's LaunchSettings): local processes, or Ray jobs."""
-    if settings.backend == "ray":
-        from researcher.ray_jobs import RayJobLauncher  # Ray's job client loads only for Ray studies
-
-        return RayJobLauncher(target, state_dir, settings.grace_s, emit, workspace,
-                              address=settings.ray_address, gpus=settings.gpus)
-    return Launcher(target, state_dir, settings.grace_s, emit, workspace)
-
-
-def stop_all(state_dir: Path, reason: str, grace_s: float) -> list[str]:
-    """Stop every live run of a study from its launch intents (for `researcher study stop --kill-runs`).
-
-    The reason is written first, so the study reports these runs as stopped when it resumes.
-    """
-    stopped = []
-    for path in sorted((state_dir / "launches").glob("*.json")):
-        intent = json.loads(path.read_text())
-        if intent.get("submission_id"):  # a Ray job (launch.backend ray): the cluster stops it
-            from researcher.ray_jobs import stop_job
-
-            if "stop_reason" not in intent:
-                write_json(path, {**intent, "stop_reason": reason})
-            if stop_job(intent["ray_address"], intent["submission_id"]):
-                stopped.append(intent["key"])
-            continue
-        marker = str(state_dir / "runs" / intent["key"] / "run_id")
-        pid = intent.get("pid") or find_process(marker)
-        if not pid or marker not in _cmdline(pid):
-            continue
-        write_json(path, {**intent, "stop_reason": reason})
-        Launcher._signal(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while marker in _cmdline(pid) and time.monotonic() < deadline:
-            time.sleep(_STOP_POLL_S)
-        if marker in _cmdline(pid):
-            Launcher._signal(pid, signal.SIGKILL)
-        stopped.append(intent["key"])
-    return stopped
+def stop_local(path: Path, intent: dict[str, Any], reason: str, grace_s: float) -> bool:
+    """Stop the local run of one launch intent (for `researcher study stop --kill-runs`): the reason is
+    written first, so the study reports the run as stopped when it resumes. False: it was not running."""
+    marker = str(path.parent.parent / "runs" / intent["key"] / "run_id")
+    pid = intent.get("pid") or find_process(marker)
+    if not pid or marker not in _cmdline(pid):
+        return False
+    write_json(path, {**intent, "stop_reason": reason})
+    Launcher._signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while marker in _cmdline(pid) and time.monotonic() < deadline:
+        time.sleep(_STOP_POLL_S)
+    if marker in _cmdline(pid):
+        Launcher._signal(pid, signal.SIGKILL)
+    return True

@@ -78,15 +78,10 @@ class RayJobLauncher(Launcher):
             run_id = self.find_run_id(client, launch.key)
             return launch.model_copy(update={"status": "running", "run_id": run_id, "log_path": str(rd / "run.log"),
                                              "started_at": intent.get("started_at") or time.time()})
-        rd.mkdir(parents=True, exist_ok=True)
-        failed = self._check_out(launch, rd)
-        if failed is not None:
-            return failed
-        argv = self.argv(launch)
-        started = time.time()
-        write_json(self.intents / f"{launch.key}.json", {"key": launch.key, "argv": argv, "started_at": started,
-                                                           "submission_id": sid, "ray_address": self.address})
-        self.emit("launch.intent", key=launch.key)
+        prepared = self._record_intent(launch, rd, submission_id=sid, ray_address=self.address)
+        if isinstance(prepared, Launch):
+            return prepared
+        argv, started = prepared
         env = {**JOB_ENV, "MLFLOW_TRACKING_URI": self.target.tracking_uri,
                "RAY_JOB_STOP_WAIT_TIME_S": str(max(int(self.grace_s), 1))}  # read by Ray's job supervisor
         try:

@@ -25,7 +25,8 @@ from mlflow.tracking import MlflowClient
 
 from researcher.brief import Brief, load_brief
 from researcher.graph import StudyContext, build_graph
-from researcher.launcher import Emit, LaunchTarget, make_launcher
+from researcher.backends import make_launcher
+from researcher.launcher import Emit, LaunchTarget
 from researcher.planner import make_planner
 from researcher.review import ReviewBoard
 from researcher.planner import PlannerSpec

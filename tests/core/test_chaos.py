@@ -99,6 +99,11 @@ def _trained_ids(run_id: str, after_step: int) -> set[str]:
 
 
 @pytest.mark.slow
+def _full_groups(saved: checkpoint.Checkpoint) -> list:
+    """The checkpoint's buffered groups that had all their episodes (ready to train at the resume)."""
+    return [g for g in saved.buffered if len(g) >= g[0].group_size]
+
+
 def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_own(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -130,17 +135,21 @@ def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_ow
                           json={"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert call.status_code == 200, call.text
         deadline = time.time() + 600  # generous: on a loaded machine start-up alone takes minutes
-        while ((saved := checkpoint.load_latest(ckpt)) is None or saved.step < 2 or not saved.buffered) \
+        while ((saved := checkpoint.load_latest(ckpt)) is None or saved.step < 2 or not _full_groups(saved)) \
                 and time.time() < deadline:
             time.sleep(0.2)
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
         saved = checkpoint.load_latest(ckpt)  # what the resume starts from (a step may have landed meanwhile)
-        assert saved is not None and saved.buffered, "the crash left no buffered episodes to check"
-        full = {e.id for g in saved.buffered if len(g) >= g[0].group_size for e in g}
+        assert saved is not None and _full_groups(saved), "the crash left no finished buffered group to check"
+        full = {e.id for g in _full_groups(saved) for e in g}
         buffered = {e.id for g in saved.buffered for e in g}
 
-        resumed = subprocess.Popen([*base, "--set", f"trainer.steps={saved.step + 4}", "--resume"], cwd=ROOT,
+        # Many more steps than the buffered groups can fill (one group a step): the resumed run can only end
+        # once the clients have reconnected and fed it, and it lasts long enough for the second client's
+        # backoff (at most a few seconds) to bring it back too, so both are there to be drained at its end.
+        steps = saved.step + len(saved.buffered) + 20
+        resumed = subprocess.Popen([*base, "--set", f"trainer.steps={steps}", "--resume"], cwd=ROOT,
                                    stdout=logs[1].open("w"), stderr=subprocess.STDOUT)
         _wait_up(url, resumed, logs[1])
         late = httpx.post(f"{url}/swarm/v1/episodes/{mine['episode_id']}/finish", json={"reward": 1.0}, timeout=30,

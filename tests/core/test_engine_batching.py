@@ -119,6 +119,34 @@ def test_a_request_joining_mid_decode_yields_what_it_would_alone(make_engine, la
     assert early_joined.logprobs == pytest.approx(early_alone.logprobs, abs=1e-4)
 
 
+def test_a_group_sharing_a_prompt_is_prefilled_once_and_each_row_yields_what_it_would_alone(make_engine):
+    # A long batch window: all five requests reach the engine's first prefill together.
+    eng = make_engine(batch_window_ms=500)
+    shared, other = prompt(eng, 7), prompt(eng, 8) + prompt(eng, 9)  # the other prompt is longer: left padding
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=s) for s in (1, 2, 3)] + [
+        SamplingParams(max_tokens=10, temperature=0), SamplingParams(max_tokens=10, temperature=0.7, seed=4)]
+    prompts = [shared, shared, shared, shared, other]
+    widths: list[int] = []
+    forward = eng.model.forward
+
+    def counting(*args, **kw):
+        widths.append(kw["input_ids"].shape[0])
+        return forward(*args, **kw)
+
+    async def go():
+        alone = [await eng.generate(p, sp) for p, sp in zip(prompts, params)]
+        eng.model.forward = counting
+        together = await asyncio.gather(*(eng.generate(p, sp) for p, sp in zip(prompts, params)))
+        return alone, together
+
+    alone, together = asyncio.run(go())
+    assert widths[0] == 2  # the first pass of the batch: one row per distinct prompt, not per request
+    for a, t in zip(alone, together):
+        assert t.token_ids == a.token_ids
+        assert t.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+    assert len({tuple(t.token_ids) for t in together[:3]}) > 1  # same prompt, own seeds: own samples
+
+
 def test_weights_swapped_mid_decode_keep_rows_going_and_report_the_oldest_version(make_engine, tiny):
     eng = make_engine()
     version = eng.version

@@ -190,3 +190,19 @@ def test_swarm_serve_stopped_by_sigterm_or_admin_shutdown_ends_its_run_killed(tm
         exp = client.get_experiment_by_name(experiment)
         runs = client.search_runs([exp.experiment_id])
         assert [r.info.status for r in runs] == ["KILLED"], out[-3000:]
+
+
+def test_swarm_serve_after_its_last_step_serves_on_and_refuses_train_episodes_with_a_409(tmp_path: Path, start):
+    serve = start(swarm("serve", TINY, "--set", "trainer.steps=2", "--set", "server.port=0",
+                        "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", "--set", "telemetry.experiment=serve-done"))
+    url = read_until(serve, r"serving .* at (http://\S+)")[0].group(1)
+    feeder = start(swarm("client", "sandbox:letters", "--server", url))
+    read_until(serve, r"trainer done after 2 steps")
+    refused = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters", "task_id": "late"}, timeout=30)
+    assert refused.status_code == 409, refused.text  # at once: no back-pressure wait that could never end
+    assert "takes no more train episodes" in refused.json()["error"]["message"]
+    evaluated = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters", "task_id": "e", "kind": "eval"},
+                           timeout=30)
+    assert evaluated.status_code == 200, evaluated.text  # the server serves on
+    assert serve.poll() is None
+    feeder.kill()

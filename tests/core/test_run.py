@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow import MlflowClient
 
 from core import checkpoint
 from core.config import ConfigError, load_config
 from core.run import CoreRun
+from core.telemetry import PROCESS_TAG, RunOwner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,6 +61,29 @@ def test_swarm_run_exits_zero_and_logs_the_metric_contract(tmp_path):
                  "tito/reused", "tito/drift", "tito/broken"):
         history = MlflowClient().get_metric_history(run.info.run_id, name)
         assert [m.step for m in history] == [1, 2, 3], name
+
+
+def test_a_resume_refused_by_mlflow_fails_clearly_and_leaves_no_client_or_server_behind(tmp_path):
+    """The MLflow run opens after the clients start (start-up): refusing it must still stop them all."""
+    ckpt, run_id_file = tmp_path / "ckpt", tmp_path / "run_id"
+    cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
+           "--set", f"trainer.checkpoint_dir={ckpt}", "--run-id-file", str(run_id_file)]
+    first = subprocess.run([*cmd, "--set", "trainer.steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # The run now looks as if this test process were still writing it (a second `swarm run` on the same run).
+    run_id = run_id_file.read_text()
+    MlflowClient().set_tag(run_id, PROCESS_TAG, RunOwner.current().model_dump_json())
+    MlflowClient().update_run(run_id, "RUNNING")
+
+    resumed = subprocess.run([*cmd, "--set", "trainer.steps=3", "--resume"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=300)
+    assert resumed.returncode == 1, resumed.stderr[-3000:]
+    assert f"cannot resume: MLflow run {run_id} is still being written by process {os.getpid()}" in resumed.stderr
+    assert checkpoint.load_latest(ckpt).step == 1  # nothing trained, nothing lost
+    assert MlflowClient().get_run(run_id).info.status == "RUNNING"  # the live writer's run is left alone
+    assert not (ckpt.parent / "server.json").exists()  # the server that started is gone, and its file with it
+    clients = [p for p in psutil.process_iter(["cmdline"]) if str(ckpt.parent) in " ".join(p.info["cmdline"] or [])]
+    assert clients == []  # the client process it had started was stopped too
 
 
 @pytest.mark.slow
