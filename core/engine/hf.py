@@ -150,8 +150,9 @@ class HFEngine(WorkerEngine):
         cache, last_logits = out.past_key_values, out.logits[:, -1, :]
         if len(prompts) < len(reqs):  # one row per request, in request order
             index = torch.tensor(slots, dtype=torch.long)
-            cache.batch_select_indices(index.to(self.device))
-            mask, last_logits = mask[index], last_logits[index.to(self.device)]
+            mask, on_device = mask[index], index.to(self.device)  # the mask stays on the CPU, as built
+            cache.batch_select_indices(on_device)
+            last_logits = last_logits[on_device]
         rows = [
             _Row(req=r, generator=_generator(r.params.seed), position=len(r.prompt_ids), version=self.version)
             for r in reqs
