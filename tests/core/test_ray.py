@@ -116,15 +116,15 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
     core = core_run(cfg)
     drafter = core.trainers["drafter"].link
     before = drafter.info["pid"]
-    failed_after_kill: list[int] = []
+    trained_after_kill: list[int] = []  # run steps after the kill in which the drafter took a step
 
     def on_step(step, metrics):
         if step == 1:  # a client actor's process dies: another takes its slot
             os.kill(ray.get(core._slots[0].actor.pid.remote()), signal.SIGKILL)
         if step == 2:  # just checkpointed: kill the drafter's engine+trainer process outright
             os.kill(drafter.info["pid"], signal.SIGKILL)
-        elif step > 2 and "drafter/train/failed" in metrics:
-            failed_after_kill.append(step)
+        elif step > 2 and "drafter/train/updated" in metrics:  # absent if it had no groups or failed
+            trained_after_kill.append(step)
 
     try:
         core.server.start()
@@ -135,13 +135,15 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
         assert core.step == 4 and core.failure is None  # trained to completion
         assert drafter.restarts == 1 and drafter.info["pid"] != before  # detected, and a new process serves
         # Restored from step 2's checkpoint (a fresh actor would count only the steps after the kill).
-        assert core.trainers["drafter"].step_count == 2 + (2 - len(failed_after_kill))
+        assert core.trainers["drafter"].step_count == 2 + len(trained_after_kill)
         assert core.trainers["reviewer"].step_count == 4  # the other model never noticed
         versions = core.server.versions()
         assert versions["drafter"] >= 3  # restored weights were served under a new version
         assert [slot.restarts for slot in core._slots] == [1, 0]  # the killed client was replaced
         assert len(core.client_results) == 2 and all(r["pid"] != os.getpid() for r in core.client_results)
-        assert sum(r["finished"] for r in core.client_results) >= 4 * 4 * 4  # 4 steps x 4 groups x 4 episodes
+        assert all(r["finished"] > 0 for r in core.client_results)  # the replacement worked too
+        # What the killed actor finished before it died is in no actor's result, but it was trained.
+        assert core.server.registry.counters["trained"] == 4 * 4 * 4  # 4 steps x 4 groups x 4 episodes
 
         # Budget spent (max_restarts 1): the next death ends the run as failed, with the reason.
         os.kill(drafter.info["pid"], signal.SIGKILL)

@@ -28,13 +28,13 @@ SWARM = BIN / "swarm"
 # A study brief that runs the real `swarm run` on the tiny config, kept as short as it can be.
 TINY_BRIEF = """---
 title: {title}
-objective: {{metric: reward/mean, direction: maximize}}
+objective: {{metric: {metric}, direction: maximize}}
 budget: {{max_runs: 8, max_rounds: {rounds}}}
 run:
   base_config: configs/tiny.yaml
   overrides: {{trainer.steps: 4, trainer.batch_groups: 2}}
 search_space:
-  trainer.lr: {{kind: choice, values: [0.0, 0.01]}}
+  {space}
 seeds: {seeds}
 approval: {{config_only: {approval}}}
 planner: {{seed: 0, heuristic: {{arms: 2, eta: 2, min_steps: 2}}}}
@@ -63,10 +63,17 @@ def require_swarm() -> None:
         pytest.skip("the core's `swarm run` is not available yet")
 
 
+# A study whose every choice is a function of its config, not of sampling noise: more groups per
+# step log more samples, so two runs of it must propose, launch and decide the same things.
+DETERMINISTIC = {"metric": "train/samples", "space": "trainer.batch_groups: {kind: choice, values: [2, 3]}"}
+
+
 def write_brief(folder: Path, name: str = "brief", *, approval: str = "auto", rounds: int = 2,
-                seeds: str = "[0]", title: str = "tiny test") -> Path:
+                seeds: str = "[0]", title: str = "tiny test", metric: str = "reward/mean",
+                space: str = "trainer.lr: {kind: choice, values: [0.0, 0.01]}") -> Path:
     path = folder / f"{name}.md"
-    path.write_text(TINY_BRIEF.format(approval=approval, rounds=rounds, seeds=seeds, title=title))
+    path.write_text(TINY_BRIEF.format(approval=approval, rounds=rounds, seeds=seeds, title=title, metric=metric,
+                                      space=space))
     return path
 
 
