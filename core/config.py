@@ -97,6 +97,9 @@ class TrainerConfig(Strict):
     kl_coef: float = Field(0.0, ge=0)  # k3 KL to the reference (the base model; adapters off with LoRA)
     episode_weighting: bool = False  # weight each episode 1/its trained tokens so long ones do not dominate
     merge: Literal["none", "linear", "tree"] = "linear"
+    # Hold a group's common prompt once in training (tree samples): its episodes share the task's
+    # prompt, which with short completions is most of the tokens (GRPO groups of 8: ~2x fewer).
+    share_prompt: bool = True
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
     # Drop episodes whose oldest generating weights are more than this many versions behind; >= 1

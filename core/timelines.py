@@ -24,6 +24,12 @@ Deliberate choices:
 - Tokens after the last generated token of a path carry no gradient and are left out, as are calls
   that generated nothing.
 
+Across episodes, ``share_prompt`` packs the samples of one group (episodes of one task, so the
+same prompt) into tree samples that hold their common untrained prefix once: a GRPO group of 8
+re-presents the same prompt 8 times, and with short completions the prompt is most of the tokens.
+Only untrained tokens are shared; generated tokens never are, since two episodes' copies of a token
+carry different advantages and the clipped PPO term is not additive across them.
+
 This module is pure Python. It does not pad, batch or touch a model (see ``core.train.packing``),
 and it does not compute advantages (the trainer sets ``Sample.advantage``).
 """
@@ -58,6 +64,10 @@ class Sample:
     episode_id: str = ""
     advantage: float = 0.0  # set by the trainer from the episode's group
     weight: float = 1.0  # per-sample loss weight (episode weighting)
+    # Per-token advantage and weight, for samples holding several episodes (`share_prompt`); None
+    # means `advantage` and `weight` on every token.
+    advantages: list[float] | None = None
+    weights: list[float] | None = None
     min_version: int | None = None  # oldest weight version that generated a masked token
     # Temperature each token's behaviour logprob is of, so the trainer scores it the same way;
     # 1.0 off the mask. None means 1.0 everywhere.
@@ -72,6 +82,9 @@ class Sample:
         }
         if self.parents is not None:
             lengths["parents"] = len(self.parents)
+        for name in ("advantages", "weights"):
+            if getattr(self, name) is not None:
+                lengths[name] = len(getattr(self, name))
         if self.temperatures is not None:
             lengths["temperatures"] = len(self.temperatures)
             if any(not t > 0 for t in self.temperatures):
@@ -83,6 +96,16 @@ class Sample:
     @property
     def num_masked(self) -> int:
         return sum(self.loss_mask)
+
+    def token_advantages(self) -> list[float]:
+        return self.advantages if self.advantages is not None else [self.advantage] * len(self.input_ids)
+
+    def token_weights(self) -> list[float]:
+        return self.weights if self.weights is not None else [self.weight] * len(self.input_ids)
+
+    def predictors(self) -> list[int]:
+        """Index of the token whose context predicts each token: its parent in a tree, else the one before."""
+        return list(self.parents) if self.parents is not None else list(range(-1, len(self.input_ids) - 1))
 
 
 class MergeStats(TypedDict):
@@ -311,3 +334,73 @@ def merge_stats(calls: Sequence[Call]) -> MergeStats:
         tree_ratio=_ratio(unmerged, tree),
         linear_efficiency=_ratio(tree, linear),
     )
+
+
+def _untrained_chain(sample: Sample) -> int:
+    """Length of the sample's leading run of untrained tokens that form a plain line (0, 1, 2, ...)."""
+    predictors = sample.predictors()
+    n = 0
+    while (n < len(sample.input_ids) and not sample.loss_mask[n] and sample.position_ids[n] == n
+           and predictors[n] == n - 1):
+        n += 1
+    return n
+
+
+def _common_prefix(samples: Sequence[Sample]) -> int:
+    """Tokens every sample starts with that are untrained and in a line: the part that can be held once."""
+    n = min(_untrained_chain(s) for s in samples)
+    first = samples[0].input_ids
+    for s in samples[1:]:
+        n = next((i for i in range(n) if s.input_ids[i] != first[i]), n)
+    return n
+
+
+def _shared(samples: Sequence[Sample], prefix: int) -> Sample:
+    """One tree sample: `prefix` tokens once, then each sample's remaining tokens hanging off them."""
+    ids = list(samples[0].input_ids[:prefix])
+    mask, logprobs, positions = [False] * prefix, [0.0] * prefix, list(range(prefix))
+    parents, temperatures = list(range(-1, prefix - 1)), [1.0] * prefix
+    advantages, weights = [0.0] * prefix, [0.0] * prefix  # untrained tokens: never read by the loss
+    for s in samples:
+        offset = len(ids) - prefix  # where this sample's token `prefix` lands, less `prefix`
+        predictors = s.predictors()
+        ids += s.input_ids[prefix:]
+        mask += s.loss_mask[prefix:]
+        logprobs += s.logprobs[prefix:]
+        positions += s.position_ids[prefix:]
+        parents += [q if q < prefix else q + offset for q in predictors[prefix:]]
+        temperatures += (s.temperatures or [1.0] * len(s.input_ids))[prefix:]
+        advantages += s.token_advantages()[prefix:]
+        weights += s.token_weights()[prefix:]
+    versions = [s.min_version for s in samples if s.min_version is not None]
+    return Sample(input_ids=ids, loss_mask=mask, logprobs=logprobs, position_ids=positions, parents=parents,
+                  episode_id=",".join(dict.fromkeys(s.episode_id for s in samples)),
+                  min_version=min(versions) if versions else None, temperatures=temperatures,
+                  advantages=advantages, weights=weights)
+
+
+def share_prompt(samples: Sequence[Sample], max_tokens: int) -> list[Sample]:
+    """The samples of one group with their common untrained prefix held once, in tree samples.
+
+    Samples are taken in order into tree samples of at most `max_tokens` tokens each (a sample longer
+    than that stays as it is). Every token keeps its context, position, temperature, advantage and
+    weight, so the loss and its gradient are those of the unshared samples. Samples with no common
+    prefix come back unchanged.
+    """
+    if len(samples) < 2:
+        return list(samples)
+    prefix = _common_prefix(samples)
+    if prefix == 0:
+        return list(samples)
+    out: list[Sample] = []
+    chunk: list[Sample] = []
+    size = prefix
+    for s in samples:
+        extra = len(s.input_ids) - prefix
+        if chunk and size + extra > max_tokens:
+            out.append(_shared(chunk, prefix) if len(chunk) > 1 else chunk[0])
+            chunk, size = [], prefix
+        chunk.append(s)
+        size += extra
+    out.append(_shared(chunk, prefix) if len(chunk) > 1 else chunk[0])
+    return out

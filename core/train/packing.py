@@ -49,8 +49,8 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, T] long, PAD_ID on padding
     loss_mask: torch.Tensor  # [B, T] bool, False on padding
     old_logprobs: torch.Tensor  # [B, T] float32 behaviour logprobs, 0 off the mask
-    advantages: torch.Tensor  # [B, T] float32, each sample's advantage on every position
-    weights: torch.Tensor  # [B, T] float32, each sample's weight on every position
+    advantages: torch.Tensor  # [B, T] float32, each token's advantage (its episode's)
+    weights: torch.Tensor  # [B, T] float32, each token's loss weight
     temperatures: torch.Tensor  # [B, T] float32, the temperature each token is scored at; 1 on padding
     position_ids: torch.Tensor  # [B, T] long: index for linear rows, depth for tree rows
     predictor_index: torch.Tensor  # [B, T] long: position whose logits predict each token; -1 if none
@@ -119,12 +119,6 @@ def _first_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[lis
     return groups
 
 
-def _predictors(sample: Sample) -> list[int]:
-    if sample.parents is not None:
-        return list(sample.parents)
-    return list(range(-1, len(sample.input_ids) - 1))
-
-
 def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
     batch = [samples[r] for r in rows]
     width = max(len(s.input_ids) for s in batch)
@@ -143,13 +137,12 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         input_ids[row, :n] = torch.tensor(s.input_ids, dtype=torch.long)
         loss_mask[row, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
         old_logprobs[row, :n] = torch.tensor(s.logprobs, dtype=torch.float32)
-        advantages[row, :n] = s.advantage
-        weights[row, :n] = s.weight
+        advantages[row, :n] = torch.tensor(s.token_advantages(), dtype=torch.float32)
+        weights[row, :n] = torch.tensor(s.token_weights(), dtype=torch.float32)
         if s.temperatures is not None:
             temperatures[row, :n] = torch.tensor(s.temperatures, dtype=torch.float32)
         position_ids[row, :n] = torch.tensor(s.position_ids, dtype=torch.long)
-        predictors = _predictors(s)
-        predictor_index[row, :n] = torch.tensor(predictors, dtype=torch.long)
+        predictor_index[row, :n] = torch.tensor(s.predictors(), dtype=torch.long)
         attention[row, :n] = 1
     return MicroBatch(
         input_ids=input_ids,

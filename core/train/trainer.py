@@ -9,7 +9,9 @@ keep the engine generating through `backward` and swap weights in between two de
 3. samples: each episode's calls of this model merged into training samples (``core.timelines``),
    carrying their episode's advantage and, with ``episode_weighting``, a weight of 1 / the
    episode's trained tokens so that every episode counts the same however long it ran;
-4. micro-batches: samples packed to ``micro_batch_tokens`` padded tokens (``core.train.packing``);
+4. micro-batches: with ``share_prompt``, each group's samples first become tree samples holding the
+   group's common prompt once (``core.timelines.share_prompt``); then samples are packed to
+   ``micro_batch_tokens`` padded tokens (``core.train.packing``);
 5. loss: token-level PPO-clip (or, with ``tis_cap``, truncated importance sampling) on the behaviour
    logprobs the engine recorded, each token scored at its call's sampling temperature, plus an optional k3 KL
    to the reference (a frozen copy of the initial weights, or the base model with LoRA adapters
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 from core.config import LoraConfig, TrainerConfig
 from core.records import Episode
-from core.timelines import Sample, merge_calls, merge_stats
+from core.timelines import Sample, merge_calls, merge_stats, share_prompt
 from core.train.advantages import group_advantages
 from core.train.loss import policy_loss
 from core.train.packing import pack, token_logprobs
@@ -158,9 +160,13 @@ class Trainer:
         started = time.perf_counter()
         rewards = [[_reward(e, self.model_name) for e in group] for group in groups]
         advantages = group_advantages(rewards, self.cfg.advantage)
-        samples, unmerged, linear = self._samples(groups, advantages)
-        # Zero-advantage tokens have a zero PPO term; without KL they need no forward pass.
-        active = samples if self.cfg.kl_coef > 0 else [s for s in samples if s.advantage != 0.0]
+        grouped, unmerged, linear = self._samples(groups, advantages)
+        samples = [s for group in grouped for s in group]
+        active: list[Sample] = []
+        for group in grouped:
+            # Zero-advantage tokens have a zero PPO term; without KL they need no forward pass.
+            running = group if self.cfg.kl_coef > 0 else [s for s in group if s.advantage != 0.0]
+            active += share_prompt(running, self.cfg.micro_batch_tokens) if self.cfg.share_prompt else running
         return PreparedStep(groups, rewards, samples, active, sum(s.weight * s.num_masked for s in samples),
                             unmerged, linear, started=started)
 
@@ -217,11 +223,14 @@ class Trainer:
         metrics.update(_per_sandbox_rewards(prepared.groups, prepared.rewards))
         return metrics
 
-    def _samples(self, groups: list[list[Episode]], advantages: list[list[float]]) -> tuple[list[Sample], int, int]:
-        """Merged samples of every episode with advantage and weight set; plus merge token counts."""
-        samples: list[Sample] = []
+    def _samples(self, groups: list[list[Episode]],
+                 advantages: list[list[float]]) -> tuple[list[list[Sample]], int, int]:
+        """Each group's merged samples with advantage and weight set; plus merge token counts."""
+        grouped: list[list[Sample]] = []
         unmerged = linear = 0
         for group, group_adv in zip(groups, advantages):
+            samples: list[Sample] = []
+            grouped.append(samples)
             for episode, advantage in zip(group, group_adv):
                 calls = episode.calls_of(self.model_name)
                 stats = merge_stats(calls)
@@ -233,7 +242,7 @@ class Trainer:
                     s.advantage = advantage
                     s.weight = 1.0 / tokens if self.cfg.episode_weighting else 1.0
                 samples.extend(episode_samples)
-        return samples, unmerged, linear
+        return grouped, unmerged, linear
 
     def _accumulate(self, samples: list[Sample], normalizer: float) -> dict[str, float]:
         """Forward and backward every micro-batch; gradients sum in `.grad`. Returns detached sums."""

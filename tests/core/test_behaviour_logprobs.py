@@ -13,7 +13,7 @@ from core.engine import SamplingParams
 from core.engine.hf import HFEngine
 from core.models import build_tiny
 from core.records import Call
-from core.timelines import merge_calls
+from core.timelines import merge_calls, share_prompt
 from core.train.packing import pack, token_logprobs
 
 
@@ -58,6 +58,18 @@ def test_ppo_ratio_before_any_update_is_one_at_temperature_0_7(episode_calls, mo
     if mode != "none":
         assert sum(len(s.input_ids) for s in samples) < sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
     r = ratios(model, samples)
+    assert r.numel() == sum(len(c.completion_ids) for c in calls)
+    assert float((r - 1).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["none", "linear", "tree"])
+def test_ppo_ratio_is_one_when_a_groups_shared_prompt_is_held_once(episode_calls, mode):
+    # The three calls start with the same prompt, like the episodes of one group.
+    model, calls = episode_calls
+    samples = merge_calls(calls, mode)
+    shared = share_prompt(samples, max_tokens=4096)
+    assert len(shared) == 1 and shared[0].parents is not None
+    r = ratios(model, shared)
     assert r.numel() == sum(len(c.completion_ids) for c in calls)
     assert float((r - 1).abs().max()) < 1e-4
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.records import Call
-from core.timelines import MERGE_MODES, Sample, merge_calls, merge_stats
+from core.timelines import MERGE_MODES, Sample, merge_calls, merge_stats, share_prompt
 
 
 def call(
@@ -268,23 +268,26 @@ def generated_prefixes(calls: list[Call]) -> dict[tuple[int, ...], float]:
     return out
 
 
-def trained_prefixes(samples: list[Sample]) -> list[tuple[tuple[int, ...], float]]:
+def trained(samples: list[Sample]) -> list[tuple[tuple[int, ...], float, float, float]]:
+    """(full context + token, behaviour logprob, advantage, weight) of every trained token."""
     out = []
     for s in samples:
+        predictors, advantages, weights = s.predictors(), s.token_advantages(), s.token_weights()
         for i in range(len(s.input_ids)):
             if not s.loss_mask[i]:
                 continue
-            if s.parents is None:
-                context = s.input_ids[: i + 1]
-            else:
-                chain, j = [], i
-                while j >= 0:
-                    chain.append(s.input_ids[j])
-                    j = s.parents[j]
-                context = chain[::-1]
+            chain, j = [], i
+            while j >= 0:
+                chain.append(s.input_ids[j])
+                j = predictors[j]
+            context = chain[::-1]
             assert s.position_ids[i] == len(context) - 1
-            out.append((tuple(context), s.logprobs[i]))
+            out.append((tuple(context), s.logprobs[i], advantages[i], weights[i]))
     return out
+
+
+def trained_prefixes(samples: list[Sample]) -> list[tuple[tuple[int, ...], float]]:
+    return [(context, logprob) for context, logprob, _, _ in trained(samples)]
 
 
 @settings(max_examples=200, deadline=None)
@@ -297,3 +300,59 @@ def test_merged_modes_train_each_generated_token_once_with_its_own_logprob(calls
     stats = merge_stats(calls)
     assert stats["tree_tokens"] <= stats["linear_tokens"] <= stats["unmerged_tokens"]
     assert stats["masked_tokens"] == len(expected)
+
+
+# --- sharing a group's prompt: fewer tokens, every trained token as it was ----------------------------
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> list[list[Call]]:
+    """Episodes of one task: random episodes whose every call starts with the task's prompt."""
+    prompt = draw(st.lists(TOKENS, min_size=1, max_size=5))
+    return [[c.model_copy(update={"prompt_ids": prompt + c.prompt_ids}) for c in draw(episodes())]
+            for _ in range(draw(st.integers(1, 5)))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups(), st.sampled_from(MERGE_MODES), st.integers(1, 60))
+def test_a_shared_prompt_keeps_every_trained_token_with_its_context_advantage_and_weight(
+    group: list[list[Call]], mode: str, max_tokens: int
+) -> None:
+    samples = []
+    for i, calls in enumerate(group):
+        for s in merge_calls(calls, mode, episode_id=f"e{i}"):
+            s.advantage, s.weight = float(i) - 1.5, 1.0 / (i + 1)  # distinct per episode
+            samples.append(s)
+    shared = share_prompt(samples, max_tokens)
+    assert sorted(trained(shared)) == sorted(trained(samples))
+    assert sum(len(s.input_ids) for s in shared) <= sum(len(s.input_ids) for s in samples)
+    for s in shared:
+        assert all(-1 <= p < j for j, p in enumerate(s.predictors()))  # still a tree, parents first
+        if len(s.input_ids) > max_tokens:  # only a sample over the budget on its own may exceed it
+            assert s in samples
+
+
+def test_a_group_of_one_prompt_holds_it_once_in_one_tree_sample() -> None:
+    prompt = [1, 2, 3, 4, 5]
+    samples = [merge_calls([call(prompt, [10 + i, 20 + i])], "linear", episode_id=f"e{i}")[0] for i in range(4)]
+    for i, s in enumerate(samples):
+        s.advantage = float(i)
+    (shared,) = share_prompt(samples, max_tokens=4096)
+    assert shared.input_ids == prompt + [10, 20, 11, 21, 12, 22, 13, 23]
+    assert shared.parents == [-1, 0, 1, 2, 3, 4, 5, 4, 7, 4, 9, 4, 11]  # every answer hangs off the prompt's end
+    assert shared.position_ids == [0, 1, 2, 3, 4, 5, 6, 5, 6, 5, 6, 5, 6]
+    assert shared.advantages == [0.0] * 5 + [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert shared.episode_id == "e0,e1,e2,e3" and shared.num_masked == 8
+
+
+def test_prompts_that_differ_from_the_first_token_are_left_alone() -> None:
+    samples = [merge_calls([call([t, 2, 3], [10])], "linear")[0] for t in (1, 7)]
+    assert share_prompt(samples, max_tokens=4096) == samples
+
+
+def test_a_budget_splits_the_group_and_each_part_holds_the_prompt_once() -> None:
+    prompt = [1, 2, 3, 4]
+    samples = [merge_calls([call(prompt, [10 + i, 20 + i])], "linear")[0] for i in range(5)]
+    shared = share_prompt(samples, max_tokens=len(prompt) + 4)  # room for two answers of 2 tokens
+    assert [len(s.input_ids) for s in shared] == [8, 8, 6]
+    assert [s.input_ids[:4] for s in shared] == [prompt] * 3

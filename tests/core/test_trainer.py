@@ -175,7 +175,8 @@ def test_groups_with_equal_rewards_leave_the_weights_alone_but_count_as_a_step()
 def test_micro_batch_budget_does_not_change_the_update():
     results = []
     for budget in (16, 4096):
-        trainer = tiny_trainer(micro_batch_tokens=budget, kl_coef=0.05)
+        # share_prompt off: a 16-token budget has no room to share the prompt, 4096 would.
+        trainer = tiny_trainer(micro_batch_tokens=budget, kl_coef=0.05, share_prompt=False)
         groups = x_groups(trainer.policy)
         metrics = trainer.step(groups)
         results.append((weights(trainer.policy), metrics))
@@ -194,7 +195,7 @@ def test_merge_modes_train_the_same_tokens_to_the_same_gradient():
     # merged into lines or packed as a tree; only the work differs.
     results = {}
     for mode in ("none", "linear", "tree"):
-        trainer = tiny_trainer(merge=mode)
+        trainer = tiny_trainer(merge=mode, share_prompt=False)  # the modes' own token counts
         chain = make_episode(trainer.policy, "chain", ["ab", "xy", "c"], reward=1.0, group_size=2)
         # A retry: the same prompt answered twice, so the episode branches after the prompt.
         retry = make_episode(trainer.policy, "retry", ["ab"], reward=0.0, group_size=2)
@@ -206,6 +207,25 @@ def test_merge_modes_train_the_same_tokens_to_the_same_gradient():
         assert results[mode]["train/grad_norm"] == pytest.approx(results["none"]["train/grad_norm"], rel=1e-4)
         assert results[mode]["train/loss"] == pytest.approx(results["none"]["train/loss"], abs=1e-6)
     assert results["tree"]["train/tokens"] < results["linear"]["train/tokens"] < results["none"]["train/tokens"]
+
+
+def test_a_groups_shared_prompt_trains_to_the_same_gradient_on_fewer_tokens():
+    # Two groups of four one-call episodes, with episode weighting so advantages and weights both vary.
+    results = {}
+    for share in (False, True):
+        trainer = tiny_trainer(share_prompt=share, episode_weighting=True, kl_coef=0.05)
+        results[share] = (trainer.step(x_groups(trainer.policy)), weights(trainer.policy))
+    (plain, plain_w), (shared, shared_w) = results[False], results[True]
+    assert shared["train/loss"] == pytest.approx(plain["train/loss"], abs=1e-6)
+    assert shared["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-4)
+    assert shared["train/kl"] == pytest.approx(plain["train/kl"], abs=1e-6)
+    assert shared["train/trained_tokens"] == plain["train/trained_tokens"]
+    prompt = len(encode(PROMPT))  # held once per group instead of once per episode: 3 of 4 copies saved
+    assert shared["train/tokens"] == plain["train/tokens"] - 2 * 3 * prompt
+    # A tree mask sums attention in another order than the causal path, and Adam's first step turns
+    # a float-noise difference on a near-zero gradient into up to ~lr/100; a real one is lr (3e-3).
+    for name in plain_w:
+        torch.testing.assert_close(shared_w[name], plain_w[name], rtol=0, atol=1e-4)
 
 
 def test_episode_weighting_gives_every_episode_the_same_say():
