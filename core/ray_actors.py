@@ -31,10 +31,21 @@ from core.server import load_policies
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
 
+class NotAdopted(RuntimeError):
+    """A call reached a model actor the driver has not adopted: Ray restarted it, and it holds initial weights."""
+
+
 class ModelActor:
-    """One model's engine and trainer; `cfg_data` is the run config dumped, `name` the model's."""
+    """One model's engine and trainer; `cfg_data` is the run config dumped, `name` the model's.
+
+    Ray restarts a dead actor by running `__init__` again, and calls then reach the new process as
+    if nothing had happened. Until the driver adopts it (`adopt`, after restoring the last checkpoint
+    into it), the engine and trainer calls raise `NotAdopted`: a fresh actor must not serve initial
+    weights, train on from them, or save them as the run's next checkpoint.
+    """
 
     def __init__(self, cfg_data: dict[str, Any], name: str):
+        self.adopted = False
         cfg = RunConfig.model_validate(cfg_data)
         seed_everything(cfg.trainer.seed)
         mc = next(m for m in cfg.models if m.name == name)
@@ -44,6 +55,11 @@ class ModelActor:
         self.trainer = Trainer(self.policy.model, cfg.trainer, name, lora=mc.lora is not None) if mc.trainable else None
         self.prepared: PreparedStep | None = None
 
+    async def adopt(self) -> dict[str, Any]:
+        """The driver takes this actor on (first start, or restored after a restart): it serves from now on."""
+        self.adopted = True
+        return await self.info()
+
     async def info(self) -> dict[str, Any]:
         t = self.trainer
         return {"pid": os.getpid(), "version": self.engine.version, "max_context": self.engine.max_context,
@@ -52,12 +68,15 @@ class ModelActor:
 
     # -- the engine -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        self._serving()
         return await self.engine.generate(prompt_ids, params)
 
     async def pause(self) -> None:
+        self._serving()
         await asyncio.to_thread(self.engine.pause_blocking)
 
     async def hold(self) -> None:
+        self._serving()
         self.engine.hold()
 
     async def resume(self, new_version: int | None) -> int:
@@ -93,12 +112,18 @@ class ModelActor:
 
     async def restore(self, path: str) -> None:
         ckpt = checkpoint.load(path)
-        await asyncio.to_thread(checkpoint.restore_one, ckpt, self.name, self._trainer())
+        await asyncio.to_thread(checkpoint.restore_one, ckpt, self.name, self._trainer(adopted=False))
 
     async def close(self) -> None:
         self.engine.close()
 
-    def _trainer(self) -> Trainer:
+    def _serving(self) -> None:
+        if not self.adopted:
+            raise NotAdopted(f"model actor {self.name!r} was restarted and is not restored yet")
+
+    def _trainer(self, adopted: bool = True) -> Trainer:
+        if adopted:
+            self._serving()
         if self.trainer is None:
             raise RuntimeError(f"model {self.name!r} is not trainable")
         return self.trainer

@@ -37,7 +37,7 @@ from core.chat import ChatRenderer
 from core.config import RunConfig
 from core.engine import Generation, SamplingParams
 from core.placement import PlacementError
-from core.ray_actors import ClientActor, ModelActor
+from core.ray_actors import ClientActor, ModelActor, NotAdopted
 from core.run import CLIENT_DRAIN_S, CoreRun
 from core.server import Server
 from core.state import Policy
@@ -64,7 +64,7 @@ class ActorLink:
     def __init__(self, handle: Any, name: str, cfg: RunConfig, on_lost: Callable[[BaseException], None]):
         self.handle, self.name, self.on_lost = handle, name, on_lost
         self.checkpoint_dir, self.max_restarts = cfg.trainer.checkpoint_dir, cfg.placement.max_restarts
-        self.info = ray.get(handle.info.remote())
+        self.info = ray.get(handle.adopt.remote())
         self.version: int = self.info["version"]
         self.restarts = 0
         self.epoch = 0  # goes up with each recovery, so calls that failed together recover once
@@ -76,7 +76,7 @@ class ActorLink:
         epoch = self.epoch
         try:
             return ray.get(getattr(self.handle, method).remote(*args))
-        except RayActorError as e:
+        except (RayActorError, NotAdopted) as e:  # died, or restarted by Ray behind our back
             self.recover(epoch, e)
             if retry and self.dead is None:
                 return ray.get(getattr(self.handle, method).remote(*args))
@@ -86,7 +86,7 @@ class ActorLink:
         epoch = self.epoch
         try:
             return await getattr(self.handle, method).remote(*args)
-        except RayActorError as e:
+        except (RayActorError, NotAdopted) as e:
             if self._lock.locked():  # another call is restoring it: wait without holding a thread
                 while self.epoch == epoch and self.dead is None:
                     await asyncio.sleep(RESTART_POLL_S)
@@ -116,7 +116,7 @@ class ActorLink:
                     log.warning("model %r restarted from its initial weights: no checkpoint yet", self.name)
                 # New weights, new version: episodes generated before stay older than what is served now.
                 self.version = ray.get(self.handle.resume.remote(self.version + 1))
-                self.info = ray.get(self.handle.info.remote())
+                self.info = ray.get(self.handle.adopt.remote())
             except Exception as e:  # cannot come back: the run cannot train this model any more
                 return self._give_up(f"model actor {self.name!r} could not be restored: {e}")
             self.epoch += 1
