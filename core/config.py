@@ -98,7 +98,7 @@ class TrainerConfig(Strict):
     episode_weighting: bool = False  # weight each episode 1/its trained tokens so long ones do not dominate
     merge: Literal["none", "linear", "tree"] = "linear"
     # Hold a group's common prompt once in training (tree samples): its episodes share the task's
-    # prompt, which with short completions is most of the tokens (GRPO groups of 8: ~2x fewer).
+    # prompt, which with short completions is most of the tokens (groups of 8 on bench/share_prompt.py: 3x fewer).
     share_prompt: bool = True
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
