@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup test test-fast test-vllm demo core-demo bench bench-setup clean
+.PHONY: setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup clean
 
 setup: $(STAMP)
 
@@ -65,6 +65,8 @@ $(VLLM_STAMP): pyproject.toml $(STAMP)
 # takes vLLM's process-wide state with it, which broke the weight-sync tests that ran after it
 # while they pass alone. Everything sharing the session engine runs first, the LoRA engine alone.
 VLLM_OWN_ENGINE := tests/vllm/test_lora_sync.py
+
+vllm-setup: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	env -u PYTHONDONTWRITEBYTECODE $(VLLM_BIN)/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
