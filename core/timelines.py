@@ -392,15 +392,12 @@ def share_prompt(samples: Sequence[Sample], max_tokens: int) -> list[Sample]:
     prefix = _common_prefix(samples)
     if prefix == 0:
         return list(samples)
-    out: list[Sample] = []
-    chunk: list[Sample] = []
+    chunks: list[list[Sample]] = [[]]
     size = prefix
     for s in samples:
-        extra = len(s.input_ids) - prefix
-        if chunk and size + extra > max_tokens:
-            out.append(_shared(chunk, prefix) if len(chunk) > 1 else chunk[0])
-            chunk, size = [], prefix
-        chunk.append(s)
-        size += extra
-    out.append(_shared(chunk, prefix) if len(chunk) > 1 else chunk[0])
-    return out
+        if chunks[-1] and size + len(s.input_ids) - prefix > max_tokens:
+            chunks.append([])
+            size = prefix
+        chunks[-1].append(s)
+        size += len(s.input_ids) - prefix
+    return [_shared(chunk, prefix) if len(chunk) > 1 else chunk[0] for chunk in chunks]
