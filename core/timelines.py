@@ -75,20 +75,10 @@ class Sample:
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
-        lengths = {
-            "loss_mask": len(self.loss_mask),
-            "logprobs": len(self.logprobs),
-            "position_ids": len(self.position_ids),
-        }
-        if self.parents is not None:
-            lengths["parents"] = len(self.parents)
-        for name in ("advantages", "weights"):
-            if getattr(self, name) is not None:
-                lengths[name] = len(getattr(self, name))
-        if self.temperatures is not None:
-            lengths["temperatures"] = len(self.temperatures)
-            if any(not t > 0 for t in self.temperatures):
-                raise ValueError("sample temperatures must be positive")
+        per_token = ("loss_mask", "logprobs", "position_ids", "parents", "advantages", "weights", "temperatures")
+        lengths = {name: len(getattr(self, name)) for name in per_token if getattr(self, name) is not None}
+        if self.temperatures is not None and any(not t > 0 for t in self.temperatures):
+            raise ValueError("sample temperatures must be positive")
         bad = {k: v for k, v in lengths.items() if v != n}
         if bad:
             raise ValueError(f"sample has {n} input_ids but mismatched lengths {bad}")

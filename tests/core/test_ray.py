@@ -8,6 +8,7 @@ restart budget spent, a second death ends the run as failed.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -19,7 +20,9 @@ from typer.testing import CliRunner
 
 from core.cli import app
 from core.config import ConfigError, load_config
+from core.engine import SamplingParams
 from core.placement import describe, plan
+from core.ray_actors import ModelActor, NotAdopted
 from tests.ray_cluster import local_ray_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,11 +106,6 @@ def ray_address():
 def test_a_model_actor_serves_and_trains_only_once_the_driver_adopts_it(tmp_path):
     # What Ray's restart of a dead actor looks like from inside: `__init__` runs again, with initial
     # weights. Until adopted, it must not generate, train or write a checkpoint.
-    import asyncio
-
-    from core.engine import SamplingParams
-    from core.ray_actors import ModelActor, NotAdopted
-
     cfg = load_config(ROOT / "configs/tiny.yaml", [f"trainer.checkpoint_dir={tmp_path}"])
     actor = ModelActor(cfg.model_dump(), "policy")
     try:
