@@ -3,7 +3,8 @@
 Times, as fresh processes from the venv's Python:
 - `swarm --help` and `researcher --help`;
 - `researcher study status NAME` on a study created for the purpose (nothing has run in it);
-- `swarm run configs/tiny.yaml` until its log line for step 1, and until the process exits (1 step).
+- `swarm run configs/tiny.yaml` until its log line for step 1, and until the process exits (1 step):
+  the gap is the run's shutdown (clients, server, MLflow run) and Python's own teardown.
 
 Each tree is a checkout of this project (`--tree DIR`, default this one); another commit's tree is
 made with `git archive <commit> | tar -x -C DIR`. Trees run with the same venv, `PYTHONPATH` set to
@@ -116,26 +117,26 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", SETUP_STUDY, str(own / "studies"), STUDY, f"sqlite:///{own}/mlflow.db"],
                        cwd=tree, env=environment(Arm("setup", tree, True), own), check=True, capture_output=True)
     names = [n for n in commands(scratch) if not args.only or n in args.only]
-    results: dict[tuple[str, str], list[Timing]] = {}
+    results: dict[tuple[str, str], list[tuple[Timing, Timing]]] = {}  # (to the marker or exit, to exit)
     for repeat in range(args.repeats):
         for name in names:
             for arm in arms:
                 own = scratches[arm.tree]
                 cmd, marker = commands(own)[name]
                 total, first = timed(cmd, arm.tree, environment(arm, own), marker)
-                results.setdefault((name, arm.label), []).append(first or total)
+                results.setdefault((name, arm.label), []).append((first or total, total))
                 print(f"repeat {repeat + 1} {name:<28} {arm.label:<24} {(first or total).wall:6.2f} s wall "
-                      f"{total.cpu:6.2f} s cpu", flush=True)
+                      f"{total.wall:6.2f} s to exit {total.cpu:6.2f} s cpu", flush=True)
     load = os.getloadavg()[0]
-    header = f"{'command':<28}" + "".join(f" | {a.label[:22]:>22} wall  cpu" for a in arms) + (" | wall / first arm's" if len(arms) > 1 else "")
+    header = f"{'command':<28}" + "".join(f" | {a.label[:22]:>22} wall  exit   cpu" for a in arms) + (" | wall / first arm's" if len(arms) > 1 else "")
     print(f"\nmedian of {args.repeats}; load average at the end {load:.1f} on {os.cpu_count()} cores\n{header}")
     for name in names:
         cells, walls = [], []
         for arm in arms:
             runs = results[(name, arm.label)]
-            wall, cpu = statistics.median(r.wall for r in runs), statistics.median(r.cpu for r in runs)
+            wall, cpu = statistics.median(r.wall for r, _ in runs), statistics.median(t.cpu for _, t in runs)
             walls.append(wall)
-            cells.append(f" | {'':>16}{wall:6.2f} {cpu:5.2f}")
+            cells.append(f" | {'':>16}{wall:6.2f} {statistics.median(t.wall for _, t in runs):6.2f} {cpu:5.2f}")
         ratio = " | " + " ".join(f"{w / walls[0]:.2f}x" for w in walls[1:]) if len(arms) > 1 else ""
         print(f"{name:<28}{''.join(cells)}{ratio}")
 

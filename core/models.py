@@ -26,11 +26,12 @@ import torch
 import transformers.utils
 from filelock import FileLock
 
-# transformers' generation code imports scikit-learn's `roc_curve` whenever scikit-learn is installed
-# (MLflow installs it), for assisted generation's dynamic speculation, which swarmrl never uses: 1.8 s
-# of `swarm run`'s start-up (bench/startup.py). Saying it is absent skips that import, before the
-# model classes (and with them the generation code) load below.
+# transformers imports scikit-learn's `roc_curve` (generation: assisted decoding's dynamic speculation)
+# and scipy's `linear_sum_assignment` (losses of object-detection models) whenever they are installed,
+# and MLflow installs both. swarmrl uses neither: 1.8 s and 0.7 s of `swarm run`'s start-up
+# (bench/startup.py). Saying they are absent skips those imports, before the model classes load below.
 transformers.utils.is_sklearn_available = lambda: False
+transformers.utils.is_scipy_available = lambda: False
 
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 

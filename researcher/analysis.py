@@ -19,12 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 from mlflow.tracking import MlflowClient
-from scipy import stats
 
 from core.mlflow_history import one_per_step
 from researcher import decision
 from researcher.brief import MonitorSettings, Objective
+from researcher.lazy import lazy_module
 from researcher.records import ExperimentResult, Launch, Proposal, Summary
+
+# scipy.stats loads with the first interval (~1.2 s of CPU): every study process imports this module,
+# and most of them (a restart, a review, a launch) compute none.
+stats = lazy_module("scipy.stats")
 
 History = list[tuple[int, float]]  # (step, value), sorted by step
 

@@ -8,6 +8,8 @@ and turns every known error into one clear line and exit code 2.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import getpass
 import json
 import logging
@@ -38,6 +40,9 @@ from researcher.views import best_result, proposal_view, status_json
 
 # How long `stop` waits for the study process to release its lock after SIGTERM.
 _STOP_WAIT_S = 30.0
+# A study process holds LangGraph, MLflow and scipy: Python's final garbage collection over them costs
+# ~1.5 s of CPU at every exit, after the work is done; freezing the heap skips it (as `swarm` does).
+atexit.register(gc.freeze)
 
 app = typer.Typer(help="Automated research studies around swarmrl core runs.", no_args_is_help=True)
 study_app = typer.Typer(help="Start and manage studies.", no_args_is_help=True)

@@ -21,8 +21,9 @@ from rich.console import Console
 from rich.syntax import Syntax
 
 from researcher import inbox
-from researcher.brief import BriefError
+from researcher.brief import BriefError, load_brief
 from researcher.lazy import lazy_module
+from researcher.snapshot import read_state as read_snapshot
 from researcher.store import StudyError, StudyMeta, StudyPaths, load_meta, study_paths
 from researcher.views import proposal_diff, proposal_view
 
@@ -85,7 +86,7 @@ def propose(ctx: typer.Context, name: str,
     if text is None and not overrides:
         raise _fail("give --patch FILE, --set key=value, or both")
     try:
-        brief = runner.study_brief(paths, meta)
+        brief = load_brief(paths.brief, Path(meta.workdir))
     except BriefError as e:
         raise _fail(str(e)) from None
     if text is not None and brief.code is None:
@@ -104,7 +105,9 @@ def propose(ctx: typer.Context, name: str,
 
 def _state(ctx: typer.Context, name: str) -> tuple[StudyPaths, StudyMeta, dict]:
     paths, meta = _load(ctx, name)
-    values, _, _ = runner.read_state(paths, name)
+    # Straight from the checkpoint where it can, as `status` does: the study runtime (LangGraph, MLflow)
+    # costs ~5 s of CPU a command, and `show --wait` reads the state every poll.
+    values, _, _ = read_snapshot(paths, name) or runner.read_state(paths, name)
     return paths, meta, values
 
 
@@ -178,7 +181,7 @@ def checkout(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..
         raise _fail(f"study {name} has no proposal {proposal_id}")
     if view.kind == "code" and not view.commit:
         raise _fail(f"proposal {proposal_id} has no code version ({view.status})")
-    brief = runner.study_brief(paths, meta)
+    brief = load_brief(paths.brief, Path(meta.workdir))
     if brief.code is None or not values.get("workspace_base"):
         raise _fail(f"study {name} has no code workspace")
     if folder.exists() and any(folder.iterdir()):

@@ -61,20 +61,20 @@ def live_server():
         server.stop()
 
 
-# The modules holding the longest tests, longest first (`pytest --durations`, 2-core machine, 2026-12-02:
-# 330, 319, 306, 284, 168 s, ...). xdist hands tests out in collection order, so starting these first
-# lets the short ones fill in at the end; collected last, one worker ran the final study test alone.
+# The modules holding the longest tests, longest first (`pytest --durations`, 2-core machine, 2026-12-02
+# 06:35 UTC: 271, 251, 200, 157, 149 s, ...). xdist hands tests out in collection order, so starting
+# these first lets the short ones fill in at the end; collected last, one worker ran the final study test alone.
 LONGEST_FIRST = (
-    "tests/researcher/test_code_study.py",
-    "tests/researcher/test_study.py",
-    "tests/test_readme.py",
     "tests/researcher/test_decision_study.py",
+    "tests/test_readme.py",
+    "tests/researcher/test_study.py",
+    "tests/researcher/test_code_study.py",
     "tests/researcher/test_live_swap.py",
     "tests/core/test_chaos.py",
     "tests/core/test_ray.py",
-    "tests/researcher/test_review_rest.py",
-    "tests/researcher/test_ray_jobs.py",
     "tests/core/test_resume_mlflow.py",
+    "tests/researcher/test_ray_jobs.py",
+    "tests/researcher/test_review_rest.py",
     "tests/core/test_gateway.py",
 )
 

@@ -7,6 +7,8 @@ Exit 0: the study finished; 3: it waits for a review; killed: -9.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import signal
 import sys
@@ -18,6 +20,7 @@ from researcher.runner import new_study, run_study
 from researcher.store import study_paths
 
 WAITING = 3
+atexit.register(gc.freeze)  # as researcher.cli does: no final collection over LangGraph and MLflow at exit
 
 
 def main() -> int:

@@ -14,14 +14,16 @@ import pytest
 from mlflow import MlflowClient
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 6
+STEPS = 8
 # Measured with this engine (12-step run, stopped at 7): mean reward 0.09, 0.06 at steps 1-2, then
 # 0.51, 0.45, 0.39, 0.61, 0.48; the hf engine's step-to-step noise is about 0.15 (docs/benchmarks.md).
-# The mean of steps 4-6 over the mean of steps 1-2 measured about 0.4.
+# With overlap (max_staleness 1) the step at which it takes off depends on the machine's speed: run
+# beside the other vLLM tests it was 0.11, 0.18, 0.16, 0.21, 0.41, 0.31 at steps 1-6, so the last
+# three of eight steps are compared with the first two.
 MIN_GAIN = 0.2
 
 
-@pytest.mark.timeout(1800)  # vLLM start-up plus six SmolLM2 steps: minutes on 2 shared cores
+@pytest.mark.timeout(1800)  # vLLM start-up plus eight SmolLM2 steps: minutes on 2 shared cores
 def test_swarm_run_with_the_vllm_engine_learns_the_oneword_format(tmp_path):
     run_id_file = tmp_path / "run_id"
     cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "smollm2-oneword.yaml"), "--quiet",
