@@ -27,14 +27,14 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from core.config import ConfigError, flatten
-from researcher.brief import BriefError, load_brief
+from researcher.brief import BriefError
 from researcher.budget import Spent
 from researcher.code_cli import checkout, diff, print_diff, propose, show
 from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table, verdicts_table
 from researcher.lazy import lazy_module
 from researcher.planner import PlannerError, choose_planner
 from researcher.records import Decision
-from researcher.store import StudyError, StudyMeta, StudyPaths, list_studies, load_meta, owner_pid, study_paths
+from researcher.store import StudyError, StudyMeta, StudyPaths, list_studies, load_meta, owner_pid, study_brief, study_paths
 from researcher.snapshot import read_state as read_snapshot
 from researcher.views import best_result, proposal_view, status_json
 
@@ -213,9 +213,8 @@ def status(ctx: typer.Context, name: str,
            as_json: bool = typer.Option(False, "--json", help="Machine-readable: every proposal with its verdict.")) -> None:
     """Phase, budget used, pending reviews and the best result so far."""
     paths, meta = _load(ctx, name)
-    # Without the study runtime where it can (bench/startup.py): the brief as `runner.study_brief`
-    # reads it, the state straight from the checkpoint, MLflow only when a review may be pending.
-    brief = load_brief(paths.brief, Path(meta.workdir))
+    # Without the study runtime where it can (bench/startup.py): the state straight from the checkpoint, MLflow only when a review may be pending.
+    brief = study_brief(paths, meta)
     values, nxt, waiting = read_snapshot(paths, name) or runner.read_state(paths, name)
     pid = owner_pid(paths)
     phase = "done" if values and not nxt else ("review: waiting for decisions" if waiting else (nxt[0] if nxt else "new"))
@@ -314,7 +313,7 @@ def stop(ctx: typer.Context, name: str,
     else:
         console.print(f"study {name} is not running")
     if kill_runs:
-        brief = runner.study_brief(paths, meta)
+        brief = study_brief(paths, meta)
         keys = backends.stop_all(paths.state, f"stopped by {getpass.getuser()} (researcher study stop)", brief.launch.grace_s)
         console.print(f"stopped core runs: {', '.join(keys) or 'none were running'}")
 
@@ -323,7 +322,7 @@ def stop(ctx: typer.Context, name: str,
 def report(ctx: typer.Context, name: str) -> None:
     """Write the Markdown report of the study so far."""
     paths, meta = _load(ctx, name)
-    brief = runner.study_brief(paths, meta)
+    brief = study_brief(paths, meta)
     values, _, _ = runner.read_state(paths, name)
     base = flatten(brief.resolve_config(Path(meta.workdir)))
     from mlflow.tracking import MlflowClient

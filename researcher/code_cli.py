@@ -21,10 +21,10 @@ from rich.console import Console
 from rich.syntax import Syntax
 
 from researcher import inbox
-from researcher.brief import BriefError, load_brief
+from researcher.brief import BriefError
 from researcher.lazy import lazy_module
 from researcher.snapshot import read_state as read_snapshot
-from researcher.store import StudyError, StudyMeta, StudyPaths, load_meta, study_paths
+from researcher.store import StudyError, StudyMeta, StudyPaths, load_meta, study_brief, study_paths
 from researcher.views import proposal_diff, proposal_view
 
 # LangGraph and MLflow load with the first command that reads a study's state (see researcher.cli).
@@ -86,7 +86,7 @@ def propose(ctx: typer.Context, name: str,
     if text is None and not overrides:
         raise _fail("give --patch FILE, --set key=value, or both")
     try:
-        brief = load_brief(paths.brief, Path(meta.workdir))
+        brief = study_brief(paths, meta)
     except BriefError as e:
         raise _fail(str(e)) from None
     if text is not None and brief.code is None:
@@ -181,7 +181,7 @@ def checkout(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..
         raise _fail(f"study {name} has no proposal {proposal_id}")
     if view.kind == "code" and not view.commit:
         raise _fail(f"proposal {proposal_id} has no code version ({view.status})")
-    brief = load_brief(paths.brief, Path(meta.workdir))
+    brief = study_brief(paths, meta)
     if brief.code is None or not values.get("workspace_base"):
         raise _fail(f"study {name} has no code workspace")
     if folder.exists() and any(folder.iterdir()):

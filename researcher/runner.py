@@ -33,7 +33,7 @@ from researcher.planner import PlannerSpec
 from researcher.records import Decision, now_iso
 from researcher.workspace import Workspace
 from researcher.store import (StudyLock, StudyMeta, StudyPaths, create_study, default_swarm_command, experiment_name,
-                              load_meta, resolve_tracking_uri, study_paths)
+                              load_meta, resolve_tracking_uri, study_brief, study_paths)
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,6 @@ def new_study(studies_dir: Path, brief_path: Path, name: str, planner: PlannerSp
 
 def thread_config(name: str) -> dict[str, Any]:
     return {"configurable": {"thread_id": name}, "recursion_limit": RECURSION_LIMIT}
-
-
-def study_brief(paths: StudyPaths, meta: StudyMeta) -> Brief:
-    return load_brief(paths.brief, Path(meta.workdir))
 
 
 def _artifacts(paths: StudyPaths, meta: StudyMeta) -> Path | None:

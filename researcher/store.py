@@ -21,6 +21,7 @@ from typing import IO
 
 from pydantic import BaseModel
 
+from researcher.brief import Brief, load_brief
 from researcher.planner import PlannerSpec
 from researcher.records import now_iso
 
@@ -68,6 +69,11 @@ class StudyMeta(BaseModel):
     experiment: str
     planner: PlannerSpec
     created_at: str
+
+
+def study_brief(paths: StudyPaths, meta: StudyMeta) -> Brief:
+    """The study's brief, its relative paths resolved from the folder the study started in."""
+    return load_brief(paths.brief, Path(meta.workdir))
 
 
 @dataclass(frozen=True)
