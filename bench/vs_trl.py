@@ -9,8 +9,10 @@ v_proj at lr 1e-4. swarmrl runs on-policy (`max_staleness: 0`) and async (`max_s
 
 It prints per arm: s/step (median of steps 2..N), completions/s (steps 2..N), train and rollout time
 per step, steps with zero advantage (swarmrl skips their update, TRL does not), peak RSS, mean reward
-of the first and last 3 steps, and the achieved fraction of a compute limit built from the issue's
-measurements of this CPU; then `vs_trl: onpolicy_ratio=<x> async_ratio=<y>` (completions/s over TRL's,
+of the first and last 3 steps, the achieved fraction of a compute limit built from the issue's
+measurements of this CPU, and for swarmrl the mean gap between the trainer's and the engine's
+logprobs of the same tokens (`train/behaviour_logp_diff`, the training-inference mismatch a dtype
+brings); then each arm's reward by step, and `vs_trl: onpolicy_ratio=<x> async_ratio=<y>` (completions/s over TRL's,
 full fine-tune). TRL comes from the optional `bench` extra: `make bench-setup`.
 
     .venv/bin/python bench/vs_trl.py [--arms trl swarmrl-onpolicy ...] [--steps 12] [--threads 1]
@@ -162,6 +164,7 @@ def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
                 "rewards": [m["reward/mean"] for m in metrics],
                 "zero_advantage": [m.get("train/updated", 1.0) == 0.0 for m in metrics],
                 "completion_tokens": [m.get("train/trained_tokens", float("nan")) for m in metrics],
+                "logp_diff": [m.get("train/behaviour_logp_diff", float("nan")) for m in metrics],
                 "wasted_frac": metrics[-1].get("episodes/wasted_frac", float("nan")) if metrics else float("nan")}
 
     def on_step(step: int, m: dict) -> None:
@@ -216,7 +219,14 @@ def summary(arm: str, r: dict) -> dict:
             "rss_gb": r["peak_rss_kb"] / 2 ** 20, "first3": statistics.mean(r["rewards"][:3]),
             "last3": statistics.mean(r["rewards"][-3:]),
             "limit": limit_s(ARMS[arm][1], r["params"], r["prompt_tokens"], tokens) / s_step,
-            "wasted": r.get("wasted_frac", float("nan")), "steps": len(r["step_s"]), "partial": not r.get("complete")}
+            "wasted": r.get("wasted_frac", float("nan")), "steps": len(r["step_s"]), "partial": not r.get("complete"),
+            "rewards": r["rewards"], "logp_diff": _finite_mean(r.get("logp_diff", []))}
+
+
+def _finite_mean(xs: list[float]) -> float:
+    """Mean over the steps that have the value (a skipped step runs no token through the trainer)."""
+    xs = [x for x in xs if x == x]
+    return statistics.mean(xs) if xs else float("nan")
 
 
 def child(arm: str, steps: int, threads: int, result: Path) -> None:
@@ -298,16 +308,20 @@ def main() -> None:
     else:
         rows = run_arms(args)
     print(f"\n{'arm':<22} {'s/step':>6} {'compl/s':>7} {'train s':>7} {'rollout s':>9} {'0-adv':>5} {'RSS GB':>6} "
-          f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6}")
+          f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6} {'|dlogp|':>8}")
     for r in rows:
         print(f"{r['arm']:<22} {r['s_step']:>6.2f} {r['cps']:>7.2f} {r['train_s']:>7.2f} {r['rollout_s']:>9.2f} "
               f"{r['zero_adv']:>2}/{r['steps']:<2} {r['rss_gb']:>6.2f} {r['first3']:>8.3f} {r['last3']:>7.3f} "
-              f"{r['limit']:>5.2f} {r['wasted']:>6.3f}" + ("  (partial: stopped at the deadline)" if r["partial"] else ""))
+              f"{r['limit']:>5.2f} {r['wasted']:>6.3f} {r['logp_diff']:>8.5f}" + ("  (partial: stopped at the deadline)" if r["partial"] else ""))
     ran = f"re-printed from {args.from_dir}" if args.from_dir else (
         f"torch threads {args.threads}; {args.parallel} arm(s) at a time; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores at the end")
     print(f"{ran}; limit = achieved fraction of the compute limit (see FLOPS); "
-          "0-adv = steps whose every group had one reward (swarmrl skips the update, TRL does not)")
+          "0-adv = steps whose every group had one reward (swarmrl skips the update, TRL does not); "
+          "|dlogp| = mean |trainer - behaviour logprob| per trained token (train/behaviour_logp_diff)")
+    print("\nmean reward by step (the reward curves):")
+    for r in rows:
+        print(f"{r['arm']:<22} " + " ".join(f"{x:.3f}" for x in r["rewards"]))
     by = {r["arm"]: r for r in rows}
     ratio = {k: by[k]["cps"] / by["trl"]["cps"] if k in by and "trl" in by else float("nan")
              for k in ("swarmrl-onpolicy", "swarmrl-async")}

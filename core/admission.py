@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.mix import room_share
+from core.mix import active_share, room_share
 
 READY_FACTOR = 2  # more than this many batches of ready groups waiting means clients outrun the trainer
 # Seconds a refused open is told to wait: about one short train step; HTTP allows whole seconds only.
@@ -82,7 +82,9 @@ class Admission:
             return Refusal("the trainer is behind; retry shortly", "backpressure", BACKPRESSURE_RETRY_S)
         if not mixed:
             return None
-        share = self.mix[sandbox] / sum(self.mix.values())
+        # The share among the sandboxes still trying to open: held to its share of a mix partner that
+        # went silent, a sandbox would wait on a batch that no longer waits for that partner.
+        share = active_share(sandbox, self.mix, self._active_sandboxes())
         mine = sum(1 for e in self._open.values() if e.sandbox == sandbox and e.kind == "train")
         mine += sum(len(g) for g in self._ready if g[0].sandbox == sandbox)
         mine += sum(len(g) for k, g in self._filling.items() if k[0] == sandbox)

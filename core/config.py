@@ -47,7 +47,8 @@ class ModelConfig(Strict):
     # Where the model lives: auto (CUDA when available), cpu, cuda or cuda:N. Its engine and its
     # trainer share it, as colocated training does on CPU.
     device: str = "auto"
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # None: bfloat16 on a GPU, float32 on CPU
+    # None: bfloat16 on a GPU, float32 on CPU. A bf16/fp16 model trains on fp32 master weights.
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
     max_context: int | None = Field(None, ge=16)  # None: the model's own limit
     lora: LoraConfig | None = None
     trainable: bool = True

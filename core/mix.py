@@ -36,8 +36,14 @@ def next_group(candidates: Sequence[list[Episode]], taken: dict[str, int], mix: 
     return oldest
 
 
+def active_share(sandbox: str, mix: dict[str, float], active: set[str]) -> float:
+    """`sandbox`'s share of the mix among the `active` sandboxes (itself included): a sandbox whose
+    clients went silent (all dead, or drained) holds no share the others must leave free for it."""
+    return mix[sandbox] / sum(mix[s] for s in active | {sandbox} if s in mix)
+
+
 def room_share(sandbox: str, mix: dict[str, float], active: set[str], room: int) -> tuple[float, int]:
-    """(share, groups): `sandbox`'s share of the mix among the `active` sandboxes (itself included) and
-    the groups of `room` that share allows, at least one, so every active sandbox can always start one."""
-    share = mix[sandbox] / sum(mix[s] for s in active | {sandbox} if s in mix)
+    """(share, groups): `sandbox`'s active share and the groups of `room` that share allows, at least
+    one, so every active sandbox can always start one."""
+    share = active_share(sandbox, mix, active)
     return share, max(1, math.ceil(share * room))

@@ -45,6 +45,11 @@ class LossTerms:
     kl_sum: float  # sum of k3 (0 when no reference was given)
     clipped: int  # tokens whose clipped term was selected (PPO) or whose weight hit tis_cap (TIS)
     tokens: int  # masked tokens
+    # |logp_new - logp_behaviour| summed and at its largest: before the first update of a step's
+    # weights this is the engine/trainer mismatch alone (numerics: dtype, batch shape, kernels);
+    # with max_staleness > 0 it also holds how far the policy moved since the tokens were sampled.
+    behaviour_diff_sum: float = 0.0
+    behaviour_diff_max: float = 0.0
 
 
 def policy_loss(
@@ -98,10 +103,13 @@ def policy_loss(
     zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
     loss = torch.where(mask, weights * per_token, zero).sum() / normalizer
     with torch.no_grad():
+        diff = torch.where(mask, (logp - old).abs(), zero)
         return LossTerms(
             loss=loss,
             pg_sum=float(torch.where(mask, pg, zero).sum()),
             kl_sum=float(torch.where(mask, k3, zero).sum()),
             clipped=int((mask & hit).sum()),
             tokens=int(mask.sum()),
+            behaviour_diff_sum=float(diff.sum()),
+            behaviour_diff_max=float(diff.max()) if diff.numel() else 0.0,
         )

@@ -18,6 +18,8 @@ keep the engine generating through `backward` and swap weights in between two de
    off), normalised by the batch's weighted token count (``core.train.loss``);
 6. gradients accumulated over the micro-batches, clipped by norm, then one AdamW step. A non-finite
    loss or gradient norm skips the step (gradients dropped, weights untouched, a warning logged).
+   A bf16 or fp16 model's step is taken on fp32 master copies of its weights (``core.train.master``),
+   since most of an RL-sized step is below half a bf16 ulp.
 
 Samples with zero advantage contribute nothing to the PPO term, so without a KL term they are not
 run through the model at all; their tokens still count in the normaliser, as in plain GRPO. A step
@@ -49,6 +51,7 @@ from core.records import Episode
 from core.timelines import Sample, merge_calls, merge_stats, share_prompt
 from core.train.advantages import group_advantages
 from core.train.loss import policy_loss
+from core.train.master import MasterWeights
 from core.train.packing import pack, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -140,8 +143,9 @@ class Trainer:
         self.model_name = model_name
         self.lora = lora
         self.step_count = 0
-        self._params = params
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.master = MasterWeights(params)
+        self._params = self.master.params  # what the optimizer steps: fp32 copies of low-precision weights
+        self.optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         # With LoRA the reference is the same module with adapters off, so nothing is copied.
         self.reference: torch.nn.Module | None = None
         if cfg.kl_coef > 0 and not lora:
@@ -188,6 +192,7 @@ class Trainer:
     def discard(self) -> None:
         """Drop gradients a failed step left behind, so they cannot leak into the next one."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.master.drop_grads()
 
     @property
     def overlap_safe(self) -> bool:
@@ -220,6 +225,9 @@ class Trainer:
             "reward/mean": float(np.mean(flat)) if flat else 0.0,
             "reward/std": float(np.std(flat)) if flat else 0.0,
         }
+        if sums["masked"] > 0:  # only tokens that went through the model have a trainer logprob
+            metrics["train/behaviour_logp_diff"] = sums["behaviour_diff"] / sums["masked"]
+            metrics["train/behaviour_logp_diff_max"] = sums["behaviour_diff_max"]
         metrics.update(_per_sandbox_rewards(prepared.groups, prepared.rewards))
         return metrics
 
@@ -273,6 +281,8 @@ class Trainer:
             sums["masked"] += terms.tokens
             sums["tokens"] += mb.num_tokens
             sums["entropy"] += float(entropy[mb.loss_mask].sum())
+            sums["behaviour_diff"] += terms.behaviour_diff_sum
+            sums["behaviour_diff_max"] = max(sums["behaviour_diff_max"], terms.behaviour_diff_max)
             if not math.isfinite(sums["loss"]):
                 break  # the step will be skipped; more backward passes would only cost time
             terms.loss.backward()
@@ -299,6 +309,7 @@ class Trainer:
 
     def _apply(self, loss: float) -> tuple[float, bool, bool]:
         """Clip and step; returns (pre-clip grad norm, skipped, stepped). Gradients are always cleared."""
+        self.master.take_grads()
         have_grads = any(p.grad is not None for p in self._params)
         if not have_grads and math.isfinite(loss):
             return 0.0, False, False  # nothing in the batch could move the weights
@@ -315,12 +326,15 @@ class Trainer:
             return grad_norm, True, False
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.master.write_back()
         return grad_norm, False, True
 
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer, step and RNG state (not the weights: `core.checkpoint` stores those)."""
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rng": _rng_state()}
+        """Optimizer, step, RNG state and the fp32 master weights of a low-precision model (the model's
+        own weights are stored by `core.checkpoint`)."""
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rng": _rng_state(),
+                "master": self.master.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = [k for k in STATE_KEYS if k not in state]
@@ -332,6 +346,11 @@ class Trainer:
             raise ValueError(
                 f"optimizer state does not fit policy {self.model_name!r} (LoRA setting or model changed?): {e}"
             ) from e
+        # Called after the weights are loaded: the master copies start from them, then take the saved
+        # fp32 bits where the checkpoint has them (one written before master weights existed does not).
+        self.master.read_model()
+        if "master" in state:
+            self.master.load(list(state["master"]))
         self.step_count = int(state["step"])
         _set_rng_state(state["rng"])
 

@@ -37,13 +37,15 @@ def test_the_books_name_the_identity_that_breaks():
 
 @pytest.mark.slow
 def test_chaos_bench_kills_clients_mid_episode_and_the_run_completes_with_balanced_books():
-    done = subprocess.run([sys.executable, "bench/chaos.py", "--steps", "4", "--kill-every", "1", "--lease", "10"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # The two clients left keep the run going while a killed one restarts, so the next kill follows the
+    # restart at once (`--between 0`): waiting for more episodes as well, a run can end after one kill.
+    done = subprocess.run([sys.executable, "bench/chaos.py", "--steps", "6", "--kill-every", "1", "--lease", "10",
+                           "--between", "0"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     out = done.stdout
     last = out.strip().splitlines()[-1]
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     m = re.fullmatch(r"chaos: steps=(\d+) kills=(\d+) partial_trained=(\d+) balance=(\w+)", last)
-    assert m and m.group(1) == "4" and int(m.group(2)) >= 2 and m.group(3) == "0" and m.group(4) == "ok", last
+    assert m and m.group(1) == "6" and int(m.group(2)) >= 2 and m.group(3) == "0" and m.group(4) == "ok", last
     rows = dict(re.findall(r"^  (\S[^\n]*?)  +(\S[^\n]*)$", out, re.M))
     count = {k: int(v) for k, v in rows.items() if v.isdigit()}
     assert count["opened"] == count["finished"] + count["aborted"] + count["expired"] + count["open at the end"]

@@ -64,15 +64,32 @@ def test_back_pressure_when_the_trainer_falls_behind():
     assert e.value.status == 503 and e.value.retry_after
 
 
+def open_until_refused(reg: Registry, sandbox: str, limit: int = 100) -> tuple[int, EpisodeError]:
+    for opened in range(limit):
+        try:
+            reg.open(OpenEpisode(sandbox=sandbox, task_id=f"{sandbox}-{opened}-{reg.clock()}"), {"policy": 0})
+        except EpisodeError as e:
+            return opened, e
+    raise AssertionError(f"{sandbox} opened {limit} episodes without a refusal")
+
+
 def test_a_sandbox_above_its_mix_share_waits_while_others_may_open():
     reg = Registry(lease_s=60, default_group_size=1, batch_groups=8, mix={"big": 3.0, "small": 1.0}, clock=Clock())
-    opened = 0
-    with pytest.raises(EpisodeError) as e:
-        while opened < 100:
-            reg.open(OpenEpisode(sandbox="small", task_id=f"t{opened}"), {"policy": 0})
-            opened += 1
-    assert e.value.code == "mix_quota"
-    assert reg.open(OpenEpisode(sandbox="big", task_id="x"), {"policy": 0})
+    assert reg.open(OpenEpisode(sandbox="big", task_id="x"), {"policy": 0})  # both sandboxes have clients
+    opened, refused = open_until_refused(reg, "small")
+    assert refused.code == "mix_quota" and opened < 10  # a quarter of 16 in flight, plus one group
+    assert reg.open(OpenEpisode(sandbox="big", task_id="y"), {"policy": 0})
+
+
+def test_a_sandbox_whose_mix_partner_went_silent_is_not_held_to_its_share():
+    clock = Clock()
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=8, mix={"big": 3.0, "small": 1.0}, clock=clock)
+    reg.open(OpenEpisode(sandbox="big", task_id="x"), {"policy": 0})
+    opened, refused = open_until_refused(reg, "small")
+    assert refused.code == "mix_quota"
+    clock.now += 61  # big's clients all died: no open attempt for a lease
+    for i in range(3 * opened):  # small has the whole mix to itself now
+        reg.open(OpenEpisode(sandbox="small", task_id=f"after-{i}"), {"policy": 0})
 
 
 def call_at(version: int) -> Call:

@@ -85,6 +85,13 @@ def test_garbage_on_padding_does_not_leak_into_the_loss():
     assert grad[0] == pytest.approx(-1.0) and grad[1] == 0.0
 
 
+def test_the_behaviour_logprob_gap_is_summed_and_maxed_over_trained_tokens_only():
+    terms, _ = loss_of([-1.0, -2.5, -3.0, -9.0], [-1.25, -2.0, -3.0, float("nan")], [1.0, -1.0, 1.0, 1.0],
+                       [True, True, True, False])
+    assert terms.behaviour_diff_sum == pytest.approx(0.75)
+    assert terms.behaviour_diff_max == pytest.approx(0.5)  # the padding's NaN gap counts for nothing
+
+
 def test_a_far_off_policy_token_stays_finite():
     terms, grad = loss_of([0.0], [-500.0], [-1.0], [True])
     assert math.isfinite(terms.loss.item()) and all(math.isfinite(g) for g in grad)

@@ -153,6 +153,8 @@ def test_metrics_report_rewards_merge_ratio_and_tokens():
     assert metrics["train/samples"] == 2.0  # one merged sample per episode
     assert metrics["train/trained_tokens"] == 2 * (3 + 3)  # two replies of 2 bytes + EOS each
     assert metrics["train/clip_frac"] == 0.0  # on-policy: every ratio is 1
+    # The behaviour logprobs came from this model in fp32: trainer and "engine" agree to rounding.
+    assert 0.0 <= metrics["train/behaviour_logp_diff"] <= metrics["train/behaviour_logp_diff_max"] < 1e-4
     assert metrics["train/entropy"] > 0.0
     assert metrics["train/grad_norm"] > 0.0
     for name in ("train/loss", "train/kl", "train/tokens", "train/step_time_s"):
@@ -265,6 +267,7 @@ def test_stale_behaviour_logprobs_are_clipped():
     metrics = trainer.step(groups)
     # Positive-advantage tokens sit above 1 + clip_high and pass no gradient; negative ones still do.
     assert metrics["train/clip_frac"] == pytest.approx(0.5)
+    assert metrics["train/behaviour_logp_diff"] == pytest.approx(1.0, abs=1e-4)  # the gap put in above
 
 
 def test_non_finite_loss_skips_the_optimizer_step(caplog: pytest.LogCaptureFixture):

@@ -1,0 +1,65 @@
+"""fp32 master copies of a policy's low-precision trainable weights, which the optimizer steps instead.
+
+Why: an AdamW step at RL learning rates is smaller than half a bfloat16 ulp for most weights, so
+stepping bf16 weights in place rounds the update away. Measured on SmolLM2-135M: one AdamW step at
+lr 1e-5 changes 2% of its bf16 weights and leaves 98% as they were (`bench/bf16_update.py`). So,
+as in the mixed-precision training of large models, the optimizer owns an fp32 copy of each bf16 or
+fp16 parameter; the model keeps running (training and generating) in its own dtype, its gradients
+are moved to the copies before each step, and its weights are rounded from the copies after it.
+Weights already in fp32 (a CPU run's default, LoRA adapters) are stepped in place, as before.
+
+Deliberately not: autocast or loss scaling (the forward and backward passes stay in the model's
+dtype, and bf16 has fp32's exponent range), nor a copy of anything that does not train.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Dtypes whose spacing is too coarse to hold an optimizer step; fp32 and wider are stepped in place.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights:
+    """The tensors the optimizer steps: an fp32 copy for each low-precision parameter, else the parameter."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.model_params = params
+        self.params = [torch.nn.Parameter(p.detach().float().clone()) if p.dtype in LOW_PRECISION else p
+                       for p in params]
+        # (model parameter, its fp32 copy) for the low-precision ones only
+        self.pairs = [(p, m) for p, m in zip(params, self.params) if m is not p]
+
+    def take_grads(self) -> None:
+        """Move the model's gradients onto the copies, in fp32; the model keeps none."""
+        for p, m in self.pairs:
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Round the stepped copies into the model's weights (what the engine generates with)."""
+        for p, m in self.pairs:
+            p.copy_(m)
+
+    @torch.no_grad()
+    def read_model(self) -> None:
+        """Set the copies from the model's weights, after something other than the optimizer set them."""
+        for p, m in self.pairs:
+            m.copy_(p)
+
+    def drop_grads(self) -> None:
+        for p, m in self.pairs:
+            p.grad = m.grad = None
+
+    def state(self) -> list[torch.Tensor]:
+        """The copies themselves (the bits the model's rounded weights lost), for a checkpoint."""
+        return [m.detach().clone() for _, m in self.pairs]
+
+    @torch.no_grad()
+    def load(self, saved: list[torch.Tensor]) -> None:
+        if len(saved) != len(self.pairs) or any(s.shape != m.shape for s, (_, m) in zip(saved, self.pairs)):
+            raise ValueError(f"{len(saved)} saved master weights do not fit the policy's {len(self.pairs)} "
+                             "low-precision parameters (dtype or model changed?)")
+        for s, (_, m) in zip(saved, self.pairs):
+            m.copy_(s)
