@@ -285,6 +285,7 @@ def _read_model(ckpt: Checkpoint, name: str, trainer: Trainer) -> tuple[dict[str
     folder = ckpt.path / "models" / name
     try:
         state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
+        trainer.check_state(state)
         if entry.lora:
             from peft.utils import load_peft_weights  # peft loads only for LoRA runs
 

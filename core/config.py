@@ -103,6 +103,10 @@ class TrainerConfig(Strict):
     share_prompt: bool = True
     micro_batch_tokens: int = Field(4096, ge=16)
     grad_clip: float = Field(1.0, gt=0)
+    # Step fp32 copies of a bf16/fp16 model's weights (core/train/master.py): at RL learning rates most
+    # of a step is below half a bf16 ulp and rounds away in place. False saves 4 bytes a parameter of
+    # copy (and halves Adam's state) for a model that only just fits, at the cost of that update.
+    master_weights: bool = True
     # Drop episodes whose oldest generating weights are more than this many versions behind; >= 1
     # also overlaps generation with the train step, and sizes admission control (DESIGN §3.3).
     max_staleness: int = Field(1, ge=0)

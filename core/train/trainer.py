@@ -143,7 +143,7 @@ class Trainer:
         self.model_name = model_name
         self.lora = lora
         self.step_count = 0
-        self.master = MasterWeights(params)
+        self.master = MasterWeights(params, cfg.master_weights)
         self._params = self.master.params  # what the optimizer steps: fp32 copies of low-precision weights
         self.optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         # With LoRA the reference is the same module with adapters off, so nothing is copied.
@@ -336,10 +336,15 @@ class Trainer:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rng": _rng_state(),
                 "master": self.master.state()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise ValueError if `state` cannot load into this trainer, before anything is changed."""
         missing = [k for k in STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"trainer state for {self.model_name!r} lacks {missing}")
+        self.master.check(state.get("master"))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as e:
@@ -349,8 +354,7 @@ class Trainer:
         # Called after the weights are loaded: the master copies start from them, then take the saved
         # fp32 bits where the checkpoint has them (one written before master weights existed does not).
         self.master.read_model()
-        if "master" in state:
-            self.master.load(list(state["master"]))
+        self.master.load(state.get("master"))
         self.step_count = int(state["step"])
         _set_rng_state(state["rng"])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core import checkpoint
 from core.config import TrainerConfig
 from core.models import build_tiny
 from core.train.trainer import Trainer, prepare_policy, seed_everything
@@ -17,10 +18,11 @@ from tests.core.test_trainer import MODEL, x_groups
 LR = 1e-5  # the RL learning rate of bench/vs_trl.py and configs/smollm2-*.yaml
 
 
-def bf16_trainer(dtype: torch.dtype = torch.bfloat16) -> Trainer:
+def bf16_trainer(dtype: torch.dtype = torch.bfloat16, master_weights: bool = True) -> Trainer:
     seed_everything(0)
     model, _ = build_tiny(seed=0)
-    return Trainer(prepare_policy(model.to(dtype), None), TrainerConfig(lr=LR), MODEL, lora=False)
+    cfg = TrainerConfig(lr=LR, master_weights=master_weights)
+    return Trainer(prepare_policy(model.to(dtype), None), cfg, MODEL, lora=False)
 
 
 def changed_fraction(now: list[torch.Tensor], before: list[torch.Tensor]) -> float:
@@ -78,11 +80,41 @@ def test_a_checkpoint_restores_the_master_weights_not_their_rounding():
         assert torch.equal(m.detach(), p.detach().float())
 
 
-def test_master_weights_of_another_dtype_are_refused_with_a_reason():
-    bf16_state = bf16_trainer().state_dict()
-    fp32 = bf16_trainer(torch.float32)
-    assert fp32.master.pairs == [] and bf16_state["master"]  # fp32 weights are stepped in place
+def test_a_run_may_resume_in_another_dtype_but_master_weights_of_another_model_are_refused():
+    bf16, fp32 = bf16_trainer(), bf16_trainer(torch.float32)
+    assert fp32.master.pairs == []  # fp32 weights are stepped in place
+    fp32.load_state_dict(bf16.state_dict())  # bf16 -> fp32: the model's weights are what it loaded
+    bf16.load_state_dict(fp32.state_dict())  # fp32 -> bf16 (a CPU checkpoint on a GPU): copies of the weights
+    for p, m in bf16.master.pairs:
+        assert torch.equal(m.detach(), p.detach().float())
+    state = bf16.state_dict()
     with pytest.raises(ValueError, match="do not fit the policy"):
-        fp32.load_state_dict(bf16_state)
-    with pytest.raises(ValueError, match="do not fit the policy"):
-        bf16_trainer().load_state_dict(fp32.state_dict())
+        bf16_trainer().load_state_dict({**state, "master": state["master"][:-1]})
+
+
+def test_without_master_weights_a_bf16_policy_is_stepped_in_place_and_loses_most_of_the_step():
+    trainer = bf16_trainer(master_weights=False)
+    assert trainer.master.pairs == [] and all(m.dtype == torch.bfloat16 for m in trainer._params)
+    before = [p.detach().clone() for p in trainer.policy.parameters()]
+    for step in range(4):
+        trainer.step(x_groups(trainer.policy, step=step))
+    assert changed_fraction([p.detach() for p in trainer.policy.parameters()], before) < 0.2
+
+
+def test_a_checkpoint_round_trip_keeps_the_master_weights_and_a_misfit_is_refused_untouched(tmp_path):
+    trainer = bf16_trainer()
+    trainer.step(x_groups(trainer.policy))
+    folder = checkpoint.save(tmp_path, 1, {MODEL: trainer}, [], {MODEL: 1}, {})
+    resumed = bf16_trainer()
+    checkpoint.restore(checkpoint.load(folder), {MODEL: resumed})
+    for (p, saved), (q, loaded) in zip(trainer.master.pairs, resumed.master.pairs):
+        assert torch.equal(saved.detach(), loaded.detach()) and torch.equal(p.detach(), q.detach())
+
+    state_file = folder / "models" / MODEL / checkpoint.TRAINER_STATE
+    state = torch.load(state_file, weights_only=True)
+    torch.save({**state, "master": state["master"][1:]}, state_file)  # copies of some other model
+    other = bf16_trainer()
+    before = [p.detach().clone() for p in other.policy.parameters()]
+    with pytest.raises(checkpoint.CheckpointError, match="master weights do not fit"):
+        checkpoint.restore(checkpoint.load(folder), {MODEL: other})
+    assert all(torch.equal(b, p.detach()) for b, p in zip(before, other.policy.parameters()))  # checked before loading
