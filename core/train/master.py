@@ -26,7 +26,6 @@ class MasterWeights:
     """The tensors the optimizer steps: an fp32 copy for each low-precision parameter, else the parameter."""
 
     def __init__(self, params: list[torch.nn.Parameter], enabled: bool = True):
-        self.model_params = params
         self.params = [torch.nn.Parameter(p.detach().float().clone()) if enabled and p.dtype in LOW_PRECISION else p
                        for p in params]
         # (model parameter, its fp32 copy) for the low-precision ones only
@@ -49,10 +48,6 @@ class MasterWeights:
         """Set the copies from the model's weights, after something other than the optimizer set them."""
         for p, m in self.pairs:
             m.copy_(p)
-
-    def drop_grads(self) -> None:
-        for p, m in self.pairs:
-            p.grad = m.grad = None
 
     def state(self) -> list[torch.Tensor]:
         """The copies themselves (the bits the model's rounded weights lost), for a checkpoint."""

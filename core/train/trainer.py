@@ -143,9 +143,9 @@ class Trainer:
         self.model_name = model_name
         self.lora = lora
         self.step_count = 0
+        # The optimizer steps `master.params`: fp32 copies of low-precision weights, the others as they are.
         self.master = MasterWeights(params, cfg.master_weights)
-        self._params = self.master.params  # what the optimizer steps: fp32 copies of low-precision weights
-        self.optimizer = torch.optim.AdamW(self._params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.master.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         # With LoRA the reference is the same module with adapters off, so nothing is copied.
         self.reference: torch.nn.Module | None = None
         if cfg.kl_coef > 0 and not lora:
@@ -192,7 +192,7 @@ class Trainer:
     def discard(self) -> None:
         """Drop gradients a failed step left behind, so they cannot leak into the next one."""
         self.optimizer.zero_grad(set_to_none=True)
-        self.master.drop_grads()
+        self.policy.zero_grad(set_to_none=True)  # a bf16 model's own gradients, not yet moved to its copies
 
     @property
     def overlap_safe(self) -> bool:
@@ -310,10 +310,10 @@ class Trainer:
     def _apply(self, loss: float) -> tuple[float, bool, bool]:
         """Clip and step; returns (pre-clip grad norm, skipped, stepped). Gradients are always cleared."""
         self.master.take_grads()
-        have_grads = any(p.grad is not None for p in self._params)
+        have_grads = any(p.grad is not None for p in self.master.params)
         if not have_grads and math.isfinite(loss):
             return 0.0, False, False  # nothing in the batch could move the weights
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, self.cfg.grad_clip)) if have_grads else 0.0
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.params, self.cfg.grad_clip)) if have_grads else 0.0
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             log.warning(
                 "model %s step %d: non-finite loss (%s) or grad norm (%s); optimizer step skipped",

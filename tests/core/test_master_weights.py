@@ -31,8 +31,8 @@ def changed_fraction(now: list[torch.Tensor], before: list[torch.Tensor]) -> flo
 
 def test_a_bf16_policy_keeps_the_update_that_stepping_bf16_weights_would_round_away():
     trainer = bf16_trainer()
-    params = list(trainer.master.model_params)
-    assert trainer.master.pairs and all(m.dtype == torch.float32 for m in trainer._params)
+    params = list(trainer.policy.parameters())
+    assert trainer.master.pairs and all(m.dtype == torch.float32 for m in trainer.master.params)
     before = [p.detach().clone() for p in params]
     prepared = trainer.prepare(x_groups(trainer.policy))
     trainer.backward(prepared)
@@ -94,7 +94,7 @@ def test_a_run_may_resume_in_another_dtype_but_master_weights_of_another_model_a
 
 def test_without_master_weights_a_bf16_policy_is_stepped_in_place_and_loses_most_of_the_step():
     trainer = bf16_trainer(master_weights=False)
-    assert trainer.master.pairs == [] and all(m.dtype == torch.bfloat16 for m in trainer._params)
+    assert trainer.master.pairs == [] and all(m.dtype == torch.bfloat16 for m in trainer.master.params)
     before = [p.detach().clone() for p in trainer.policy.parameters()]
     for step in range(4):
         trainer.step(x_groups(trainer.policy, step=step))
