@@ -33,7 +33,7 @@ import openai  # noqa: E402
 import torch  # noqa: E402
 
 from core.config import load_config  # noqa: E402
-from core.server import Policy, Server  # noqa: E402
+from core.serve.server import Policy, Server  # noqa: E402
 
 ARMS = ("static", "sequential", "concurrent")
 VLLM_ARMS = ("vllm-sequential", "vllm-concurrent")  # the served arms again, on `engine.kind: vllm`

@@ -5,14 +5,14 @@
 
 A `CoreRun` (server and trainer in this process) trains the `tiny` model from three isolated client
 processes over two sandboxes (`letters` twice, `arith` once). A chaos thread picks a random client
-that has an episode open, SIGKILLs it, waits for the run's supervisor (`core.supervisor`) to start
+that has an episode open, SIGKILLs it, waits for the run's supervisor (`core.run.supervisor`) to start
 it again and for `--between` episodes to finish (so a slow machine still moves), then waits ~`--kill-every`
 seconds for the next kill. The run must:
 
 - complete all its steps;
 - never train a partial episode: every trained episode was finished by its client (the bench
   records each batch the trainer takes, and follows the episodes that were open at each kill);
-- keep its books balanced at every kill and at the end (`core.episodes.unbalanced`):
+- keep its books balanced at every kill and at the end (`core.episodes.registry.unbalanced`):
   opened = finished + aborted + expired + open, finished = trained + stale-dropped + buffered.
 
 It prints the counts and, last, `chaos: steps=<n> kills=<k> partial_trained=<p> balance=ok|FAIL`,
@@ -39,8 +39,8 @@ for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
 import httpx  # noqa: E402
 
 from core.config import load_config  # noqa: E402
-from core.episodes import EpisodeError, unbalanced  # noqa: E402
-from core.run import CoreRun  # noqa: E402
+from core.episodes.registry import EpisodeError, unbalanced  # noqa: E402
+from core.run.loop import CoreRun  # noqa: E402
 
 CLIENTS = ["sandbox:letters", "sandbox:letters", "sandbox:arith"]  # three processes over two sandboxes
 RESTART_WAIT_S = 60.0  # a killed client is back well within this (start-up is seconds), else the bench says so

@@ -21,7 +21,7 @@ import time
 
 import httpx
 
-from core.server import free_port
+from core.serve.server import free_port
 
 BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 4}).encode()
 
@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "core.cli", "serve", "--model", "tiny", "--engine", "instant",
+    proc = subprocess.Popen([sys.executable, "-m", "core.run.cli", "serve", "--model", "tiny", "--engine", "instant",
                              "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(300):

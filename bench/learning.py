@@ -33,20 +33,20 @@ STEP_LINE = re.compile(r"^step +(\d+) reward (-?[\d.]+) \((\d+)s\)")  # what a r
 
 def run(config: str, overrides: list[str]) -> tuple[list[float], float]:
     """Train from `config` through the real server, clients and trainer: (reward per step, wall seconds)."""
-    from core.run import CoreRun  # the whole core (torch, the server): only a live run needs it, not --from-log
+    from core.run.loop import CoreRun  # the whole core (torch, the server): only a live run needs it, not --from-log
 
     cfg = load_config(config, overrides)
     core = CoreRun(cfg)
     rewards: list[float] = []
     start = time.time()
-    core.server.start()
+    core.serve.server.start()
     try:
         core.start_clients()
         core.train(on_step=lambda step, m: (rewards.append(m["reward/mean"]), print(f"step {step:3d} reward {m['reward/mean']:.3f} "
                                                                                       f"({time.time() - start:.0f}s)", flush=True)))
     finally:
         core.stop_clients()
-        core.server.stop()
+        core.serve.server.stop()
     return rewards, time.time() - start
 
 

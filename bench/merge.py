@@ -26,11 +26,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from core.client import SwarmClient  # noqa: E402
+from core.clients.sdk import SwarmClient  # noqa: E402
 from core.config import load_config  # noqa: E402
-from core.sandbox import Agent, load_agent  # noqa: E402
-from core.server import Server  # noqa: E402
-from core.timelines import merge_calls, merge_stats  # noqa: E402
+from core.clients.sandbox import Agent, load_agent  # noqa: E402
+from core.serve.server import Server  # noqa: E402
+from core.train.timelines import merge_calls, merge_stats  # noqa: E402
 from core.train.packing import pack, token_logprobs  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {
@@ -66,7 +66,7 @@ async def episode(client: SwarmClient, turns: int, max_tokens: int, branch: bool
 
 async def sandbox_episode(client: SwarmClient, agent: Agent, task: dict) -> str:
     async with client.aepisode(task_id=str(task["id"]), sandbox=agent.name, group_size=1) as ep:
-        await ep.finish((await agent.rollout(task, ep.openai)).reward)  # a checked Outcome (core.sandbox)
+        await ep.finish((await agent.rollout(task, ep.openai)).reward)  # a checked Outcome (core.clients.sandbox)
         return ep.id
 
 

@@ -26,9 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from core.config import load_config  # noqa: E402
-from core.episodes import Batch  # noqa: E402
+from core.episodes.registry import Batch  # noqa: E402
 from core.records import Call, Episode  # noqa: E402
-from core.run import CoreRun  # noqa: E402
+from core.run.loop import CoreRun  # noqa: E402
 
 ROLES = ("drafter", "reviewer")
 
@@ -85,7 +85,7 @@ def main() -> None:
             data = episodes(args, vocab, seed=step)
             for name, core in runs.items():
                 names = ("policy", "policy") if name == "single" else ROLES
-                b = batch(data, names, core.server.versions(), args.group_size)
+                b = batch(data, names, core.serve.server.versions(), args.group_size)
                 started = time.perf_counter()
                 metrics = core._train_batch(b)
                 if step:
@@ -93,7 +93,7 @@ def main() -> None:
                 tokens[name] = sum(v for k, v in metrics.items() if k.endswith("train/tokens"))
     finally:
         for core in runs.values():
-            core.server.close()
+            core.serve.server.close()
     single, multi = statistics.median(times["single"]), statistics.median(times["multi"])
     load = os.getloadavg()[0]
     print(f"source={args.source} episodes/step={args.groups * args.group_size} calls/episode=2 "

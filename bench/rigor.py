@@ -33,7 +33,7 @@ import time
 
 from researcher import analysis, confirmation, decision
 from researcher.brief import Brief, parse_brief
-from researcher.planner import PlanContext
+from researcher.planner.types import PlanContext
 from researcher.planner.heuristic import HeuristicPlanner
 from researcher.records import Decision, ExperimentResult, Launch, Proposal
 
@@ -69,7 +69,7 @@ def simulate_study(brief: Brief, effect: float, sigma: float, rng: random.Random
         planted = effect * sigma if p.overrides["trainer.lr"] == PLANTED_LR else 0.0
         steps = int(p.overrides.get("trainer.steps", BASE_STEPS))
         launches = [Launch(key=f"{p.id}-s{s}", proposal_id=p.id, seed=s, steps=steps, status="finished") for s in seeds]
-        outcomes = {x.key: analysis.Outcome(BASE_SCORE + planted + rng.gauss(0.0, sigma)) for x in launches}
+        outcomes = {x.key: analysis.RunScore(BASE_SCORE + planted + rng.gauss(0.0, sigma)) for x in launches}
         return analysis.experiment_result(p.id, launches, outcomes)
 
     planner = HeuristicPlanner()

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STUDY = "startup-bench"
 STEP_LINE = "step 1 reward"  # what `swarm run` logs when its first step is done
 SETUP_STUDY = (  # creates the study the way `researcher study start` does, without running anything
-    "import sys; from pathlib import Path; from researcher.planner import PlannerSpec; "
+    "import sys; from pathlib import Path; from researcher.planner.types import PlannerSpec; "
     "from researcher.runner import new_study; "
     "new_study(Path(sys.argv[1]), Path('studies/tiny-lr.md'), sys.argv[2], PlannerSpec(kind='heuristic'), Path.cwd(), sys.argv[3]); "
     # The tracking store is created here too: its one-time schema migrations would otherwise land on
@@ -62,11 +62,11 @@ class Timing:
 def commands(scratch: Path) -> dict[str, tuple[list[str], str | None]]:
     py = sys.executable
     return {
-        "swarm --help": ([py, "-m", "core.cli", "--help"], None),
+        "swarm --help": ([py, "-m", "core.run.cli", "--help"], None),
         "researcher --help": ([py, "-m", "researcher.cli", "--help"], None),
         "researcher study status": ([py, "-m", "researcher.cli", "study", "--studies-dir", str(scratch / "studies"),
                                      "status", STUDY], None),
-        "swarm run tiny: first step": ([py, "-m", "core.cli", "run", "configs/tiny.yaml", "-q",
+        "swarm run tiny: first step": ([py, "-m", "core.run.cli", "run", "configs/tiny.yaml", "-q",
                                         "--set", "trainer.steps=1",
                                         "--set", f"trainer.checkpoint_dir={scratch / 'ckpt'}"], STEP_LINE),
     }

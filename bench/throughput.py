@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from core.server import free_port  # noqa: E402
+from core.serve.server import free_port  # noqa: E402
 
 # One intra-op thread, as the tests pin it: on two shared cores, two OpenMP threads spin-wait on a
 # busy core and lose (docs/benchmarks.md, dynamic batching).
@@ -60,7 +60,7 @@ def counts(url: str) -> tuple[int, int, float]:
 
 
 def start_server(model: str, port: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "core.cli", "serve", "--model", model, "--port", str(port), "--no-train"]
+    cmd = [sys.executable, "-m", "core.run.cli", "serve", "--model", model, "--port", str(port), "--no-train"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
@@ -82,7 +82,7 @@ class Arm:
         self.ids = [f"throughput-{tag}-{i}" for i in range(n)]
         self.logs = [logs / f"{cid}.log" for cid in self.ids]
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "core.cli", "client", args.sandbox, "--server", url,
+            subprocess.Popen([sys.executable, "-m", "core.run.cli", "client", args.sandbox, "--server", url,
                               "--kind", "eval", "--concurrency", str(args.concurrency), "--client-id", cid],
                              cwd=ROOT, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT)
             for cid, log in zip(self.ids, self.logs)]

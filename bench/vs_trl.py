@@ -136,7 +136,7 @@ def run_trl(arm: str, steps: int, out: Path, report) -> dict:
 
 def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
     from core.config import load_config
-    from core.run import CoreRun
+    from core.run.loop import CoreRun
 
     _, dtype, lora, staleness = ARMS[arm]
     model = {"name": "policy", "source": "smollm2-135m", "dtype": dtype, **({"lora": LORA} if lora else {})}
@@ -172,14 +172,14 @@ def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
         metrics.append(dict(m))
         report(collect())
 
-    core.server.start()
+    core.serve.server.start()
     start = time.perf_counter()
     try:
         core.start_clients()
         core.train(on_step=on_step)
     finally:
         core.stop_clients()
-        core.server.stop()
+        core.serve.server.stop()
     return collect()
 
 

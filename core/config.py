@@ -80,7 +80,7 @@ class ServerConfig(Strict):
     admin_token: str | None = None  # None: a random token, printed once at start (never logged in full)
     lease_s: float = Field(60.0, gt=0)
     max_open_episodes: int = Field(512, ge=1)
-    # The hang watchdog (`core.watchdog`): no finished episode and no train step for this long while a
+    # The hang watchdog (`core.run.watchdog`): no finished episode and no train step for this long while a
     # trainer waits means the run is stalled: one diagnostic line, thread stacks dumped, status `stalled`.
     # Ten minutes is far beyond a CPU step of the shipped models, so a slow step is never taken for a hang. 0: off.
     stall_s: float = Field(600.0, ge=0)
@@ -135,7 +135,7 @@ class ClientConfig(Strict):
     kind: Literal["train", "eval", "debug"] = "train"
     tasks: int | None = Field(None, ge=1)  # stop after this many tasks (None: cycle until the run ends)
     # Seconds a rollout may run before it is cancelled and its episode aborted, naming the sandbox file
-    # (`swarm client --episode-timeout`); None: the runner's default (`core.deadline.EPISODE_TIMEOUT_S`, 600), 0: none.
+    # (`swarm client --episode-timeout`); None: the runner's default (`core.clients.deadline.EPISODE_TIMEOUT_S`, 600), 0: none.
     episode_timeout: float | None = Field(None, ge=0)
     ray: ClientRay = Field(default_factory=ClientRay)  # its actors under Ray placement (isolate is then moot)
 
@@ -154,7 +154,7 @@ class TelemetryConfig(Strict):
 
 
 class PlacementConfig(Strict):
-    """Where the run's parts live (`core.placement`): this process, or actors on a Ray cluster."""
+    """Where the run's parts live (`core.run.placement`): this process, or actors on a Ray cluster."""
 
     kind: Literal["local", "ray"] = "local"  # local: nothing about Ray is imported or started
     # local: a private Ray instance in this process; auto: the cluster this machine joined (`ray start`);
@@ -168,7 +168,7 @@ class PlacementConfig(Strict):
 
 class RunConfig(Strict):
     # The YAML file it was loaded from (None: a dict or the defaults). Not a setting, so never dumped:
-    # `sandbox:NAME` clients resolve against that file's project (`core.sandbox.sandbox_roots`).
+    # `sandbox:NAME` clients resolve against that file's project (`core.clients.sandbox.sandbox_roots`).
     _source_file: Path | None = PrivateAttr(None)
 
     @property

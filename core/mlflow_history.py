@@ -15,7 +15,7 @@ hold two values for each of them:
 ``copy_history`` gives a new run the history of the run it continues, up to the checkpoint's step,
 for when the original run cannot be reopened (another tracking store, a deleted run).
 
-This module does not decide when to rewind or copy (``core.telemetry`` does), and it touches
+This module does not decide when to rewind or copy (``core.run.telemetry`` does), and it touches
 only metric values: params, tags and artifacts stay as they are.
 """
 

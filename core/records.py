@@ -1,7 +1,7 @@
 """What the server remembers about an episode: its calls, at the token level.
 
-These are plain data. The episode registry (`core.episodes`) owns their lifecycle, the timeline
-merger (`core.timelines`) turns them into training samples, and checkpoints serialise them.
+These are plain data. The episode registry (`core.episodes.registry`) owns their lifecycle, the timeline
+merger (`core.train.timelines`) turns them into training samples, and checkpoints serialise them.
 Nothing here talks to a model or the network.
 """
 

@@ -155,14 +155,14 @@ REPEATS_ON_RERUN = ("divergence", "reward collapse", "plateau", "budget")
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RunScore:
     """One run's contribution to its experiment: a score, or why it has none."""
 
     score: float | None
     reason: str = ""
 
 
-def run_outcome(launch: Launch, history: History | None, objective: Objective, last_step: int | None = None) -> Outcome:
+def run_outcome(launch: Launch, history: History | None, objective: Objective, last_step: int | None = None) -> RunScore:
     """A finished run that trained every step has a score; anything else is a failed seed.
 
     `last_step` is the run's last trainer step over all metrics read (an eval objective is not
@@ -170,17 +170,17 @@ def run_outcome(launch: Launch, history: History | None, objective: Objective, l
     """
     if launch.status != "finished":
         if launch.reason.startswith(launch.status):  # "stalled: no new metric ...": said once
-            return Outcome(None, launch.reason)
-        return Outcome(None, f"{launch.status}" + (f": {launch.reason}" if launch.reason else ""))
+            return RunScore(None, launch.reason)
+        return RunScore(None, f"{launch.status}" + (f": {launch.reason}" if launch.reason else ""))
     if not history:
-        return Outcome(None, f"finished without logging {objective.metric}")
+        return RunScore(None, f"finished without logging {objective.metric}")
     reached = history[-1][0] if last_step is None else max(last_step, history[-1][0])
     if reached < launch.steps:
-        return Outcome(None, f"ended at step {reached} of {launch.steps}")
+        return RunScore(None, f"ended at step {reached} of {launch.steps}")
     value = score(history, objective)
     if math.isnan(value):
-        return Outcome(None, f"{objective.metric} is not finite at the end")
-    return Outcome(value)
+        return RunScore(None, f"{objective.metric} is not finite at the end")
+    return RunScore(value)
 
 
 def rerun_of(launch: Launch) -> Launch:
@@ -195,7 +195,7 @@ def _rerunnable(launch: Launch) -> bool:
         launch.reason.startswith(r) for r in REPEATS_ON_RERUN)
 
 
-def seed_table(launches: list[Launch], outcomes: dict[str, Outcome]) -> tuple[dict[int, float], dict[int, str],
+def seed_table(launches: list[Launch], outcomes: dict[str, RunScore]) -> tuple[dict[int, float], dict[int, str],
                                                                                list[Launch]]:
     """(seed -> score, seed -> why it failed, re-runs to queue) for one experiment's launches.
 
@@ -210,7 +210,7 @@ def seed_table(launches: list[Launch], outcomes: dict[str, Outcome]) -> tuple[di
     failed: dict[int, str] = {}
     reruns: list[Launch] = []
     for seed, x in sorted(latest.items()):
-        got = outcomes.get(x.key, Outcome(None, x.status))
+        got = outcomes.get(x.key, RunScore(None, x.status))
         if got.score is not None:
             scores[seed] = got.score
         elif _rerunnable(x):
@@ -221,7 +221,7 @@ def seed_table(launches: list[Launch], outcomes: dict[str, Outcome]) -> tuple[di
     return scores, failed, reruns
 
 
-def experiment_result(proposal_id: str, launches: list[Launch], outcomes: dict[str, Outcome]) -> ExperimentResult:
+def experiment_result(proposal_id: str, launches: list[Launch], outcomes: dict[str, RunScore]) -> ExperimentResult:
     """An experiment's scores over seeds (no verdict yet: that needs the round's baseline)."""
     scores, failed, _ = seed_table(launches, outcomes)
     values = list(scores.values())

@@ -126,7 +126,7 @@ class RunSpec(_Strict):
     sandboxes: list[str] = Field(default_factory=list)  # shorthand for clients [{agent: sandbox:NAME}]
     clients: list[dict[str, Any]] = Field(default_factory=list)  # full client entries; replace the base's
     # Keep one long core run going (its sandboxes as isolated clients); `hot_swap` proposals are swapped
-    # into it (`swarm swap`) instead of starting runs of their own (researcher/live.py).
+    # into it (`swarm swap`) instead of starting runs of their own (researcher/live_swaps.py).
     live: bool = False
     swap_window: int = Field(5, ge=2)  # trainer steps of reward compared on each side of a hot swap
 

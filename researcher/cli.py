@@ -32,7 +32,7 @@ from researcher.budget import Spent
 from researcher.code_cli import checkout, diff, print_diff, propose, show
 from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table, verdicts_table
 from researcher.lazy import lazy_module
-from researcher.planner import PlannerError, choose_planner
+from researcher.planner.types import PlannerError, choose_planner
 from researcher.records import Decision
 from researcher.store import StudyError, StudyMeta, StudyPaths, list_studies, load_meta, owner_pid, study_brief, study_paths
 from researcher.snapshot import read_state as read_snapshot

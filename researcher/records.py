@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from researcher.decision import Confirmation, Verdict as TestVerdict
+from researcher.decision import Confirmation, Verdict
 
-Verdict = Literal["approved", "vetoed"]
+Ruling = Literal["approved", "vetoed"]  # a person's review decision (a statistical verdict is decision.Verdict)
 # Validation steps of a code proposal, in the order they run (see researcher/validation.py).
 VALIDATION_STEPS = ("apply", "compile", "import", "tests", "smoke")
 DecisionSource = Literal["cli", "mlflow", "policy"]
@@ -105,7 +105,7 @@ class Decision(BaseModel):
     """Who decided what about a proposal, when and why."""
 
     proposal_id: str
-    verdict: Verdict
+    verdict: Ruling
     by: str  # the OS user or --by; "policy" for auto-approval; the tag's review.by for MLflow edits
     at: str = Field(default_factory=now_iso)
     reason: str = ""
@@ -118,7 +118,7 @@ class IgnoredChange(BaseModel):
     the MLflow UI). A decision is final: the change is recorded in the history and changes nothing."""
 
     proposal_id: str
-    decided: Verdict  # the decision that stands
+    decided: Ruling  # the decision that stands
     changed_to: str  # the review.status the tag was set to
     by: str  # the change's own review.by; "mlflow-ui" when the reviewer set none
     at: str  # the change's own review.at; else when the study saw it
@@ -173,7 +173,7 @@ class ExperimentResult(BaseModel):
     note: str = ""
     seed_scores: dict[int, float] = Field(default_factory=dict)  # seed -> score of its finished run
     failed_seeds: dict[int, str] = Field(default_factory=dict)  # seed -> why it has no score (after re-run)
-    verdict: TestVerdict | None = None  # against the baseline; None for the baseline itself
+    verdict: Verdict | None = None  # against the baseline; None for the baseline itself
     confirmation: Confirmation | None = None  # set on the recommendation once held-out seeds are judged
     # The mean curve over seeds in numbers a planner can read: start, end, slope (per step),
     # best_step, and the last train/kl, train/entropy and train/clip_frac (analysis.curve_summary).
@@ -192,7 +192,7 @@ class SwapSide(BaseModel):
 
 
 class SwapResult(BaseModel):
-    """A hot swap of a proposal's code into the live run, as done and as judged (researcher/live.py)."""
+    """A hot swap of a proposal's code into the live run, as done and as judged (researcher/live_swaps.py)."""
 
     proposal_id: str
     n: int  # the live server's swap number; tag `swarmrl.swap.<n>` on the live run
@@ -202,7 +202,7 @@ class SwapResult(BaseModel):
     to_version: str
     before: SwapSide | None = None  # the old version's last `swap_window` steps up to the swap
     after: SwapSide | None = None  # the new version's first `swap_window` steps after it
-    verdict: TestVerdict | None = None  # after against before (Welch's t-test over the steps)
+    verdict: Verdict | None = None  # after against before (Welch's t-test over the steps)
 
 
 class StepResult(BaseModel):

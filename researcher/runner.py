@@ -27,9 +27,9 @@ from researcher.brief import Brief, load_brief
 from researcher.graph import StudyContext, build_graph
 from researcher.backends import make_launcher
 from researcher.launcher import Emit, LaunchTarget
-from researcher.planner import make_planner
+from researcher.planner.factory import make_planner
 from researcher.review import ReviewBoard
-from researcher.planner import PlannerSpec
+from researcher.planner.types import PlannerSpec
 from researcher.records import Decision, now_iso
 from researcher.workspace import Workspace
 from researcher.store import (StudyLock, StudyMeta, StudyPaths, create_study, default_swarm_command, experiment_name,
@@ -43,7 +43,7 @@ RECURSION_LIMIT = 1_000_000
 
 
 @dataclass
-class Outcome:
+class StudyProgress:
     done: bool  # the study reached its report
     stop_reason: str = ""
     report: str | None = None
@@ -120,7 +120,7 @@ def _wait_for_decisions(board: ReviewBoard, pending: list[str], poll_s: float, s
 
 
 def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
-              stop: threading.Event | None = None) -> Outcome:
+              stop: threading.Event | None = None) -> StudyProgress:
     """Start or resume the study at `paths` and drive it to its report (or to a review, see above)."""
     stop = stop or threading.Event()
     meta = load_meta(paths)
@@ -132,7 +132,7 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
             fresh = not snap.values
             if not fresh and not snap.next:
                 values = dict(snap.values)
-                return Outcome(done=True, stop_reason=values.get("stop_reason", ""), report=values.get("report"),
+                return StudyProgress(done=True, stop_reason=values.get("stop_reason", ""), report=values.get("report"),
                                state=values)
             emit("study.start" if fresh else "study.resume", study=meta.name)
             command: Any = {"study": meta.name} if fresh else None
@@ -145,7 +145,7 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
                         decided = [Decision.model_validate(d) for d in snap.values.get("decisions", [])]
                         answer = _wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop, decided, emit)
                     if answer is None:
-                        return Outcome(done=False, waiting=pending, state=dict(snap.values))
+                        return StudyProgress(done=False, waiting=pending, state=dict(snap.values))
                     command = Command(resume=answer)
                 app.invoke(command, cfg, durability="sync")
                 fresh, command = False, None
@@ -153,5 +153,5 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
                 if not snap.next:
                     values = dict(snap.values)
                     emit("study.done", study=meta.name, stop_reason=values.get("stop_reason", ""))
-                    return Outcome(done=True, stop_reason=values.get("stop_reason", ""),
+                    return StudyProgress(done=True, stop_reason=values.get("stop_reason", ""),
                                    report=values.get("report"), state=values)

@@ -22,7 +22,7 @@ from typing import IO
 from pydantic import BaseModel
 
 from researcher.brief import Brief, load_brief
-from researcher.planner import PlannerSpec
+from researcher.planner.types import PlannerSpec
 from researcher.records import now_iso
 
 # Study names become folder names, MLflow experiment names and filter values: keep them plain.

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from core.chat import ChatRenderer
+from core.serve.chat import ChatRenderer
 from core.config import load_config
 from core.engine.factory import make_engine
 from core.models import build_tiny
-from core.server import Policy, Server
+from core.serve.server import Policy, Server
 
 ADD_TOOL = {
     "type": "function",

@@ -6,6 +6,9 @@ Implementations: `hf` (transformers, CPU default, dynamic batching), `instant` (
 for gateway benchmarks) and `vllm` (vLLM 0.32, the `gpu` extra: paged attention, weight sync
 from the trainer). `core.engine.factory.make_engine` builds one by `engine.kind`; the worker-thread
 plumbing the `hf` and `vllm` engines share is `core.engine.worker`.
+
+The bottom layer: it may import only the foundation (`core.config`, `core.models`), never train/,
+episodes/, serve/ or anything above; it must import with torch and transformers alone present.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Generation:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """What an engine is doing right now: the hang watchdog's view (`core.watchdog`)."""
+    """What an engine is doing right now: the hang watchdog's view (`core.run.watchdog`)."""
 
     queued: int  # requests waiting for a row
     active: int  # requests being decoded

@@ -8,7 +8,7 @@ built from a micro-batch's ``predictor_index`` (each token's parent; -1 for root
 - ``flex_tree_mask``: a FlexAttention ``BlockMask`` (torch >= 2.5), used on a CUDA device (the
   model's attention is switched to ``flex_attention`` for that forward pass) and for models loaded
   with ``attn_implementation="flex_attention"``. Tree samples come in depth-first preorder
-  (``core.timelines``), so each token's descendants are the positions right after it, up to the end
+  (``core.train.timelines``), so each token's descendants are the positions right after it, up to the end
   of its subtree: j may be seen from i iff j <= i <= subtree_end[j]. The mask function reads one
   [B, T] tensor, and the block mask keeps only which 128 x 128 tiles are empty, full or partial, so
   memory stays linear in T and empty tiles are skipped. Rows that are not in preorder (hand-built

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.timelines import Sample
+from core.train.timelines import Sample
 from core.train.attention import (
     TREE_ATTENTION_IMPLEMENTATIONS,
     attention_implementation,

@@ -6,11 +6,11 @@ keep the engine generating through `backward` and swap weights in between two de
 
 1. rewards: each episode's reward for this model (``episode.reward[model_name]``);
 2. advantages: group-relative (``core.train.advantages``), one per episode;
-3. samples: each episode's calls of this model merged into training samples (``core.timelines``),
+3. samples: each episode's calls of this model merged into training samples (``core.train.timelines``),
    carrying their episode's advantage and, with ``episode_weighting``, a weight of 1 / the
    episode's trained tokens so that every episode counts the same however long it ran;
 4. micro-batches: with ``share_prompt``, each group's samples first become tree samples holding the
-   group's common prompt once (``core.timelines.share_prompt``); then samples are packed to
+   group's common prompt once (``core.train.timelines.share_prompt``); then samples are packed to
    ``micro_batch_tokens`` padded tokens (``core.train.packing``);
 5. loss: token-level PPO-clip (or, with ``tis_cap``, truncated importance sampling) on the behaviour
    logprobs the engine recorded, each token scored at its call's sampling temperature, plus an optional k3 KL
@@ -27,7 +27,7 @@ with nothing to run changes no weights, and says so (``train/updated`` 0): the r
 the weight version, so no episode goes stale for it.
 
 The trainer does not fetch batches, pause engines, bump weight versions, write checkpoints or log
-to MLflow; ``core.run`` does, with the metrics `step` returns (names per DESIGN §3.6).
+to MLflow; ``core.run.loop`` does, with the metrics `step` returns (names per DESIGN §3.6).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from core.config import LoraConfig, TrainerConfig
 from core.records import Episode
-from core.timelines import Sample, merge_calls, merge_stats, share_prompt
+from core.train.timelines import Sample, merge_calls, merge_stats, share_prompt
 from core.train.advantages import group_advantages
 from core.train.loss import policy_loss
 from core.train.master import MasterWeights
@@ -332,7 +332,7 @@ class Trainer:
     # -- checkpoint state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, step, RNG state and the fp32 master weights of a low-precision model (the model's
-        own weights are stored by `core.checkpoint`)."""
+        own weights are stored by `core.run.checkpoint`)."""
         return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rng": _rng_state(),
                 "master": self.master.state()}
 

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from core.config import flat_values, flatten
 from researcher.brief import Brief
 from researcher.launcher import Emit, Launcher
-from researcher.planner import Planner
+from researcher.planner.types import Planner
 from researcher import confirmation
 from researcher.records import Decision, ExperimentResult, Proposal
 from researcher.review import ReviewBoard

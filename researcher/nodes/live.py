@@ -3,7 +3,7 @@
 `start_live` (before the first plan) and `live` (between `prepare`, which leaves hot-swap proposals
 to it, and `launch`). With `run.live: true` they start the live run once (launch key `live`,
 adopted on resume like any launch) and refresh its state. Each approved, validated `hot_swap` proposal of the round is then swapped in
-(`researcher.live`: intent before act, never twice), tagged `swarmrl.swap.<n>` on the live run,
+(`researcher.live_swaps`: intent before act, never twice), tagged `swarmrl.swap.<n>` on the live run,
 and judged: the new version's reward over its first `run.swap_window` steps after the swap
 against the old version's last `swap_window` steps before it, with `researcher.decision.compare`
 (Welch's t-test over steps). The swap and its verdict join the state (`swaps`), the proposal gets
@@ -21,7 +21,7 @@ import yaml
 from core.config import ConfigError
 from researcher import analysis
 from researcher.decision import compare
-from researcher.live import LIVE_KEY, LiveRun, SwapFailed
+from researcher.live_swaps import LIVE_KEY, LiveRun, SwapFailed
 from researcher.nodes.base import StudyState, dump, models_of
 from researcher.nodes.code import versions
 from researcher.nodes.running import RunNodes

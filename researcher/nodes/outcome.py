@@ -18,11 +18,11 @@ from researcher.report import write_report
 
 
 class OutcomeNodes(NodeBase):
-    def _read(self, launches: list[Launch]) -> tuple[dict[str, analysis.Outcome], dict[str, list[dict[str, Any]]]]:
+    def _read(self, launches: list[Launch]) -> tuple[dict[str, analysis.RunScore], dict[str, list[dict[str, Any]]]]:
         """Each launch's outcome, and the metric histories of each proposal's finished runs."""
         objective = self.ctx.brief.objective
         metrics = [objective.metric, "train/loss", *analysis.CURVE_DIAGNOSTICS.values()]
-        outcomes: dict[str, analysis.Outcome] = {}
+        outcomes: dict[str, analysis.RunScore] = {}
         curves: dict[str, list[dict[str, Any]]] = {}
         for x in launches:
             if x.status == "finished" and x.run_id:

@@ -19,7 +19,7 @@ from typing import Any
 from researcher import confirmation, inbox
 from researcher.budget import Spent
 from researcher.nodes.base import NodeBase, StudyState, dump, models_of
-from researcher.planner import PlanContext, PlannerError, PlanResult
+from researcher.planner.types import PlanContext, PlannerError, PlanResult
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
 
 MANUAL = "manual"

@@ -10,7 +10,7 @@ validation at `apply`. It reads; it changes no file.
 
 from __future__ import annotations
 
-from researcher.planner import PlanContext
+from researcher.planner.types import PlanContext
 from researcher.records import ProposalDraft
 
 # Diffs and logs of earlier code proposals are cut to this many characters each in the prompt.

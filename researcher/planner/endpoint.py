@@ -23,7 +23,7 @@ from typing import Any
 import openai
 from openai.types.chat import ChatCompletion
 
-from researcher.planner import PlannerError
+from researcher.planner.types import PlannerError
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from researcher.brief import ChoiceParam, RangeParam
-from researcher.planner import Planned, PlanContext, PlanResult
+from researcher.planner.types import Planned, PlanContext, PlanResult
 from researcher.records import Proposal, ProposalDraft
 
 # A grid larger than this is sampled instead of enumerated, to keep planning instant.

@@ -30,7 +30,7 @@ import openai
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from researcher.brief import ChoiceParam, RangeParam
-from researcher.planner import Planned, PlanContext, PlannerError, PlanResult
+from researcher.planner.types import Planned, PlanContext, PlannerError, PlanResult
 from researcher.planner.code_context import describe_code, edit_problems
 from researcher.planner.endpoint import Endpoint, error_usage
 from researcher.records import Proposal, ProposalDraft

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from core import deadline
-from core.deadline import EpisodeTimeout, within_limit
-from core.runner import EPISODE_ATTEMPTS, run_agent
-from core.sandbox import SandboxError, checked_outcome, load_agent
+from core.clients import deadline
+from core.clients.deadline import EpisodeTimeout, within_limit
+from core.clients.runner import EPISODE_ATTEMPTS, run_agent
+from core.clients.sandbox import SandboxError, checked_outcome, load_agent
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = "import time\n\ndef tasks(split):\n    for i in range(4):\n        yield {'id': f't{i}'}\n\n"
@@ -36,7 +36,7 @@ EXTRA = {"hangs_awaiting": ("--episode-timeout", "2")}
 
 
 def _client(url: str, spec: str, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "core.cli", "client", spec, "--server", url, "--group-size", "1", "--concurrency", "1",
+    cmd = [sys.executable, "-m", "core.run.cli", "client", spec, "--server", url, "--group-size", "1", "--concurrency", "1",
            "--max-consecutive-failures", "2", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

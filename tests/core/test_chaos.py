@@ -15,11 +15,11 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
-from core import checkpoint, supervisor
+from core.run import checkpoint, supervisor
 from core.config import load_config
-from core.episodes import unbalanced
-from core.run import CoreRun
-from core.server import free_port
+from core.episodes.registry import unbalanced
+from core.run.loop import CoreRun
+from core.serve.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BALANCED = {"opened": 10, "finished": 6, "aborted": 1, "expired": 1, "trained": 4, "stale": 1,
@@ -65,14 +65,14 @@ def test_a_client_that_keeps_crashing_fails_the_run_with_its_last_words(tmp_path
     cfg = load_config(overrides=["server.port=0", "trainer.steps=2", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
                                  f"clients=[{{agent: '{crashy}', isolate: true, concurrency: 1}}]"])
     core = CoreRun(cfg)
-    core.server.start()
+    core.serve.server.start()
     try:
         core.start_clients()
         core.train()  # returns when the supervisor gives up: the run fails instead of waiting forever
     finally:
         core.stop_clients()
-        core.server.stop()
-    assert core.step == 0 and core.supervisor.restarts == 1
+        core.serve.server.stop()
+    assert core.step == 0 and core.run.supervisor.restarts == 1
     why = str(core.failure)
     assert why.startswith(f"client {crashy} died 2 times in a row without finishing an episode "
                           "(last: exit code 2 after "), why
@@ -114,7 +114,7 @@ def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_ow
     sets = [f"server.port={port}", "trainer.batch_groups=1", "trainer.group_size=2", "trainer.max_staleness=2",
             "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={ckpt}", "telemetry.trajectories_per_step=64",
             "clients=[]"]
-    base = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
+    base = [sys.executable, "-m", "core.run.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
             "--run-id-file", str(run_id_file), *[a for s in sets for a in ("--set", s)]]
     logs = [tmp_path / "run-1.log", tmp_path / "run-2.log"]
     server = subprocess.Popen([*base, "--set", "trainer.steps=1000"], cwd=ROOT, stdout=logs[0].open("w"),
@@ -124,7 +124,7 @@ def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_ow
         _wait_up(url, server, logs[0])
         # Never giving up: how long the restart takes is the machine's business (the give-up bound has its own
         # tests in test_runner); what is tested here is that the same processes come back on their own.
-        clients = [subprocess.Popen([sys.executable, "-m", "core.cli", "client", "sandbox:letters", "--server", url,
+        clients = [subprocess.Popen([sys.executable, "-m", "core.run.cli", "client", "sandbox:letters", "--server", url,
                                      "--concurrency", "4", "--max-consecutive-failures", "0"], cwd=ROOT,
                                     stderr=(tmp_path / f"client-{i}.log").open("w")) for i in range(2)]
         # An episode of our own, open at the crash: one call made, never finished.

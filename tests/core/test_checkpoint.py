@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint
-from core.checkpoint import CheckpointError, load_latest, restore, save
+from core.run import checkpoint
+from core.run.checkpoint import CheckpointError, load_latest, restore, save
 from core.config import LoraConfig, TrainerConfig
 from core.models import build_tiny
 from core.train.trainer import Trainer, prepare_policy, seed_everything

@@ -8,11 +8,11 @@ import logging
 import httpx
 import pytest
 
-from core import checkpoint
+from core.run import checkpoint
 from core.config import flatten, load_config
-from core.entrypoints import announce_admin_token
-from core.sandbox import load_agent
-from core.server import Server
+from core.run.processes import announce_admin_token
+from core.clients.sandbox import load_agent
+from core.serve.server import Server
 
 ADMIN_TOKEN = "admin-secret-that-must-not-leak-0123456789"
 

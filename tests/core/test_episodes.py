@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.episodes import EpisodeError, Registry
+from core.episodes.registry import EpisodeError, Registry
 from core.records import Call
-from core.wire import OpenEpisode
+from core.episodes.wire import OpenEpisode
 
 
 class Clock:

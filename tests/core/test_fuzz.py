@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 
 from core.config import load_config
 from core.models import build_tiny
-from core.server import Server
+from core.serve.server import Server
 from tests.support import tiny_policy
 
 

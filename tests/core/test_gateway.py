@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from core.client import SwarmClient, SwarmError
+from core.clients.sdk import SwarmClient, SwarmError
 from tests.support import ADD_TOOL, USER_PROMPTS, tiny_policy
 
 

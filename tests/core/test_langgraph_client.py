@@ -7,7 +7,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 
-from core.client import SwarmClient
+from core.clients.sdk import SwarmClient
 from tests.support import USER_PROMPTS, tiny_policy
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import checkpoint
+from core.run import checkpoint
 from core.config import TrainerConfig
 from core.models import build_tiny
 from core.train.trainer import Trainer, prepare_policy, seed_everything
@@ -66,7 +66,7 @@ def test_a_checkpoint_restores_the_master_weights_not_their_rounding():
     weights = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
 
     resumed = bf16_trainer()
-    resumed.policy.load_state_dict(weights)  # core.checkpoint loads the weights first, then the trainer
+    resumed.policy.load_state_dict(weights)  # core.run.checkpoint loads the weights first, then the trainer
     resumed.load_state_dict(state)
     for (_, saved), (_, loaded) in zip(trainer.master.pairs, resumed.master.pairs):
         assert torch.equal(saved.detach(), loaded.detach())

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from core.config import load_config
-from core.episodes import EpisodeError, Registry
+from core.episodes.registry import EpisodeError, Registry
 from core.records import Call
-from core.run import CoreRun
-from core.wire import OpenEpisode
+from core.run.loop import CoreRun
+from core.episodes.wire import OpenEpisode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -173,7 +173,7 @@ def test_a_real_run_at_mix_3_to_1_trains_groups_in_that_ratio(tmp_path):
                              "trainer.group_size=2", "engine.default_max_tokens=8"])
     core = CoreRun(cfg)
     batches = []
-    take = core.server.registry.take_batch
+    take = core.serve.server.registry.take_batch
 
     def recording_take(*args, **kwargs):  # the real batch assembly, with what it hands the trainer kept
         batch = take(*args, **kwargs)
@@ -181,14 +181,14 @@ def test_a_real_run_at_mix_3_to_1_trains_groups_in_that_ratio(tmp_path):
             batches.append(batch)
         return batch
 
-    core.server.registry.take_batch = recording_take
-    core.server.start()
+    core.serve.server.registry.take_batch = recording_take
+    core.serve.server.start()
     try:
         core.start_clients()
         core.train()
     finally:
         core.stop_clients()
-        core.server.stop()
+        core.serve.server.stop()
     assert len(batches) == steps
     trained = {"letters": 0, "arith": 0}
     for batch in batches:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from core.chat import ChatRenderer
+from core.serve.chat import ChatRenderer
 from core.config import ModelConfig
 from core.models import PRESETS, build_tiny, load, smollm2_folder
 

@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.records import Call
-from core.timelines import Sample, merge_calls
+from core.train.timelines import Sample, merge_calls
 from core.train.attention import dense_tree_mask, flex_tree_mask, tree_attention_mask
 from core.train.packing import MicroBatch, pack, token_logprobs
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from core.cli import app
+from core.run.cli import app
 from core.config import ConfigError, load_config
 from core.engine import SamplingParams
-from core.placement import describe, plan
-from core.ray_actors import ModelActor, NotAdopted
+from core.run.plan import describe, plan
+from core.ray.actors import ModelActor, NotAdopted
 from tests.ray_cluster import local_ray_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_a_local_plan_says_everything_runs_here():
 
 @pytest.mark.slow  # a fresh interpreter importing the core: ~10 s quiet, over a minute on a busy machine
 def test_a_local_run_never_imports_ray():
-    code = ("import sys; from core.config import load_config; from core.placement import core_run; "
+    code = ("import sys; from core.config import load_config; from core.run.placement import core_run; "
             "r = core_run(load_config('configs/tiny.yaml', ['trainer.checkpoint_dir=/nonexistent'])); "
             "r.server.close(); print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -125,8 +125,8 @@ def test_a_model_actor_serves_and_trains_only_once_the_driver_adopts_it(tmp_path
 def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_past_its_budget(ray_address, tmp_path):
     import ray
 
-    from core.placement import core_run
-    from core.ray_placement import ModelLost
+    from core.run.placement import core_run
+    from core.ray.driver import ModelLost
 
     cfg = load_config(ROOT / "configs/tiny-duo.yaml", [
         "placement.kind=ray", f"placement.address={ray_address}", "placement.max_restarts=1",
@@ -148,7 +148,7 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
             trained_after_kill.append(step)
 
     try:
-        core.server.start()
+        core.serve.server.start()
         core.start_clients()
         core.train(on_step=on_step)
         core.stop_clients()
@@ -158,7 +158,7 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
         # Restored from step 2's checkpoint (a fresh actor would count only the steps after the kill).
         assert core.trainers["drafter"].step_count == 2 + len(trained_after_kill)
         assert core.trainers["reviewer"].step_count == 4  # the other model never noticed
-        versions = core.server.versions()
+        versions = core.serve.server.versions()
         assert versions["drafter"] >= 3  # restored weights were served under a new version
         assert [slot.restarts for slot in core._slots] == [1, 0]  # the killed client was replaced
         assert len(core.client_results) == 2 and all(r["pid"] != os.getpid() for r in core.client_results)
@@ -166,15 +166,15 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
         # 4 steps x 4 groups x 4 episodes filled the batches, with what the killed client actor finished
         # before it died (in no actor's result). An episode the killed drafter generated can be stale
         # for the restored one's new version: dropped from its group, so counted stale, not trained.
-        counters = core.server.registry.counters
+        counters = core.serve.server.registry.counters
         assert counters["trained"] <= 4 * 4 * 4 <= counters["trained"] + counters["stale"], counters
 
         # Budget spent (max_restarts 1): the next death ends the run as failed, with the reason.
         os.kill(drafter.info["pid"], signal.SIGKILL)
         with pytest.raises(ModelLost, match="died during hold"):
-            core.server.policies["drafter"].engine.hold()
+            core.serve.server.policies["drafter"].engine.hold()
         assert core.stop.is_set() and "died 2 times (placement.max_restarts 1)" in str(core.failure)
     finally:
         core.stop_clients()
-        core.server.stop()
+        core.serve.server.stop()
     assert not ray.is_initialized()  # the driver left the cluster

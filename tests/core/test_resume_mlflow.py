@@ -19,8 +19,8 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
-from core import checkpoint
-from core.telemetry import RESUMED_FROM_TAG, RESUMED_TAG
+from core.run import checkpoint
+from core.run.telemetry import RESUMED_FROM_TAG, RESUMED_TAG
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -31,7 +31,7 @@ EVERY_STEP = ("reward/mean", "train/loss", "rollout/episodes_per_s", "episodes/a
 
 
 def swarm(*args: str) -> list[str]:
-    return [sys.executable, "-m", "core.cli", *args]
+    return [sys.executable, "-m", "core.run.cli", *args]
 
 
 @pytest.fixture

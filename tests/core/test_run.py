@@ -13,10 +13,10 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from core import checkpoint
+from core.run import checkpoint
 from core.config import ConfigError, load_config
-from core.run import CoreRun
-from core.telemetry import PROCESS_TAG, RunOwner
+from core.run.loop import CoreRun
+from core.run.telemetry import PROCESS_TAG, RunOwner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,13 +30,13 @@ def test_tiny_policy_learns_the_dense_reward(tmp_path):
     cfg = _tiny(tmp_path, "trainer.steps=20")
     core = CoreRun(cfg)
     rewards = []
-    core.server.start()
+    core.serve.server.start()
     try:
         core.start_clients()
         core.train(on_step=lambda step, m: rewards.append(m["reward/mean"]))
     finally:
         core.stop_clients()
-        core.server.stop()
+        core.serve.server.stop()
     assert len(rewards) == 20
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.15, rewards  # measured: about 0.15 over the first 4 steps, 0.4 over the last 4
@@ -45,7 +45,7 @@ def test_tiny_policy_learns_the_dense_reward(tmp_path):
 @pytest.mark.slow
 def test_swarm_run_exits_zero_and_logs_the_metric_contract(tmp_path):
     run_id_file = tmp_path / "run_id"
-    cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
+    cmd = [sys.executable, "-m", "core.run.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
            "--set", "trainer.steps=3", "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
            "--experiment", "contract", "--tag", "swarmrl.study=s1", "--run-id-file", str(run_id_file)]
     # From another folder: `sandbox:letters` resolves against the config's project, not the cwd.
@@ -66,7 +66,7 @@ def test_swarm_run_exits_zero_and_logs_the_metric_contract(tmp_path):
 def test_a_resume_refused_by_mlflow_fails_clearly_and_leaves_no_client_or_server_behind(tmp_path):
     """The MLflow run opens after the clients start (start-up): refusing it must still stop them all."""
     ckpt, run_id_file = tmp_path / "ckpt", tmp_path / "run_id"
-    cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
+    cmd = [sys.executable, "-m", "core.run.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
            "--set", f"trainer.checkpoint_dir={ckpt}", "--run-id-file", str(run_id_file)]
     first = subprocess.run([*cmd, "--set", "trainer.steps=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_a_resume_refused_by_mlflow_fails_clearly_and_leaves_no_client_or_server
 @pytest.mark.slow
 def test_ctrl_c_checkpoints_and_resume_continues_the_step_count(tmp_path):
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
+    cmd = [sys.executable, "-m", "core.run.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
            "--set", "trainer.steps=1000", "--set", f"trainer.checkpoint_dir={ckpt}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
@@ -114,7 +114,7 @@ def test_unknown_config_keys_are_errors_that_name_the_key(tmp_path):
         load_config(bad)
     assert "trainer.learning_rate: unknown key" in str(e.value)
     assert "clients.0.concurency: unknown key" in str(e.value)
-    done = subprocess.run([sys.executable, "-m", "core.cli", "run", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "core.run.cli", "run", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "learning_rate" in done.stderr
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from core.client import BACKOFF_MAX_S, BACKOFF_START_S, backoff_delay, model_to_call
-from core.runner import FailureGate
-from core.sandbox import load_agent
+from core.clients.sdk import BACKOFF_MAX_S, BACKOFF_START_S, backoff_delay, model_to_call
+from core.clients.runner import FailureGate
+from core.clients.sandbox import load_agent
 
 ROOT = Path(__file__).resolve().parents[2]
 # A client that must stop "at once" or "within one lease" gets this long before the test calls it stuck:
@@ -61,7 +61,7 @@ def _kill_leftover_clients():
 
 
 def _client(url: str, spec: str = "sandbox:letters", *extra: str, env=None, group_size: str | None = "2") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "core.cli", "client", spec, "--server", url, *extra]
+    cmd = [sys.executable, "-m", "core.run.cli", "client", spec, "--server", url, *extra]
     cmd += ["--group-size", group_size] if group_size else []
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env or os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -248,9 +248,9 @@ def test_swap_goes_through_the_server_and_never_signals_a_process_it_did_not_sta
     foreign = subprocess.Popen(["sleep", "120"])  # holds a pid a dead client's pid file might name
     try:
         (state / f"letters-{port}-{foreign.pid}.pid").write_text(
-            json.dumps({"pid": foreign.pid, "cmdline": [sys.executable, "-m", "core.cli", "client", "sandbox:letters"]}))
+            json.dumps({"pid": foreign.pid, "cmdline": [sys.executable, "-m", "core.run.cli", "client", "sandbox:letters"]}))
         (state / f"letters-{port}-1.pid").write_text(str(foreign.pid))  # an unverifiable bare pid
-        swap = subprocess.run([sys.executable, "-m", "core.cli", "swap", "sandbox:letters", "--server", server.url,
+        swap = subprocess.run([sys.executable, "-m", "core.run.cli", "swap", "sandbox:letters", "--server", server.url,
                                "--admin-token", server.admin_token], cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=120)
         assert swap.returncode == 2, swap.stderr[-2000:]

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.sandbox import load_agent, locate, sandbox_roots
+from core.clients.sandbox import load_agent, locate, sandbox_roots
 
 AGENT = "def tasks(split):\n    yield {{'id': 't'}}\n\nasync def rollout(task, llm):\n    return {reward}\n"
 
@@ -41,7 +41,7 @@ def test_a_missing_sandbox_is_one_line_naming_where_it_looked(tmp_path):
     (project / "configs").mkdir()
     (project / "configs" / "x.yaml").write_text("clients:\n  - agent: sandbox:present\n  - agent: sandbox:absent\n")
     elsewhere.mkdir()
-    done = subprocess.run([sys.executable, "-m", "core.cli", "run", str(project / "configs" / "x.yaml")], cwd=elsewhere,
+    done = subprocess.run([sys.executable, "-m", "core.run.cli", "run", str(project / "configs" / "x.yaml")], cwd=elsewhere,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip() == (f"sandbox 'absent' not found: no agent.py in {project / 'sandboxes' / 'absent'}, "

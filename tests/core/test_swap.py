@@ -26,9 +26,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from core.clients import CLIENT_TTL_S, ClientError, ClientTable
-from core.sandbox import load_agent
-from core.wire import DrainClients, RegisterClient
+from core.clients.table import CLIENT_TTL_S, ClientError, ClientTable
+from core.clients.sandbox import load_agent
+from core.episodes.wire import DrainClients, RegisterClient
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW_REWARD = 0.75  # the swapped-in reward function returns this for every reply
@@ -74,7 +74,7 @@ def _sandbox_copy(dest: Path, reward_body: str | None = None) -> Path:
 
 
 def _swap(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "core.cli", "swap", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "core.run.cli", "swap", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -110,7 +110,7 @@ def test_swarm_swap_replaces_a_live_runs_client_through_the_server(tmp_path: Pat
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "SWARMRL_STATE": str(tmp_path / "run-state")}
-    run = subprocess.Popen([sys.executable, "-m", "core.cli", "run", str(tmp_path / "run.yaml"), "--quiet",
+    run = subprocess.Popen([sys.executable, "-m", "core.run.cli", "run", str(tmp_path / "run.yaml"), "--quiet",
                             "--run-id-file", str(run_dir / "run_id")], cwd=ROOT, env=env,
                            stdout=open(tmp_path / "run.log", "wb"), stderr=subprocess.STDOUT)
     swap_env = {**os.environ, "SWARMRL_STATE": str(tmp_path / "swap-state")}  # nothing local about the old client

@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from core.config import TelemetryConfig
 from core.mlflow_history import canonical_uri, one_per_step
 from core.records import Call, Episode
-from core.telemetry import (
+from core.run.telemetry import (
     MAX_PARAM_LENGTH,
     PROCESS_TAG,
     RESUMED_FROM_TAG,
@@ -129,7 +129,7 @@ def test_runs_share_an_existing_experiment(sqlite_uri: str):
 def test_bad_metrics_are_dropped_alone_and_long_params_are_cut(sqlite_uri: str, caplog: pytest.LogCaptureFixture):
     cfg = TelemetryConfig(tracking_uri=sqlite_uri)
     telemetry = Telemetry(cfg, {"clients.0.agent": "x" * (MAX_PARAM_LENGTH + 50)}, {})
-    with caplog.at_level(logging.WARNING, logger="core.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="core.run.telemetry"):
         telemetry.log(1, {"reward/mean": 1.0, "bad name!": 2.0, "../escape": 3.0, "train/loss": "n/a", "train/kl": 0.5})
     assert "bad name!" in caplog.text and "../escape" in caplog.text
     run = telemetry.client.get_run(telemetry.run_id)
@@ -183,7 +183,7 @@ def test_resume_reopens_the_run_and_keeps_one_value_per_step(sqlite_uri: str, ca
     first.log(5, {"late/metric": 1.0})  # a key that exists only after the checkpoint
     abandon(first)  # checkpoint at step 3; steps 4 and 5 were logged, then the process died
 
-    with caplog.at_level(logging.INFO, logger="core.telemetry"):
+    with caplog.at_level(logging.INFO, logger="core.run.telemetry"):
         second = Telemetry(cfg, {"trainer.lr": "0.1", "trainer.steps": "8"}, {}, resume=at(first, 3))
     assert second.run_id == first.run_id
     assert f"MLflow run {first.run_id} was left RUNNING by process" in caplog.text and "marked KILLED" in caplog.text
@@ -226,7 +226,7 @@ def test_a_deleted_run_is_continued_by_a_new_run_that_links_it_and_holds_its_his
         old.log(step, {"reward/mean": float(step)})
     old.close("KILLED")
     old.client.delete_run(old.run_id)
-    with caplog.at_level(logging.WARNING, logger="core.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="core.run.telemetry"):
         new = Telemetry(cfg, {}, {}, resume=at(old, 2))
     new.log(3, {"reward/mean": 30.0})
     new.close()
@@ -253,7 +253,7 @@ def test_another_store_at_resume_gives_a_new_linked_run_and_settles_the_old_one(
         old.log(step, {"reward/mean": float(step)})
     abandon(old)
     other = TelemetryConfig(tracking_uri=f"sqlite:///{tmp_path}/other.db", experiment="resume")
-    with caplog.at_level(logging.WARNING, logger="core.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="core.run.telemetry"):
         new = Telemetry(other, {}, {}, resume=at(old, 2))
     new.close()
     assert f"is in {old.store_uri}, and this run logs to {new.store_uri}" in caplog.text
@@ -372,7 +372,7 @@ def test_over_http_a_resume_keeps_the_old_values_and_readers_take_the_last_one(
     for step in (1, 2, 3):
         first.log(step, {"reward/mean": float(step)})
     abandon(first)
-    with caplog.at_level(logging.WARNING, logger="core.telemetry"):
+    with caplog.at_level(logging.WARNING, logger="core.run.telemetry"):
         second = Telemetry(cfg, {}, {}, resume=at(first, 1))
     assert second.run_id == first.run_id and "cannot delete metric values" in caplog.text
     for step in (2, 3):

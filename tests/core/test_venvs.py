@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from core import venvs
+from core.clients import venvs
 from core.config import load_config
-from core.run import CoreRun
-from core.sandbox import sandbox_meta, sandbox_requirements
-from core.venvs import VenvError, client_python, ensure_venv
+from core.run.loop import CoreRun
+from core.clients.sandbox import sandbox_meta, sandbox_requirements
+from core.clients.venvs import VenvError, client_python, ensure_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 ROMAN = ROOT / "sandboxes" / "roman"
@@ -26,7 +26,7 @@ def test_the_dependency_is_in_the_sandbox_venv_only_and_the_venv_is_cached(monke
     assert importlib.util.find_spec("roman") is None  # not one of the project's dependencies
     python = client_python(str(ROMAN))  # builds it on a fresh machine (uv, PyPI), else reuses it
     assert python != sys.executable and Path(python).is_relative_to(venvs.venvs_root())
-    probe = "import roman, core.runner, sys; print(roman.__file__); print('torch' in sys.modules)"
+    probe = "import roman, core.clients.runner, sys; print(roman.__file__); print('torch' in sys.modules)"
     out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr
     roman_file, torch_loaded = out.stdout.split()
@@ -61,10 +61,10 @@ def test_an_isolated_client_runs_in_its_sandbox_venv_and_own_folder(tmp_path):
         "clients=[{agent: 'sandbox:roman', group_size: 2, concurrency: 2}]"])
     assert cfg.clients[0].isolate  # the default
     core = CoreRun(cfg)
-    core.server.start()
+    core.serve.server.start()
     try:
         core.start_clients()
-        [pid] = core.supervisor.pids()
+        [pid] = core.run.supervisor.pids()
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert argv[0].decode() == client_python(str(ROMAN))
         workdir, deadline = str(tmp_path / "run" / "clients" / "0-roman"), time.time() + 60
@@ -74,6 +74,6 @@ def test_an_isolated_client_runs_in_its_sandbox_venv_and_own_folder(tmp_path):
         core.train()
     finally:
         core.stop_clients()
-        core.server.stop()
+        core.serve.server.stop()
     assert core.step == 1 and core.failure is None
-    assert core.server.registry.counters["trained"] >= 2
+    assert core.serve.server.registry.counters["trained"] >= 2

@@ -11,12 +11,12 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from core.cli import app
+from core.run.cli import app
 from core.config import EngineConfig, load_config
 from core.engine import SamplingParams
 from core.engine.hf import HFEngine
 from core.models import build_tiny
-from core.run import CoreRun
+from core.run.loop import CoreRun
 
 STALL_S = 1.5
 
@@ -45,10 +45,10 @@ def test_a_hung_client_is_reported_stalled_with_stacks_and_clears_when_it_moves(
         "trainer.group_size=2", f"trainer.checkpoint_dir={tmp_path / 'run' / 'checkpoints'}",
         "clients=[{agent: tests.core.hang_agent, isolate: false, concurrency: 2}]"])
     core = CoreRun(cfg)
-    core.server.start()
-    url = core.server.url
+    core.serve.server.start()
+    url = core.serve.server.url
     trainer = threading.Thread(target=core.train, daemon=True)
-    caplog.set_level(logging.INFO, logger="core.watchdog")
+    caplog.set_level(logging.INFO, logger="core.run.watchdog")
     try:
         core.start_clients()
         deadline = time.time() + 60
@@ -79,8 +79,8 @@ def test_a_hung_client_is_reported_stalled_with_stacks_and_clears_when_it_moves(
         core.stop.set()
         trainer.join(timeout=30)
         core.stop_clients()
-        core.server.stop()
-    assert core.server.stalled is None  # a run that ended is not stalled
+        core.serve.server.stop()
+    assert core.serve.server.stalled is None  # a run that ended is not stalled
 
 
 def test_the_engine_reports_its_queue_admission_and_oldest_request():

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from researcher.planner import PlannerSpec
+from researcher.planner.types import PlannerSpec
 from researcher.runner import new_study, run_study
 from researcher.store import study_paths
 

@@ -53,7 +53,7 @@ def swarm_ready() -> bool:
     """Whether the core's `swarm run` can run here (it is built in parallel with the researcher)."""
     if not SWARM.exists() or not (ROOT / "configs" / "tiny.yaml").is_file():
         return False
-    probe = subprocess.run([sys.executable, "-c", "import core.run"], cwd=ROOT, capture_output=True)
+    probe = subprocess.run([sys.executable, "-c", "import core.run.loop"], cwd=ROOT, capture_output=True)
     return probe.returncode == 0
 
 

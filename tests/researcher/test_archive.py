@@ -9,7 +9,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from researcher.archive import PREVIOUS, archive, main
-from researcher.planner import PlannerSpec
+from researcher.planner.types import PlannerSpec
 from researcher.records import Proposal
 from researcher.runner import new_study, open_board
 from researcher.store import StudyError, StudyLock, list_studies

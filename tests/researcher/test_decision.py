@@ -102,17 +102,17 @@ def test_runs_stopped_early_are_scored_as_failed_not_on_their_tail() -> None:
 
 def test_a_failed_seed_is_rerun_once_and_failing_again_makes_the_proposal_incomplete() -> None:
     first = [launch(0), launch(1, "failed", reason="exit code 1"), launch(2, "stopped", reason="divergence: loss")]
-    outcomes = {"r1-2-s0": analysis.Outcome(1.0), "r1-2-s1": analysis.Outcome(None, "failed: exit code 1"),
-                "r1-2-s2": analysis.Outcome(None, "stopped: divergence: loss")}
+    outcomes = {"r1-2-s0": analysis.RunScore(1.0), "r1-2-s1": analysis.RunScore(None, "failed: exit code 1"),
+                "r1-2-s2": analysis.RunScore(None, "stopped: divergence: loss")}
     scores, failed, reruns = analysis.seed_table(first, outcomes)
     assert scores == {0: 1.0} and [x.key for x in reruns] == ["r1-2-s1-rerun"]  # divergence would repeat
     assert reruns[0].attempt == 1 and reruns[0].status == "queued" and set(failed) == {2}
 
-    recovered = {**outcomes, "r1-2-s1-rerun": analysis.Outcome(1.2)}
+    recovered = {**outcomes, "r1-2-s1-rerun": analysis.RunScore(1.2)}
     scores, failed, reruns = analysis.seed_table([*first, launch(1, attempt=1)], recovered)
     assert scores == {0: 1.0, 1: 1.2} and not reruns
 
-    twice = {**outcomes, "r1-2-s1-rerun": analysis.Outcome(None, "failed: exit code 1")}
+    twice = {**outcomes, "r1-2-s1-rerun": analysis.RunScore(None, "failed: exit code 1")}
     result = analysis.experiment_result("r1-2", [*first, launch(1, "failed", attempt=1)], twice)
     assert result.failed_seeds[1].startswith("failed twice") and result.seed_scores == {0: 1.0}
     verdict = judge_round({"r1-2": result.seed_scores}, seeds(0.0, 0.1, 0.2), "maximize",
@@ -130,7 +130,7 @@ def test_judge_compares_with_the_baseline_of_the_same_length() -> None:
     for p, offsets in zip(props, ([0.0, 0.1, 0.2], [1.0, 1.2, 1.1], [0.05, 0.0, 0.3], [5.0, 5.1, 5.2])):
         for s, v in enumerate(offsets):
             launches.append(Launch(key=f"{p.id}-s{s}", proposal_id=p.id, seed=s, steps=4, status="finished"))
-            outcomes[f"{p.id}-s{s}"] = analysis.Outcome(v)
+            outcomes[f"{p.id}-s{s}"] = analysis.RunScore(v)
     results = [analysis.experiment_result(p.id, [x for x in launches if x.proposal_id == p.id], outcomes)
                for p in props]
     judged = {r.proposal_id: r for r in analysis.judge(results, props, base_values, 8, UP)}
@@ -164,8 +164,8 @@ def test_confirmation_round_uses_unused_seeds_and_the_recommendation_stands_only
     props = [Proposal(id=f"r1-{i}", round=1, planner="heuristic", hypothesis="h h", rationale="r r",
                       expected_effect="e e", overrides={"trainer.lr": lr, "trainer.steps": 4})
              for i, lr in enumerate([1.0e-5, 0.03], start=1)]
-    outcomes = {f"r1-1-s{s}": analysis.Outcome(v) for s, v in enumerate([0.0, 0.1, 0.05])}
-    outcomes |= {f"r1-2-s{s}": analysis.Outcome(v) for s, v in enumerate([1.0, 1.2, 1.1])}
+    outcomes = {f"r1-1-s{s}": analysis.RunScore(v) for s, v in enumerate([0.0, 0.1, 0.05])}
+    outcomes |= {f"r1-2-s{s}": analysis.RunScore(v) for s, v in enumerate([1.0, 1.2, 1.1])}
     results = [analysis.experiment_result(p.id, [Launch(key=f"{p.id}-s{s}", proposal_id=p.id, seed=s, steps=4,
                                                         status="finished") for s in range(3)], outcomes)
                for p in props]
@@ -180,8 +180,8 @@ def test_confirmation_round_uses_unused_seeds_and_the_recommendation_stands_only
     assert confirmation.owed(everyone, results, 8, brief) is None  # one confirmation per study
 
     def confirm_with(gain: list[float]) -> str:
-        runs = {f"r2-1-s{s}": analysis.Outcome(v) for s, v in zip(range(3, 6), gain)}
-        runs |= {f"r2-2-s{s}": analysis.Outcome(v) for s, v in zip(range(3, 6), [0.0, 0.1, 0.05])}
+        runs = {f"r2-1-s{s}": analysis.RunScore(v) for s, v in zip(range(3, 6), gain)}
+        runs |= {f"r2-2-s{s}": analysis.RunScore(v) for s, v in zip(range(3, 6), [0.0, 0.1, 0.05])}
         new = [analysis.experiment_result(p.id, [Launch(key=f"{p.id}-s{s}", proposal_id=p.id, seed=s, steps=8,
                                                         status="finished") for s in p.seeds or []], runs)
                for p in fresh]

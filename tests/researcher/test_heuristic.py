@@ -12,7 +12,7 @@ import pytest
 from core.config import flatten
 from researcher.analysis import summarize
 from researcher.graph import typed_values
-from researcher.planner import PlanContext, PlanResult
+from researcher.planner.types import PlanContext, PlanResult
 from researcher.planner.heuristic import HeuristicPlanner, candidate_arms, rung_sizes
 from researcher.records import Decision, ExperimentResult, Proposal
 from tests.researcher.helpers import make_brief

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from researcher.graph import typed_values
-from researcher.planner import PlanContext, PlannerError, choose_planner
+from researcher.planner.types import PlanContext, PlannerError, choose_planner
 from researcher.planner.llm import PLAN_SCHEMA, LlmPlanner, extract_json
 from researcher.records import Decision, Proposal
 from tests.researcher.helpers import make_brief

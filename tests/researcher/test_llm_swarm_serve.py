@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from researcher.graph import typed_values
-from researcher.planner import PlanContext, PlannerError
+from researcher.planner.types import PlanContext, PlannerError
 from researcher.planner.llm import LlmPlanner
 from tests.researcher.harness import BIN, require_swarm
 from tests.researcher.helpers import make_brief, wait_until_up

@@ -8,7 +8,7 @@ import pytest
 
 from researcher.decision import PAIRED, Verdict
 from researcher.nodes.base import typed_values
-from researcher.planner import PlanContext
+from researcher.planner.types import PlanContext
 from researcher.planner.llm import LlmPlan, build_messages, check_plan
 from researcher.records import Decision, ExperimentResult, Launch, Proposal, Summary
 from tests.researcher.helpers import make_brief

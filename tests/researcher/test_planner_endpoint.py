@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from researcher.planner import PlannerError
+from researcher.planner.types import PlannerError
 from researcher.planner.endpoint import Endpoint, parse_context_refusal
 from researcher.planner.llm import LlmPlanner
 from tests.researcher.scripted_llm import serve

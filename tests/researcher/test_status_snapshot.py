@@ -69,7 +69,7 @@ def test_unknown_database_is_left_to_langgraph(tmp_path: Path) -> None:
 
 def test_status_answers_without_mlflow_or_the_graph(tmp_path: Path) -> None:
     """`status` of a study past its review: phase and budget, with no MLflow, graph, scipy or torch loaded."""
-    from researcher.planner import PlannerSpec
+    from researcher.planner.types import PlannerSpec
 
     root = Path(__file__).resolve().parents[2]
     paths, _, _ = runner.new_study(tmp_path, root / "studies" / "tiny-lr.md", "s", PlannerSpec(kind="heuristic"), root,

@@ -1,6 +1,6 @@
 """`swarm run` with `engine.kind: vllm` trains for real: SmolLM2-135M learns the oneword format.
 
-The run is the user's command in its own process (`python -m core.cli run`), on
+The run is the user's command in its own process (`python -m core.run.cli run`), on
 `configs/smollm2-oneword.yaml` shortened to a few steps; the reward curve is read back from MLflow.
 """
 
@@ -26,7 +26,7 @@ MIN_GAIN = 0.2
 @pytest.mark.timeout(1800)  # vLLM start-up plus eight SmolLM2 steps: minutes on 2 shared cores
 def test_swarm_run_with_the_vllm_engine_learns_the_oneword_format(tmp_path):
     run_id_file = tmp_path / "run_id"
-    cmd = [sys.executable, "-m", "core.cli", "run", str(ROOT / "configs" / "smollm2-oneword.yaml"), "--quiet",
+    cmd = [sys.executable, "-m", "core.run.cli", "run", str(ROOT / "configs" / "smollm2-oneword.yaml"), "--quiet",
            "--set", "engine.kind=vllm", "--set", f"trainer.steps={STEPS}",
            "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", "--experiment", "vllm-oneword",
            "--run-id-file", str(run_id_file)]

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from core.config import load_config
-from core.runner import run_agent
-from core.sandbox import load_agent
-from core.server import Server
-from core.timelines import merge_calls, merge_stats
+from core.clients.runner import run_agent
+from core.clients.sandbox import load_agent
+from core.serve.server import Server
+from core.train.timelines import merge_calls, merge_stats
 
 FOLDER = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(FOLDER))

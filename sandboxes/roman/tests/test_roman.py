@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from core.venvs import client_python
+from core.clients.venvs import client_python
 
 FOLDER = Path(__file__).resolve().parents[1]
 

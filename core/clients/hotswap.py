@@ -1,0 +1,326 @@
+"""`swarm swap`: replace the running clients of a sandbox with new code, through the server; and how
+tools find a running server (its server file) and local client processes (pid files).
+
+Hot swap (DESIGN §3.7), all through the server's client table (`core.clients.table`), so the old client
+may run on another machine and nothing local about it is needed:
+
+    read /status: the sandbox's serving clients, their kind, group size and concurrency
+    check the admin token (a drain of no clients), so a wrong token starts nothing
+    start the new code's client (same kind and group size) and wait until it has registered and
+        finished its first episode; if it exits or cannot within the timeout, it is stopped, the
+        old clients keep serving, and swap fails
+    ask the server to drain the old clients (/admin/drain, admin token, naming the successor); the
+        server records the swap (the run tags it on MLflow) and each old client, at its next
+        heartbeat, opens nothing new, finishes its in-flight episodes and exits
+    wait (bounded) until the old clients have left the table
+
+`swap` signals only the client it started itself, and only when the swap fails after starting it.
+
+Server files: `swarm run` writes `<run folder>/server.json` (the run folder is the parent of
+`trainer.checkpoint_dir`) holding the URL and the path of a 0600 file with the admin token, and both
+`swarm run` and `swarm serve` leave the same under `$SWARMRL_STATE/servers/<port>.json`, so a swap
+on this machine finds the token by URL; all are removed when the server stops.
+
+Pid files: every `swarm client` leaves `$SWARMRL_STATE/<sandbox>-<port>-<pid>.pid` (pid and command
+line) while it runs, so tools and tests on this machine can find detached clients; a pid file may
+outlive its process (SIGKILL) and its pid be reused, so whoever signals by it checks the command
+line first. Nothing here signals by pid file. This module does not run episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from core.clients.sdk import SwarmClient, SwarmError
+from core.clients.sandbox import load_agent, locate
+from core.clients.venvs import client_python
+
+log = logging.getLogger(__name__)
+
+PID_DIR_ENV = "SWARMRL_STATE"  # where clients leave pid files, swap its clients' logs, servers their files
+ADMIN_TOKEN_ENV = "SWARMRL_ADMIN_TOKEN"  # the admin token for `swarm swap` when the server runs elsewhere
+SERVER_FILE = "server.json"  # in a `swarm run` folder: {url, admin_token_file, pid, host, started}
+# Before the old clients are told to drain, the new one must have finished this many episodes (new
+# code that registers but fails every rollout never replaces working code) and then still be alive
+# this long later.
+PROOF_EPISODES = 1
+# A new client that has failed this many episodes and finished none is given up on at once: broken
+# code shows in its first few episodes, and waiting out the timeout would only delay the verdict.
+GIVE_UP_FAILURES = 3
+SWAP_SETTLE_S = 1.0
+# How long the new client may take to start, register and finish its first episode (imports, the
+# sandbox, a generation): generous, because a busy machine is slow, and nothing is lost by waiting.
+REGISTER_TIMEOUT_S = 180.0
+# How long swap waits for the drained clients to leave: their drain is bounded by one lease (60 s by
+# default) plus a heartbeat; past this swap still succeeds, and says who is still draining.
+DRAIN_WAIT_S = 90.0
+POLL_S = 0.25
+EXIT_FAILED, EXIT_REFUSED = 1, 2  # the new client failed; nothing was started (bad input, token, no client)
+
+
+class SwapError(RuntimeError):
+    """A swap that cannot go ahead; the message is the one line a person reads."""
+
+
+def pid_dir() -> Path:
+    return Path(os.environ.get(PID_DIR_ENV, Path.home() / ".cache" / "swarmrl" / "clients"))
+
+
+# -- server files -----------------------------------------------------------------------------------
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (0600 from its creation, not chmod after)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def write_server_files(url: str, token: str, run_folder: Path | None) -> list[Path]:
+    """Tell tools where the server is: `<run_folder>/server.json` (when given) and the local index
+    entry, each with a 0600 token file beside it. -> the files written, for `remove_server_files`."""
+    port = urlparse(url).port
+    targets = [(Path(run_folder) / SERVER_FILE, Path(run_folder) / "admin_token")] if run_folder else []
+    targets.append((pid_dir() / "servers" / f"{port}.json", pid_dir() / "servers" / f"{port}.token"))
+    written = []
+    for info, token_file in targets:
+        _write_private(token_file, token)
+        _write_private(info, json.dumps({"url": url, "admin_token_file": str(token_file.resolve()),
+                                         "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+        written += [info, token_file]
+    return written
+
+
+def remove_server_files(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+def read_server_file(path: Path) -> tuple[str, str]:
+    """(url, admin token) from a server file, or from a run folder holding one."""
+    path = path / SERVER_FILE if path.is_dir() else path
+    try:
+        info = json.loads(path.read_text())
+        return info["url"], Path(info["admin_token_file"]).read_text().strip()
+    except (OSError, ValueError, KeyError) as e:
+        raise SwapError(f"{path}: not a readable server file ({type(e).__name__}: {e}); is the run still "
+                        "going?") from None
+
+
+def resolve_server(server: str, admin_token: str | None) -> tuple[str, str]:
+    """The URL and admin token a swap uses: a server file or run folder gives both; for a URL the token is
+    --admin-token, else $SWARMRL_ADMIN_TOKEN, else the local index entry of a server on this machine."""
+    if not server.startswith(("http://", "https://")):
+        url, token = read_server_file(Path(server))
+        return url, admin_token or token
+    token = admin_token or os.environ.get(ADMIN_TOKEN_ENV, "")
+    entry = pid_dir() / "servers" / f"{urlparse(server).port}.json"
+    if not token and entry.is_file():
+        url, found = read_server_file(entry)
+        if url.rstrip("/") == server.rstrip("/"):
+            token = found
+    if not token:
+        raise SwapError(f"swap needs the admin token of {server}: give --admin-token, set ${ADMIN_TOKEN_ENV}, or pass "
+                        f"the run's server file (--server <run folder>/{SERVER_FILE})")
+    return server.rstrip("/"), token
+
+
+# -- the swap ---------------------------------------------------------------------------------------
+
+
+class _Admin:
+    """The swarm routes a swap calls; admin ones carry the token."""
+
+    def __init__(self, url: str, token: str):
+        self.http, self.token = SwarmClient(url, deadline_s=30.0, unreachable_s=10.0), token
+
+    def clients(self, sandbox: str) -> list[dict]:
+        return [c for c in self.http.status().get("clients", []) if c["sandbox"] == sandbox]
+
+    def drain(self, sandbox: str, ids: list[str], successor: str = "") -> dict | None:
+        try:
+            order = {"sandbox": sandbox, "client_ids": ids, "successor": successor}
+            return self.http.call("POST", "/admin/drain", order, key=self.token)
+        except SwarmError as e:
+            if e.status == 401:
+                raise SwapError(f"the server at {self.http.url} refused the admin token (401); nothing was "
+                                "drained") from None
+            raise
+
+
+@dataclass
+class _NewClient:
+    client_id: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM the client this swap started (the only process swap ever signals)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+
+# Loads a sandbox in its own interpreter (its venv, when it declares requirements) and prints its name and version.
+_PROBE = ("import json, sys; from core.clients.sandbox import load_agent; a = load_agent(sys.argv[1]); "
+          "print(json.dumps([a.name, a.version]))")
+PROBE_TIMEOUT_S = 300.0  # a first use builds the sandbox's venv
+
+
+def _probe(spec: str, python: str) -> tuple[str, str]:
+    """(name, version) of the new code, loaded where its client will run; ValueError when it does not load."""
+    if python == sys.executable:
+        agent = load_agent(spec)
+        return agent.name, agent.version
+    try:
+        out = subprocess.run([python, "-c", _PROBE, spec], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ValueError(f"{spec} could not be loaded with {python}: {e}") from None
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ValueError(f"{spec} does not load in its environment ({python}): {last}")
+    name, version = json.loads(out.stdout.strip().splitlines()[-1])
+    return name, version
+
+
+def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: int | None) -> _NewClient:
+    client_id = f"{name}-{socket.gethostname()}-swap-{secrets.token_hex(3)}"
+    cmd = [python, "-m", "core.run.cli", "client", spec, "--server", url, "--client-id", client_id,
+           "--concurrency", str(concurrency or old["concurrency"]), "--group-size", str(old["group_size"]),
+           "--kind", old["kind"]]
+    log_path = pid_dir() / f"{client_id}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    return _NewClient(client_id, proc, log_path)
+
+
+def _until(predicate, timeout_s: float, new: _NewClient | None = None) -> bool:
+    """Poll `predicate` until true (-> True) or timeout (-> False); fails fast when `new` has exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if new is not None and new.proc.poll() is not None:
+            raise SwapError(f"the new client exited with code {new.proc.returncode} before taking over")
+        if predicate():
+            return True
+        time.sleep(POLL_S)
+    return predicate()
+
+
+def _proven(clients: list[dict], client_id: str) -> bool:
+    """Whether the new client has finished its first episode; SwapError when it only fails."""
+    mine = next((c for c in clients if c["client_id"] == client_id), None)
+    if mine is None:
+        return False
+    if mine.get("finished", 0) >= PROOF_EPISODES:
+        return True
+    if mine["failed"] >= GIVE_UP_FAILURES:
+        raise SwapError(f"the new client failed {mine['failed']} episodes and finished none")
+    return False
+
+
+def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token: str | None = None,
+         settle_s: float = SWAP_SETTLE_S, register_timeout_s: float = REGISTER_TIMEOUT_S,
+         drain_wait_s: float = DRAIN_WAIT_S) -> int:
+    """Hot swap; -> the exit code (0 swapped, 1 the new client failed, 2 refused before starting anything)."""
+    try:
+        url, token = resolve_server(server, admin_token)
+        spec = locate(spec)  # sandbox:NAME -> its folder, so the new client runs the same code wherever it starts
+        python = client_python(spec)  # the sandbox's own venv when it declares requirements (built once)
+        name, version = _probe(spec, python)  # fail before touching the running client if the new code does not load
+    except (SwapError, ValueError, RuntimeError, OSError) as e:
+        log.error("swap refused: %s; the running client is left alone", e)
+        return EXIT_REFUSED
+    admin = _Admin(url, token)
+    new: _NewClient | None = None
+    try:
+        old = [c for c in admin.clients(name) if c["state"] == "serving"]
+        if not old:
+            raise SwapError(f"no client of sandbox {name!r} is registered at {url}: start one (`swarm client`, "
+                            "or a run config client) before swapping it")
+        if len({(c["kind"], c["group_size"]) for c in old}) > 1:
+            log.warning("the clients of %s differ in kind or group size; the new one takes %s's", name,
+                        old[0]["client_id"])
+        admin.drain(name, [])  # checks the token: a wrong one must not leave two clients running
+        new = _start(spec, python, url, name, old[0], concurrency)
+        log.info("started the new client %s (pid %d, version %s); waiting for it to register", new.client_id,
+                 new.proc.pid, version)
+        if not _until(lambda: _proven(admin.clients(name), new.client_id), register_timeout_s, new):
+            raise SwapError(f"the new client did not register and finish an episode within {register_timeout_s:.0f}s")
+        _until(lambda: False, settle_s, new)  # it must survive the settle time too
+        ids = [c["client_id"] for c in old]
+        record = admin.drain(name, [c["client_id"] for c in admin.clients(name) if c["client_id"] in ids],
+                             new.client_id)
+    except (SwapError, SwarmError) as e:
+        if new is not None:
+            new.stop()
+            e = SwapError(f"{e}; it was stopped and the old client keeps serving. Its log ({new.log_path}) "
+                          f"ends:\n{new.tail()}")
+        log.error("swap failed: %s", e)
+        return EXIT_REFUSED if new is None else EXIT_FAILED
+    drained = record["drained"] if record else []
+    print(f"swapped {name}: {', '.join(record['from_versions']) if record else '-'} -> {version}; new "
+          f"client {new.client_id} (pid {new.proc.pid}, log {new.log_path}); draining {len(drained)} old client(s)",
+          flush=True)
+    left = _until(lambda: not {c["client_id"] for c in admin.clients(name)} & set(drained), drain_wait_s)
+    if not left:
+        log.warning("old client(s) still draining after %.0fs: %s", drain_wait_s, drained)
+    return 0
+
+
+# -- pid files --------------------------------------------------------------------------------------
+
+
+def client_stem(name: str, url: str) -> str:
+    """Pid files of one sandbox's clients against one server share this stem (name and port)."""
+    return f"{name}-{url.rstrip('/').rsplit(':', 1)[-1]}"
+
+
+def cmdline(pid: int) -> list[str] | None:
+    """The command line of a live process, or None when there is none (or it cannot be read)."""
+    if Path("/proc/self/cmdline").exists():
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+        return [a.decode(errors="replace") for a in raw.split(b"\0") if a] or None
+    try:  # no /proc (macOS): ps prints the arguments joined by spaces
+        out = subprocess.run(["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.split() if out.returncode == 0 and out.stdout.strip() else None
+
+
+@dataclass
+class PidFile:
+    path: Path
+
+    @classmethod
+    def create(cls, name: str, url: str) -> PidFile:
+        """Record this process (pid and command line) as a client of sandbox `name` against `url`."""
+        pid = os.getpid()
+        path = pid_dir() / f"{client_stem(name, url)}-{pid}.pid"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"pid": pid, "cmdline": cmdline(pid) or sys.argv}))
+        return cls(path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

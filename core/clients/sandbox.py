@@ -1,0 +1,243 @@
+"""Sandboxes and agents: load client code (a sandbox folder or a module) and name its code version.
+
+An agent is anything with `tasks(split)` yielding task dicts and `async rollout(task, llm)` returning
+a reward (or an `Outcome`), where `llm` is an `openai.AsyncOpenAI` already bound to the episode; its
+`llm.model` is the model to call (the server's single served model) unless the agent names one. A
+sandbox is such an agent in a folder `sandboxes/<name>/` with `agent.py` and `sandbox.toml`; every
+episode records the folder's code version. Loading wraps the agent's `tasks` and `rollout` so that
+bad agent code (an exception, a reward that is not a finite number) surfaces as a `SandboxError`
+naming the file, line and function, while errors of the server or the SDK pass through unchanged.
+Running agents is `core.clients.runner`'s job, replacing a running client is `core.clients.hotswap`'s; this module
+only loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import math
+import numbers
+import importlib
+import importlib.util
+import subprocess
+import sys
+import tomllib
+import traceback
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Outcome:
+    reward: float | dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Agent:
+    name: str  # the sandbox name: groups are keyed by (name, task_id)
+    tasks: Callable[[str], Iterable[dict[str, Any]]]
+    rollout: Callable[[dict[str, Any], Any], Awaitable[float | Outcome]]
+    version: str  # code version recorded on every episode
+    folder: Path | None = None
+
+
+class SandboxError(RuntimeError):
+    """Agent code misbehaved: the message names the file, line and function, and what went wrong."""
+
+
+# Exceptions from these packages come from the server or the transport (an HTTP error, a stop
+# request), not from the agent's own code: they pass through unwrapped, so the runner still sees
+# their types (retry hints, `ClientStopping`).
+PASS_THROUGH = ("openai", "httpx", "httpcore", "core")
+
+SANDBOXES_DIR = "sandboxes"  # a project's sandbox folders live under <project>/sandboxes/<name>/
+
+
+class SandboxNotFound(ValueError):
+    """`sandbox:NAME` names no folder in any place looked; the message lists them, on one line."""
+
+
+def sandbox_roots(config_file: str | Path | None = None) -> list[Path]:
+    """Where `sandbox:NAME` is looked up, in order: the `sandboxes/` folder of the config file's project
+    (the nearest parent folder of the config that holds one), then the current folder's. So
+    `swarm run path/to/project/configs/x.yaml` works from any folder."""
+    roots: list[Path] = []
+    if config_file is not None:
+        for parent in Path(config_file).resolve().parents:
+            if (parent / SANDBOXES_DIR).is_dir():
+                roots.append(parent / SANDBOXES_DIR)
+                break
+    here = (Path.cwd() / SANDBOXES_DIR).resolve()
+    if here not in roots:
+        roots.append(here)
+    return roots
+
+
+def locate(spec: str, roots: Sequence[Path] | None = None) -> str:
+    """The folder a `sandbox:NAME` spec names (an absolute path), looked up in `roots` (default: the
+    current folder's `sandboxes/`); a bare NAME too when such a folder exists. Any other spec (a folder
+    path, a module) comes back unchanged."""
+    name = spec.removeprefix("sandbox:")
+    if not spec.startswith("sandbox:") and (Path(spec).is_dir() or "/" in spec):
+        return spec
+    roots = list(roots) if roots is not None else sandbox_roots()
+    for root in roots:
+        if (root / name / "agent.py").is_file():
+            return str((root / name).resolve())
+    if not spec.startswith("sandbox:"):
+        return spec  # a bare name that is no sandbox folder: a module
+    looked = ", ".join(str(r / name) for r in roots)
+    raise SandboxNotFound(f"sandbox {name!r} not found: no agent.py in {looked}")
+
+
+def load_agent(spec: str, roots: Sequence[Path] | Path | None = None) -> Agent:
+    """`sandbox:NAME` (looked up in `roots`, see `locate`), a folder holding agent.py, or an importable
+    module with tasks() and rollout()."""
+    if isinstance(roots, Path):
+        roots = [roots]
+    folder = Path(locate(spec, roots))
+    if spec.startswith("sandbox:") or (folder / "agent.py").is_file():
+        if not (folder / "agent.py").is_file():
+            raise ValueError(f"sandbox {str(folder)!r}: no agent.py in {folder}")
+        meta = sandbox_meta(folder)
+        module = _import_file(_entry(folder, meta), f"sandbox_{meta.get('name', folder.name)}")
+        return _agent_from(module, meta.get("name", folder.name), _folder_version(folder), folder)
+    try:
+        module = importlib.import_module(spec)
+    except ImportError as e:
+        raise ValueError(f"agent {spec!r} is neither a sandbox folder nor an importable module: {e}") from None
+    src = Path(module.__file__ or spec)
+    version = hashlib.sha1(src.read_bytes()).hexdigest()[:12] if src.is_file() else "unknown"
+    return _agent_from(module, spec.rsplit(".", 1)[-1], version, None)
+
+
+def sandbox_meta(folder: Path) -> dict[str, Any]:
+    path = folder / "sandbox.toml"
+    if not path.is_file():
+        return {"name": folder.name}
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def sandbox_requirements(folder: Path, meta: dict[str, Any]) -> list[str]:
+    """The sandbox's own dependencies (`requirements = ["pkg==1.0", ...]` in sandbox.toml), which an
+    isolated client installs into a venv of its own (`core.clients.venvs`); [] when it declares none."""
+    reqs = meta.get("requirements", [])
+    if not isinstance(reqs, list) or not all(isinstance(r, str) and r.strip() for r in reqs):
+        raise ValueError(f"{folder / 'sandbox.toml'}: requirements must be a list of requirement strings, "
+                         f"got {reqs!r}")
+    return [r.strip() for r in reqs]
+
+
+def _entry(folder: Path, meta: dict[str, Any]) -> Path:
+    """The sandbox's entry file, which must lie inside its folder: the folder is what gets versioned,
+    copied and swapped, so code outside it would run unversioned (`../x.py`, an absolute path, a link)."""
+    entry = str(meta.get("entry", "agent.py"))
+    path = (folder / entry).resolve()
+    if not path.is_relative_to(folder.resolve()):
+        raise ValueError(f"{folder / 'sandbox.toml'}: entry {entry!r} resolves to {path}, outside the sandbox "
+                         f"folder {folder}; it must name a file inside it")
+    return path
+
+
+def _import_file(path: Path, module_name: str):
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.parent))  # sandbox-local helper modules import as siblings
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"{path} failed to import: {type(e).__name__}: {e}") from e
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+def _agent_from(module, name: str, version: str, folder: Path | None) -> Agent:
+    source = str(getattr(module, "__file__", None) or name)
+    for attr in ("tasks", "rollout"):
+        if not callable(getattr(module, attr, None)):
+            raise ValueError(f"{source}: agent {name!r} must define {attr}()")
+    if not asyncio.iscoroutinefunction(module.rollout):
+        raise ValueError(f"{source}: agent {name!r}: rollout must be `async def rollout(task, llm)`")
+    home = folder.resolve() if folder is not None else Path(source).resolve().parent
+    return Agent(name, _checked_tasks(module.tasks, source, home), _checked_rollout(module.rollout, source, home),
+                 version, folder)
+
+
+def _where(error: BaseException, source: str, home: Path, function: str) -> str:
+    """`file:line in function()` of the deepest frame of the agent's own code, else the entry's function."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if Path(f.filename).resolve().is_relative_to(home)]
+    return f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}()" if frames else f"{source} in {function}()"
+
+
+def _ours(error: BaseException) -> bool:
+    return type(error).__module__.split(".")[0] in PASS_THROUGH
+
+
+def _checked_tasks(tasks, source: str, home: Path):
+    @functools.wraps(tasks)
+    def checked(split: str):
+        try:
+            yield from tasks(split)
+        except Exception as e:
+            if _ours(e):
+                raise
+            raise SandboxError(f"{_where(e, source, home, 'tasks')}: {type(e).__name__}: {e}") from e
+
+    return checked
+
+
+def _checked_rollout(rollout, source: str, home: Path):
+    @functools.wraps(rollout)
+    async def checked(task: dict[str, Any], llm: Any) -> Outcome:
+        try:
+            out = await rollout(task, llm)
+        except Exception as e:
+            if _ours(e):
+                raise
+            raise SandboxError(f"{_where(e, source, home, 'rollout')}: {type(e).__name__}: {e}") from e
+        return checked_outcome(out, f"{source} in rollout()")
+
+    return checked
+
+
+def checked_outcome(out: Any, where: str) -> Outcome:
+    """A rollout's return value as an `Outcome` whose rewards are finite numbers, else a `SandboxError`
+    saying what came back: a bad reward aborts its episode instead of reaching the trainer."""
+    outcome = out if isinstance(out, Outcome) else Outcome(out)
+    rewards = outcome.reward.values() if isinstance(outcome.reward, dict) else [outcome.reward]
+    for r in rewards:
+        if isinstance(r, bool) or not isinstance(r, numbers.Real):
+            raise SandboxError(f"{where} returned {out!r} ({type(r).__name__}); a reward must be a finite number, "
+                               "a {model: number} dict, or an Outcome")
+        if not math.isfinite(r):
+            raise SandboxError(f"{where} returned a reward of {r}; a reward must be a finite number")
+    if isinstance(outcome.reward, dict):
+        outcome.reward = {str(k): float(v) for k, v in outcome.reward.items()}
+    else:
+        outcome.reward = float(outcome.reward)
+    return outcome
+
+
+def _folder_version(folder: Path) -> str:
+    """The git commit of the folder when clean, else a hash of its files: every episode names its code."""
+    try:
+        out = subprocess.run(["git", "-C", str(folder), "log", "-1", "--format=%H", "--", "."],
+                             capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(folder), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode == 0 and out.stdout.strip() and not dirty.stdout.strip():
+            return out.stdout.strip()[:12]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    digest = hashlib.sha1()
+    for f in sorted(folder.rglob("*.py")) + sorted(folder.glob("*.toml")):
+        digest.update(f.read_bytes())
+    return "sha1-" + digest.hexdigest()[:12]

@@ -1,0 +1,144 @@
+"""The server's table of registered client processes: who serves which sandbox at which code version.
+
+A `swarm client` registers when it starts (client id, sandbox, version, pid, host, kind, group
+size) and sends the same registration again as its heartbeat; the answer carries the drain order.
+`swarm swap` reads the table through `/swarm/v1/status` (the old client's kind and group size,
+and the moment its successor has registered) and drains the old clients through
+`/swarm/v1/admin/drain`, so a swap needs nothing local about the old client: it may run on another
+machine. A drain order sticks to the client id until the client leaves or falls silent for
+`CLIENT_TTL_S`. Each drain that names a successor is one `SwapRecord`; the run loop tags it on
+its MLflow run (`on_swap`).
+
+This module keeps the books only: it never signals a process and does not run episodes.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from core.auth import same_secret
+from core.episodes.wire import ClientOrders, DrainClients, RegisterClient, SwapRecord
+
+# How often a client sends its registration again. A drain order reaches it within this, so a
+# swap's old client stops opening episodes about this long after its successor took over.
+CLIENT_HEARTBEAT_S = 1.0
+# A client silent this long is dropped from the table (SIGKILLed, or its machine gone): a few
+# missed heartbeats, so a client paused by a slow machine is not dropped while it still serves.
+CLIENT_TTL_S = 15.0
+
+
+class ClientError(Exception):
+    """A registration request the table refuses; `status` is the HTTP status it maps to."""
+
+    def __init__(self, status: int, message: str, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+@dataclass
+class Registration:
+    info: RegisterClient
+    key: str
+    registered_at: float
+    last_seen: float
+    draining: bool = False
+
+    def view(self, now: float) -> dict:
+        return {**self.info.model_dump(), "state": "draining" if self.draining else "serving",
+                "registered_at": self.registered_at, "last_seen_s": round(now - self.last_seen, 3)}
+
+
+@dataclass
+class ClientTable:
+    clock: Callable[[], float] = time.time
+    on_swap: Callable[[SwapRecord], None] | None = None  # the run loop tags the swap on its MLflow run
+    swaps: list[SwapRecord] = field(default_factory=list)
+    _clients: dict[str, Registration] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def register(self, req: RegisterClient, key: str) -> ClientOrders:
+        """A registration or its heartbeat. A known id needs its key (401); an unknown one is new (the
+        server restarted, or the client fell silent past the TTL) and gets a fresh key."""
+        with self._lock:
+            now = self.clock()
+            self._forget_silent(now)
+            reg = self._clients.get(req.client_id)
+            if reg is None:
+                reg = Registration(req, "swc-" + secrets.token_urlsafe(18), now, now)
+                self._clients[req.client_id] = reg
+            elif not same_secret(key, reg.key):
+                raise ClientError(401, f"client {req.client_id} is registered: its heartbeat needs the key it got",
+                                  "invalid_client_key")
+            reg.info, reg.last_seen = req, now  # the version may change only by restarting; we report what it says
+            return ClientOrders(client_id=req.client_id, key=reg.key, drain=reg.draining,
+                                heartbeat_s=CLIENT_HEARTBEAT_S)
+
+    def leave(self, client_id: str, key: str) -> None:
+        with self._lock:
+            reg = self._clients.get(client_id)
+            if reg is None:
+                return
+            if not same_secret(key, reg.key):
+                raise ClientError(401, f"client {client_id} can only be removed with its key", "invalid_client_key")
+            del self._clients[client_id]
+
+    def drain(self, order: DrainClients) -> SwapRecord | None:
+        """Mark the named clients of `order.sandbox` draining; a swap record when a successor is named.
+
+        Every named id must be a registered client of that sandbox (404 otherwise, nothing marked), and
+        the successor a registered, serving one: a swap never drains the only client for nothing."""
+        with self._lock:
+            now = self.clock()
+            self._forget_silent(now)
+            targets = []
+            for cid in order.client_ids:
+                reg = self._clients.get(cid)
+                if reg is None or reg.info.sandbox != order.sandbox:
+                    raise ClientError(404, f"no registered client {cid!r} of sandbox {order.sandbox!r}",
+                                      "client_not_found")
+                targets.append(reg)
+            if not targets:
+                return None
+            successor = self._clients.get(order.successor)
+            if successor is None or successor.draining or successor.info.sandbox != order.sandbox:
+                raise ClientError(409, f"successor {order.successor!r} is not a serving registered client of "
+                                       f"sandbox {order.sandbox!r}; nothing was drained", "no_successor")
+            if successor in targets:
+                raise ClientError(409, "a client cannot succeed itself", "no_successor")
+            for reg in targets:
+                reg.draining = True
+            record = SwapRecord(n=len(self.swaps) + 1, sandbox=order.sandbox,
+                                from_versions=sorted({r.info.version for r in targets}),
+                                to_version=successor.info.version, successor=order.successor,
+                                to_spec=successor.info.spec,
+                                drained=[r.info.client_id for r in targets], at=now)
+            self.swaps.append(record)
+        if self.on_swap is not None:
+            self.on_swap(record)  # outside the lock: it may write to MLflow
+        return record
+
+    def drain_all(self) -> int:
+        """Tell every registered client to drain (the run is ending); -> how many."""
+        with self._lock:
+            for reg in self._clients.values():
+                reg.draining = True
+            return len(self._clients)
+
+    def count(self) -> int:
+        with self._lock:
+            self._forget_silent(self.clock())
+            return len(self._clients)
+
+    def listing(self) -> list[dict]:
+        with self._lock:
+            now = self.clock()
+            self._forget_silent(now)
+            return [r.view(now) for r in sorted(self._clients.values(), key=lambda r: r.registered_at)]
+
+    def _forget_silent(self, now: float) -> None:
+        for cid in [c for c, r in self._clients.items() if now - r.last_seen > CLIENT_TTL_S]:
+            del self._clients[cid]

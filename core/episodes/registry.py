@@ -1,0 +1,387 @@
+"""The episode registry: keys, leases, states, groups, batch assembly, mix quotas and back-pressure.
+
+Lifecycle: open -> (calls...) -> finished | aborted | expired. Finished train episodes join their
+group, keyed by (sandbox, task_id); a group with `group_size` finished episodes is ready, and the
+trainer takes ready groups in arrival order. Eval and debug episodes never train.
+
+Mix quotas hold in what trains, not only in what opens: with two or more sandboxes in `mix`, each
+batch slot goes to the sandbox furthest below its share of all groups trained so far (oldest group
+first, `core.episodes.mix.next_group`); when that sandbox has no ready group but one under way (or a client
+that asked to open within a lease and has admission room), the batch waits for it. A sandbox silent
+for a lease with nothing under way is skipped, so a dead client costs the trainer at most a lease of
+waiting, never a stop. Which opens are admitted (admission control, mix shares, back-pressure) is
+`core.episodes.admission`'s job.
+
+Staleness counts by the weights that generated an episode: the oldest version among its calls.
+
+All state sits behind one lock because HTTP handlers and the trainer thread both touch it. The
+registry does not render, generate or train; it only keeps the books.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from core.auth import path_secret, same_secret
+from core.episodes.admission import Admission, Refusal
+from core.episodes.mix import next_group
+from core.records import Call, Episode
+from core.episodes.wire import OpenEpisode
+
+KEY_PREFIX = "sk-swarm-"
+TOMBSTONES = 20_000  # ended episodes remembered so late calls get 409 and repeated finishes stay idempotent
+# Finished eval episodes kept for the trainer's metrics: a server without a trainer never takes them,
+# so the oldest go first rather than growing for as long as the server lives.
+EVAL_KEPT = 10_000
+
+
+class EpisodeError(Exception):
+    """A request the registry refuses; `status` is the HTTP status it maps to."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.code, self.retry_after = status, code, retry_after
+
+    @classmethod
+    def refused(cls, refusal: Refusal) -> EpisodeError:
+        """An open that `core.episodes.admission` refuses: 503 with Retry-After."""
+        return cls(503, refusal.message, refusal.code, retry_after=refusal.retry_after)
+
+
+@dataclass
+class Batch:
+    groups: list[list[Episode]]
+    dropped_stale: int = 0
+
+    @property
+    def episodes(self) -> list[Episode]:
+        return [e for g in self.groups for e in g]
+
+    def by_version(self) -> dict[tuple[str, str], list[Episode]]:
+        """The batch's episodes by (sandbox, client code version; "unknown" when the client sent none)."""
+        out: dict[tuple[str, str], list[Episode]] = {}
+        for e in self.episodes:
+            out.setdefault((e.sandbox, e.client_version or "unknown"), []).append(e)
+        return out
+
+
+class Registry(Admission):
+    def __init__(
+        self,
+        lease_s: float,
+        default_group_size: int,
+        batch_groups: int,
+        max_open: int = 512,
+        mix: dict[str, float] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.lease_s = lease_s
+        self.default_group_size = default_group_size
+        self.batch_groups = batch_groups
+        self.max_open = max_open
+        self.mix = dict(mix or {})
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._open: dict[str, Episode] = {}
+        self._keys: dict[str, str] = {}  # api key -> episode id
+        self._key_of: dict[str, str] = {}  # episode id -> api key
+        self._path_key = secrets.token_bytes(32)  # per server: path secrets cannot be precomputed
+        self._paths: dict[str, str] = {}  # path secret -> episode id (the path form's credential)
+        self._path_of: dict[str, str] = {}  # episode id -> path secret
+        self._ended: OrderedDict[str, Episode] = OrderedDict()  # tombstones, calls dropped
+        self._filling: dict[tuple[str, str], list[Episode]] = {}
+        self._ready: deque[list[Episode]] = deque()
+        self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
+        self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
+        self._seen: dict[str, float] = {}  # sandbox -> its last train open attempt: who shares admission room
+        self.paused = False
+        self.max_staleness: int | None = None  # None: no admission control (`admit_within` turns it on)
+        self._overlapped_steps = 0  # steps that took their batch while generation goes on, not yet synced
+        # generated: train episodes that ended having made a call; wasted: those never trained
+        # (stale at batch time, or aborted/expired after generating).
+        self.counters = {"opened": 0, "finished": 0, "aborted": 0, "expired": 0, "calls": 0, "trained": 0,
+                         "stale": 0, "generated": 0, "wasted": 0, "refused": 0,
+                         # finished eval/debug episodes (never trained), and episodes a checkpoint put back
+                         # in the buffer: both terms of the books (`unbalanced`)
+                         "finished_not_train": 0, "restored": 0}
+        self._finished_by: dict[str, int] = {}  # client id -> episodes it finished (a restarted client's record)
+
+    # -- client side ---------------------------------------------------------------------------
+    def open(self, req: OpenEpisode, versions: dict[str, int]) -> tuple[Episode, str]:
+        with self._lock:
+            self._expire_due()
+            if req.kind == "train":
+                self._seen[req.sandbox] = self.clock()  # a refused attempt counts: it wants room
+            if self.paused:
+                raise EpisodeError(503, "the server is paused", "paused", retry_after=1.0)
+            if len(self._open) >= self.max_open:
+                raise EpisodeError(503, "too many open episodes", "busy", retry_after=1.0)
+            if req.kind == "train" and self.training_over is not None:
+                raise EpisodeError(409, f"this server takes no more train episodes: {self.training_over}; open "
+                                        "kind eval or debug episodes, or start a run with more trainer.steps",
+                                   "training_over")
+            if req.kind == "train":
+                refusal = self._quota_refusal(req.sandbox) or self._admission_refusal(
+                    req.sandbox, req.task_id, req.group_size or self.default_group_size)
+                if refusal is not None:
+                    raise EpisodeError.refused(refusal)
+            now = self.clock()
+            ep = Episode(
+                id="ep_" + secrets.token_hex(8),
+                sandbox=req.sandbox,
+                task_id=req.task_id,
+                group_size=req.group_size or self.default_group_size,
+                kind=req.kind,
+                client_id=req.client_id,
+                client_version=req.client_version,
+                opened_at=now,
+                lease_expires_at=now + (req.lease_s or self.lease_s),
+                opened_versions=dict(versions),
+            )
+            key = KEY_PREFIX + secrets.token_urlsafe(24)
+            self._open[ep.id] = ep
+            self._keys[key] = ep.id
+            self._key_of[ep.id] = key
+            secret = path_secret(self._path_key, key)
+            self._paths[secret] = ep.id
+            self._path_of[ep.id] = secret
+            self.counters["opened"] += 1
+            return ep, key
+
+    def by_key(self, key: str) -> Episode:
+        with self._lock:
+            episode_id = self._keys.get(key)
+            if episode_id is None:
+                raise EpisodeError(401, "unknown or missing episode key", "invalid_api_key")
+            return self.get_open(episode_id)
+
+    def by_path(self, secret: str) -> Episode:
+        """The open episode whose path-form secret this is (401 for anything else, a bare id included)."""
+        with self._lock:
+            episode_id = self._paths.get(secret)
+            if episode_id is None:
+                raise EpisodeError(401, "unknown episode path: use the base_url returned on open", "invalid_api_key")
+            return self.get_open(episode_id)
+
+    def path_of(self, episode_id: str) -> str:
+        with self._lock:
+            return self._path_of[episode_id]
+
+    def authorize(self, episode_id: str, key: str) -> None:
+        """Check that `key` is this episode's key: 404 for an id never seen (or long forgotten), 401 otherwise."""
+        with self._lock:
+            expected = self._key_of.get(episode_id)
+            if expected is None:
+                raise EpisodeError(404, f"unknown episode {episode_id}", "episode_not_found")
+            if not same_secret(key, expected):
+                raise EpisodeError(401, f"episode {episode_id} needs its key (Authorization: Bearer sk-swarm-...)",
+                                   "invalid_api_key")
+
+    def get_open(self, episode_id: str) -> Episode:
+        with self._lock:
+            self._expire_due()
+            ep = self._open.get(episode_id)
+            if ep is not None:
+                return ep
+            if episode_id in self._ended:
+                state = self._ended[episode_id].state
+                raise EpisodeError(409, f"episode {episode_id} is {state}", f"episode_{state}")
+            raise EpisodeError(404, f"unknown episode {episode_id}", "episode_not_found")
+
+    def record(self, episode: Episode, call: Call) -> None:
+        with self._lock:
+            if episode.state != "open":
+                raise EpisodeError(409, f"episode {episode.id} is {episode.state}", f"episode_{episode.state}")
+            episode.calls.append(call)
+            self.counters["calls"] += 1
+
+    def heartbeat(self, episode_id: str, lease_s: float | None = None) -> Episode:
+        with self._lock:
+            ep = self.get_open(episode_id)
+            ep.lease_expires_at = self.clock() + (lease_s or self.lease_s)
+            return ep
+
+    def finish(self, episode_id: str, reward: dict[str, float], body: dict) -> Episode:
+        with self._lock:
+            ended = self._ended.get(episode_id)
+            if ended is not None and ended.state == "finished":
+                if ended.finish_body == body:
+                    return ended
+                raise EpisodeError(409, f"episode {episode_id} was finished with a different body", "conflict")
+            ep = self.get_open(episode_id)
+            ep.state, ep.reward, ep.finish_body = "finished", reward, body
+            ep.metrics = dict(body.get("metrics") or {})
+            self._close(ep)
+            self.counters["finished"] += 1
+            if ep.client_id:
+                self._finished_by[ep.client_id] = self._finished_by.get(ep.client_id, 0) + 1
+            if ep.kind != "train":
+                self.counters["finished_not_train"] += 1
+            if ep.kind == "train":
+                group = self._filling.setdefault(ep.group_key, [])
+                group.append(ep)
+                if len(group) >= ep.group_size:
+                    self._ready.append(self._filling.pop(ep.group_key))
+            elif ep.kind == "eval":
+                self._finished_eval.append(ep)
+            return ep
+
+    def abort(self, episode_id: str, reason: str) -> Episode:
+        with self._lock:
+            ended = self._ended.get(episode_id)
+            if ended is not None and ended.state == "aborted":
+                return ended
+            ep = self.get_open(episode_id)
+            ep.state, ep.abort_reason = "aborted", reason
+            self._close(ep)
+            self.counters["aborted"] += 1
+            return ep
+
+    def _close(self, ep: Episode) -> None:
+        del self._open[ep.id]
+        ep.ended_at = self.clock()
+        if ep.kind == "train" and ep.calls:
+            self.counters["generated"] += 1
+            if ep.state != "finished":
+                self.counters["wasted"] += 1
+        # The key stays mapped while the tombstone lives, so late calls learn the episode ended (409).
+        self._ended[ep.id] = ep.model_copy(update={"calls": []})
+        while len(self._ended) > TOMBSTONES:
+            old_id, _ = self._ended.popitem(last=False)
+            self._keys.pop(self._key_of.pop(old_id, ""), None)
+            self._paths.pop(self._path_of.pop(old_id, ""), None)
+
+    def _expire_due(self) -> None:
+        now = self.clock()
+        for ep in [e for e in self._open.values() if e.lease_expires_at < now]:
+            ep.state = "expired"
+            self._close(ep)
+            self.counters["expired"] += 1
+
+    def expire_due(self) -> None:
+        with self._lock:
+            self._expire_due()
+
+    # -- trainer side --------------------------------------------------------------------------
+    def ready_groups(self) -> int:
+        with self._lock:
+            return len(self._ready)
+
+    def take_batch(self, current_versions: dict[str, int], max_staleness: int) -> Batch | None:
+        """`batch_groups` ready groups, minus episodes generated more than `max_staleness` versions ago.
+
+        Groups are taken in arrival order, or by mix quota (`core.episodes.mix.next_group`); None while there are too
+        few ready groups, or while the batch waits for the group of a sandbox owed its share."""
+        with self._lock:
+            if len(self._ready) < self.batch_groups:
+                return None
+            candidates, taken = list(self._ready), dict(self._trained_groups)
+            # Able to deliver a group soon: one under way, or a client that asked to open within a lease
+            # (it may be between two episodes) and would be admitted (waiting on a sandbox the full
+            # room keeps out would never end). A dead client stops asking.
+            started = self._started_groups()
+            coming = {sandbox for sandbox, _ in started}
+            coming |= {s for s in self._active_sandboxes() if self._no_room(s, started) is None}
+            groups, consumed, dropped = [], [], 0
+            while candidates and len(groups) < self.batch_groups:
+                group = next_group(candidates, taken, self.mix, coming)
+                if group is None:
+                    return None  # the plan is dropped, nothing taken: it is made again on the next call
+                candidates = [g for g in candidates if g is not group]
+                consumed.append(group)
+                fresh = [e for e in group if _staleness(e, current_versions) <= max_staleness]
+                dropped += len(group) - len(fresh)
+                if fresh:  # a group dropped whole as stale fills no slot and counts for no quota
+                    groups.append(fresh)
+                    taken[group[0].sandbox] = taken.get(group[0].sandbox, 0) + 1
+            gone = {id(g) for g in consumed}
+            self._ready = deque(g for g in self._ready if id(g) not in gone)
+            self._trained_groups = taken
+            self.counters["trained"] += sum(len(g) for g in groups)
+            self.counters["stale"] += dropped
+            self.counters["wasted"] += dropped
+            return Batch(groups, dropped) if groups else None
+
+    def trained_groups(self) -> dict[str, int]:
+        """Groups trained so far per sandbox (the mix quotas' ledger)."""
+        with self._lock:
+            return dict(self._trained_groups)
+
+    def take_eval(self) -> list[Episode]:
+        with self._lock:
+            done = list(self._finished_eval)
+            self._finished_eval.clear()
+            return done
+
+    def buffered(self) -> list[list[Episode]]:
+        """Finished but untrained episodes, by group: what a checkpoint must keep."""
+        with self._lock:
+            return [list(g) for g in self._ready] + [list(g) for g in self._filling.values()]
+
+    def restore(self, groups: list[list[Episode]]) -> None:
+        with self._lock:
+            for group in groups:
+                if group and len(group) >= group[0].group_size:
+                    self._ready.append(group)
+                elif group:
+                    self._filling[group[0].group_key] = group
+                self.counters["restored"] += len(group)
+
+    def open_by_client(self) -> dict[str, list[str]]:
+        """Ids of the open episodes per client id (the chaos bench kills clients mid-episode)."""
+        with self._lock:
+            self._expire_due()
+            out: dict[str, list[str]] = {}
+            for ep in self._open.values():
+                out.setdefault(ep.client_id or "", []).append(ep.id)
+            return out
+
+    def finished_by(self) -> dict[str, int]:
+        """Finished episodes per client id: whether a client that died had done any work (`core.run.supervisor`)."""
+        with self._lock:
+            return dict(self._finished_by)
+
+    def status(self) -> dict:
+        with self._lock:
+            self._expire_due()
+            return {
+                "paused": self.paused,
+                "open_episodes": len(self._open),
+                "ready_groups": len(self._ready),
+                "filling_groups": len(self._filling),
+                "buffered_episodes": sum(len(g) for g in self._ready) + sum(len(g) for g in self._filling.values()),
+                "oldest_open_s": self.clock() - min(e.opened_at for e in self._open.values()) if self._open else None,
+                "clients": sorted({e.client_id for e in self._open.values() if e.client_id}),
+                "counters": dict(self.counters),
+            }
+
+
+def unbalanced(counters: dict[str, int], open_episodes: int, buffered: int) -> list[str]:
+    """The identities the registry's books must satisfy at any snapshot, as the ones that fail (empty: balanced).
+
+    Every opened episode is finished, aborted, expired or still open; every finished (or restored) one
+    is trained, dropped as stale, still buffered, or of a kind that never trains (eval, debug)."""
+    c = counters
+    books = {
+        "opened = finished + aborted + expired + open": (
+            c["opened"], c["finished"] + c["aborted"] + c["expired"] + open_episodes),
+        "finished + restored = trained + stale + buffered + not-train": (
+            c["finished"] + c["restored"], c["trained"] + c["stale"] + buffered + c["finished_not_train"]),
+    }
+    return [f"{rule}: {left} != {right}" for rule, (left, right) in books.items() if left != right]
+
+
+def _staleness(ep: Episode, current: dict[str, int]) -> int:
+    """Versions between the oldest weights that generated this episode's tokens and the current ones.
+
+    A call's version is the one that prefilled it (the oldest behind any of its tokens), so an
+    episode opened before a weight sync whose calls all ran after it is not stale."""
+    oldest: dict[str, int] = {}
+    for call in ep.calls:
+        oldest[call.model] = min(oldest.get(call.model, call.version), call.version)
+    return max((current.get(m, v) - v for m, v in oldest.items()), default=0)

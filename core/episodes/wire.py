@@ -1,0 +1,108 @@
+"""Wire types of the swarm routes (DESIGN §3.2, §3.7): opening, finishing and aborting episodes, client registration and hot swap.
+
+They live with the episode lifecycle, not with the HTTP side, because the registry (`OpenEpisode`),
+the client table and the run loop all read them, and none of those may import `core.serve`.
+Types only; the routes are `core.serve.swarm_routes`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class OpenEpisode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    sandbox: str = Field("default", min_length=1, max_length=128)  # groups are keyed by (sandbox, task_id)
+    task_id: str = Field(min_length=1, max_length=512)
+    group_size: int | None = Field(None, ge=1, le=1024)  # None: the trainer's default
+    kind: Literal["train", "eval", "debug"] = "train"
+    client_id: str = Field("", max_length=256)
+    client_version: str = Field("", max_length=256)  # e.g. the git commit of the client's code
+    lease_s: float | None = Field(None, gt=0, le=86400)  # None: the server's default
+
+
+class EpisodeOpened(BaseModel):
+    episode_id: str
+    api_key: str  # a random secret: the bearer key that binds OpenAI calls to this episode
+    base_url: str  # OpenAI base URL for this episode (path form, usable without the key too)
+    lease_expires_at: float  # unix seconds
+    model_versions: dict[str, int]
+
+
+class FinishEpisode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reward: float | dict[str, float]  # one reward, or one per model for multi-model episodes
+    metrics: dict[str, float] | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float | dict[str, float]) -> float | dict[str, float]:
+        values = v.values() if isinstance(v, dict) else [v]
+        if any(x != x or x in (float("inf"), float("-inf")) for x in values):
+            raise ValueError("reward must be finite")
+        return v
+
+
+class AbortEpisode(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    reason: str = Field("", max_length=2000)
+
+
+class EpisodeState(BaseModel):
+    episode_id: str
+    state: str
+    lease_expires_at: float
+    reward: dict[str, float] | None = None
+
+
+# -- client registration and hot swap (DESIGN §3.7) ---------------------------------------------------
+
+
+class RegisterClient(BaseModel):
+    """What a client process tells the server about itself; sent again as its heartbeat."""
+
+    model_config = ConfigDict(extra="forbid")
+    client_id: str = Field(min_length=1, max_length=256)  # unique per process, e.g. letters-host-1234-ab12
+    sandbox: str = Field(min_length=1, max_length=128)  # the sandbox name its episodes carry
+    version: str = Field("", max_length=256)  # its code version (the sandbox folder's commit or hash)
+    pid: int = Field(ge=0)  # its process id on `host`: for people reading status, never signalled by swap
+    host: str = Field("", max_length=256)  # socket.gethostname() of the client
+    kind: Literal["train", "eval", "debug"] = "train"  # the kind of episodes it opens
+    group_size: int = Field(ge=1, le=1024)  # episodes per task group it opens
+    concurrency: int = Field(1, ge=1)  # episodes it keeps in flight
+    spec: str = Field("", max_length=4096)  # how it was started (sandbox:NAME or a folder): for people
+    failed: int = Field(0, ge=0)  # episodes that failed so far (its code raised, or the server refused)
+
+
+class ClientOrders(BaseModel):
+    """The server's answer to a registration or heartbeat: the client's key and whether to drain."""
+
+    client_id: str
+    key: str  # the registration's secret: heartbeats and leaving need it as bearer (401 otherwise)
+    drain: bool  # true: open no new episodes, finish those in flight, leave and exit
+    heartbeat_s: float  # send the registration again this often; silent for CLIENT_TTL_S, it is dropped
+
+
+class DrainClients(BaseModel):
+    """An admin's order (`swarm swap`) to drain named clients of one sandbox, naming their successor."""
+
+    model_config = ConfigDict(extra="forbid")
+    sandbox: str = Field(min_length=1, max_length=128)
+    client_ids: list[str] = Field(default_factory=list, max_length=1024)  # [] drains nothing (checks the token)
+    successor: str = Field("", max_length=256)  # the registered client that takes over ("" with no ids)
+
+
+class SwapRecord(BaseModel):
+    """One hot swap as the server saw it: logged by the run as tag `swarmrl.sandbox_swap.<n>`."""
+
+    n: int  # 1, 2, ...: the swaps of this server, in order
+    sandbox: str
+    from_versions: list[str]  # code versions of the clients told to drain
+    to_version: str  # the successor's version
+    successor: str  # the successor's client id
+    to_spec: str = ""  # how the successor was started (its sandbox folder): tools find their swap by it
+    drained: list[str]  # client ids told to drain
+    at: float  # unix seconds
+    step: int | None = None  # the trainer step when it happened (set by the run; None without a trainer)

@@ -1,0 +1,156 @@
+"""The Ray actors of a Ray-placed run: one per model (engine and trainer together) and per client.
+
+`ModelActor` hosts one model exactly as a local run does, on the actor's node: the model, its
+engine and its trainer share the module, so weight sync after a step is the engine's own pause or
+swap, inside the actor, and no weights cross the network. The driver (`core.ray.driver`) calls
+it step by step: generate, hold/pause/resume, prepare/backward/apply, save/restore. Every method
+is async and runs blocking work on a thread, so generation goes on while the trainer works.
+
+`ClientActor` runs the client runner (`core.clients.runner.run_agent`) against the gateway's URL, like
+`swarm client` does, so agent code spreads over the cluster's CPUs.
+
+The classes are plain: the driver makes them actors (`ray.remote(ModelActor).options(...)`) with
+the resources from the config, so this module does not import Ray. It runs inside Ray workers and
+deliberately holds no recovery or scheduling logic (that is the driver's, `core.ray.driver`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from core.run import checkpoint
+from core.config import ClientConfig, RunConfig
+from core.engine import Generation, SamplingParams
+from core.records import Episode
+from core.clients.runner import run_agent
+from core.clients.sandbox import load_agent
+from core.serve.server import load_policies
+from core.train.trainer import PreparedStep, Trainer, seed_everything
+
+
+class NotAdopted(RuntimeError):
+    """A call reached a model actor the driver has not adopted: Ray restarted it, and it holds initial weights."""
+
+
+class ModelActor:
+    """One model's engine and trainer; `cfg_data` is the run config dumped, `name` the model's.
+
+    Ray restarts a dead actor by running `__init__` again, and calls then reach the new process as
+    if nothing had happened. Until the driver adopts it (`adopt`, after restoring the last checkpoint
+    into it), the engine and trainer calls raise `NotAdopted`: a fresh actor must not serve initial
+    weights, train on from them, or save them as the run's next checkpoint.
+    """
+
+    def __init__(self, cfg_data: dict[str, Any], name: str):
+        self.adopted = False
+        cfg = RunConfig.model_validate(cfg_data)
+        seed_everything(cfg.trainer.seed)
+        mc = next(m for m in cfg.models if m.name == name)
+        self.name = name
+        self.policy = load_policies(cfg.model_copy(update={"models": [mc]}))[name]
+        self.engine = self.policy.engine
+        self.trainer = Trainer(self.policy.model, cfg.trainer, name, lora=mc.lora is not None) if mc.trainable else None
+        self.prepared: PreparedStep | None = None
+
+    async def adopt(self) -> dict[str, Any]:
+        """The driver takes this actor on (first start, or restored after a restart): it serves from now on."""
+        self.adopted = True
+        return await self.info()
+
+    async def info(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"pid": os.getpid(), "version": self.engine.version, "max_context": self.engine.max_context,
+                "trainable": t is not None, "lora": bool(t and t.lora), "overlap_safe": bool(t and t.overlap_safe),
+                "step_count": t.step_count if t else 0}
+
+    # -- the engine -------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        self._serving()
+        return await self.engine.generate(prompt_ids, params)
+
+    async def pause(self) -> None:
+        self._serving()
+        await asyncio.to_thread(self.engine.pause_blocking)
+
+    async def hold(self) -> None:
+        self._serving()
+        self.engine.hold()
+
+    async def resume(self, new_version: int | None) -> int:
+        self.engine.resume(new_version)
+        return self.engine.version
+
+    # -- the trainer ------------------------------------------------------------------------------
+    async def prepare(self, groups: list[list[Episode]]) -> bool:
+        self.prepared = await asyncio.to_thread(self._trainer().prepare, groups)
+        return self.prepared.needs_update
+
+    async def backward(self) -> None:
+        await asyncio.to_thread(self._trainer().backward, self._prepared())
+
+    async def apply(self, swap: bool) -> bool:
+        """The optimizer step; with `swap`, between two decode steps while generation goes on (the
+        engine's version then goes up here), else directly (the engine is paused; the driver resumes it)."""
+        trainer, prepared = self._trainer(), self._prepared()
+        if swap:
+            return await asyncio.to_thread(self.engine.swap_weights, lambda: trainer.apply(prepared))
+        return await asyncio.to_thread(trainer.apply, prepared)
+
+    async def metrics(self) -> dict[str, float]:
+        return self._trainer().metrics(self._prepared())
+
+    async def discard(self) -> None:
+        self._trainer().discard()
+        self.prepared = None
+
+    async def save(self, folder: str) -> None:
+        """This model's part of a checkpoint, written where the driver's checkpoint folder is (shared storage)."""
+        await asyncio.to_thread(checkpoint.save_trainer, Path(folder), self._trainer())
+
+    async def restore(self, path: str) -> None:
+        ckpt = checkpoint.load(path)
+        await asyncio.to_thread(checkpoint.restore_one, ckpt, self.name, self._trainer(adopted=False))
+
+    async def close(self) -> None:
+        self.engine.close()
+
+    def _serving(self) -> None:
+        if not self.adopted:
+            raise NotAdopted(f"model actor {self.name!r} was restarted and is not restored yet")
+
+    def _trainer(self, adopted: bool = True) -> Trainer:
+        if adopted:
+            self._serving()
+        if self.trainer is None:
+            raise RuntimeError(f"model {self.name!r} is not trainable")
+        return self.trainer
+
+    def _prepared(self) -> PreparedStep:
+        if self.prepared is None:
+            raise RuntimeError(f"no prepared step for {self.name!r} (lost with a restart, or discarded)")
+        return self.prepared
+
+
+class ClientActor:
+    """One client: `run` keeps its episodes in flight against the gateway until `stop` or its task budget."""
+
+    def __init__(self) -> None:
+        self._stop: asyncio.Event | None = None
+
+    async def run(self, client_data: dict[str, Any], url: str, group_size: int, client_id: str) -> dict[str, int]:
+        c = ClientConfig.model_validate(client_data)
+        self._stop = asyncio.Event()
+        stats = await run_agent(load_agent(c.agent), url, concurrency=c.concurrency, group_size=group_size,
+                                kind=c.kind, split=c.split, max_tasks=c.tasks, stop=self._stop, client_id=client_id,
+                                episode_timeout_s=c.episode_timeout)
+        return {"finished": stats.finished, "failed": stats.failed, "pid": os.getpid()}
+
+    async def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    async def pid(self) -> int:
+        return os.getpid()

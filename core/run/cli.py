@@ -1,0 +1,248 @@
+"""The `swarm` command: run, serve, attach clients, hot-swap them, inspect status, list models.
+
+    swarm serve --model tiny --port 8000        # a quick server, the way `vllm serve MODEL` works
+    swarm serve configs/tiny.yaml               # server and trainer from a run config
+    swarm run configs/tiny.yaml                 # server, trainer and local clients, until the steps are done
+    swarm status http://127.0.0.1:8000
+
+Commands parse arguments and print; the work happens in `core.serve.server`, `core.run.processes` (run, serve), `core.clients.runner`
+and `core.clients.hotswap`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from core.config import ConfigError, RunConfig, load_config
+from core.clients.sandbox import SandboxNotFound, locate, sandbox_roots
+
+app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
+                  pretty_exceptions_enable=False)
+console = Console(stderr=True)
+# `swarm serve --model X --train` trains for as long as it serves (until stopped): a server that
+# trains on whatever clients attach has no natural last step. A config file's trainer.steps, or
+# `--set trainer.steps=N`, bounds it; after the last step it serves on and refuses train episodes.
+SERVE_STEPS = 1_000_000_000
+# Python's exit ends with a full garbage collection over every object the process still holds: for a
+# `swarm run` (torch, transformers, MLflow) ~3 s of CPU after its work is done and its files are
+# closed (bench/startup.py). Nothing left then needs collecting, so the last pass is skipped by
+# freezing the heap; atexit handlers (logging, Ray, temporary folders) still run.
+atexit.register(gc.freeze)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpx2", "httpcore", "openai", "urllib3", "alembic", "mlflow", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hidden network: models come from presets or local folders
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a down tracking server must not stall training
+
+
+def _located(spec: str, roots: list[Path]) -> str:
+    """A client spec as an absolute folder when it names one (`sandbox:NAME` looked up in `roots`); a
+    missing sandbox is a one-line error naming where it looked, and exit code 2."""
+    try:
+        spec = locate(spec, roots)
+    except SandboxNotFound as e:
+        console.print(f"[red]{e}[/red]", soft_wrap=True)  # one line, however long the paths
+        raise typer.Exit(2) from None
+    return str(Path(spec).resolve()) if Path(spec).is_dir() else spec
+
+
+def _config(path: Path | None, overrides: list[str]) -> RunConfig:
+    try:
+        return load_config(path, overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(
+    config: Path = typer.Argument(None, help="run config YAML; optional when --model is given"),
+    model: str = typer.Option(None, "--model", "-m", help="a preset (see `swarm models`) or a local HF folder"),
+    name: str = typer.Option(None, help="name clients use for the model (default: --model)"),
+    host: str = typer.Option(None, help="bind address (default 127.0.0.1)"),
+    port: int = typer.Option(None, help="port (default 8000; 0 picks a free one)"),
+    engine: str = typer.Option(None, help="hf | instant (the null engine, for benchmarks)"),
+    train: bool = typer.Option(None, "--train/--no-train", help="run the trainer on finished groups (default: on with a config, off with --model alone)"),
+    overrides: list[str] = typer.Option([], "--set", help="dotted.key=value config overrides"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """Start a swarm server (and its trainer, with --train)."""
+    _setup_logging(verbose)
+    if config is None and model is None:
+        console.print("[red]give a run config or --model[/red]")
+        raise typer.Exit(2)
+    extra = list(overrides)
+    if model is not None:
+        extra[:0] = [f"models=[{{name: {json.dumps(name or model)}, source: {json.dumps(model)}}}]"]
+    if config is None and not any(o.startswith("trainer.steps=") for o in overrides):
+        extra.append(f"trainer.steps={SERVE_STEPS}")
+    for key, value in (("server.host", host), ("server.port", port), ("engine.kind", engine)):
+        if value is not None:
+            extra.append(f"{key}={value}")
+    cfg = _config(config, extra)
+    if cfg.placement.kind != "local":  # Ray actors are placed by `swarm run` (the driver); serve hosts here
+        console.print("[red]placement.kind ray is for `swarm run`; `swarm serve` hosts its models in this process[/red]")
+        raise typer.Exit(2)
+    from core.run.processes import serve as serve_run
+
+    serve_run(cfg, train=train if train is not None else config is not None)
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(..., help="run config YAML"),
+    overrides: list[str] = typer.Option([], "--set", help="dotted.key=value config overrides"),
+    tags: list[str] = typer.Option([], "--tag", help="key=value MLflow tags for this run"),
+    experiment: str = typer.Option(None, help="MLflow experiment (default: telemetry.experiment)"),
+    run_name: str = typer.Option(None, help="MLflow run name"),
+    run_id_file: Path = typer.Option(None, help="write the MLflow run id here as soon as it exists"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the latest checkpoint in trainer.checkpoint_dir"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no live progress line"),
+    ray_address: str = typer.Option(None, "--ray-address", help="place models and clients as Ray actors: local (a "
+                                    "private Ray), auto (the cluster this machine joined) or a cluster address"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="validate the config, print what would run where; start nothing"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """A whole manual core run: server, trainer and the configured clients, until the steps are done."""
+    _setup_logging(verbose)
+    extra = list(overrides)
+    if ray_address:
+        extra += ["placement.kind=ray", f"placement.address={json.dumps(ray_address)}"]
+    if experiment:
+        extra.append(f"telemetry.experiment={json.dumps(experiment)}")
+    if run_name:
+        extra.append(f"telemetry.run_name={json.dumps(run_name)}")
+    bad = [t for t in tags if "=" not in t]
+    if bad:
+        console.print(f"[red]--tag {bad[0]!r} must look like key=value[/red]")
+        raise typer.Exit(2)
+    cfg = _config(config, extra)
+    cfg.telemetry.tags.update(dict(t.split("=", 1) for t in tags))  # tag keys have dots: not overrides
+    for c in cfg.clients:  # a missing sandbox stops the run here, before any model loads
+        _located(c.agent, sandbox_roots(cfg.source_file))
+    if dry_run:
+        from core.run.plan import describe
+
+        try:
+            print(describe(cfg))
+        except ConfigError as e:
+            console.print(f"[red]{e}[/red]")
+            raise typer.Exit(2) from None
+        raise typer.Exit(0)
+    from core.run.processes import run as run_core
+
+    code = run_core(cfg, resume=resume, run_id_file=run_id_file, progress=not quiet)
+    raise typer.Exit(code)
+
+
+@app.command()
+def client(
+    sandbox: str = typer.Argument(..., help="a sandbox folder name under sandboxes/, a path, or module:function"),
+    server: str = typer.Option(..., "--server", help="swarm server URL"),
+    concurrency: int = typer.Option(4, help="episodes in flight"),
+    episodes: int = typer.Option(0, help="stop after this many episodes (0: run until interrupted)"),
+    group_size: int = typer.Option(None, help="episodes per task group (default: the server's)"),
+    kind: str = typer.Option("train", help="train | eval | debug"),
+    client_id: str = typer.Option(None, help="this client's id in the server's client table (default: sandbox-host-pid-random)"),
+    max_consecutive_failures: int = typer.Option(  # 20: core.clients.runner.MAX_CONSECUTIVE_FAILURES (not imported: start-up time)
+        20, min=0, help="give up (exit 2) after this many failed episodes in a row; 0: never"),
+    workdir: Path = typer.Option(None, help="run in this working folder (created); `swarm run` gives each isolated client its own"),
+    split: str = typer.Option("train", help="the split of the sandbox's tasks() to run"),
+    tasks: int = typer.Option(None, help="stop after this many tasks (default: cycle until stopped)"),
+    episode_timeout: float = typer.Option(  # None: core.clients.deadline.EPISODE_TIMEOUT_S (not imported: start-up time)
+        None, min=0, help="cancel a rollout and abort its episode after this many seconds (default 600; 0: no limit)"),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """Attach a client to a running server; SIGTERM drains (at most one lease), a second SIGTERM or SIGINT exits now."""
+    _setup_logging(verbose)
+    if workdir is not None:
+        sandbox = _located(sandbox, sandbox_roots())  # sandbox:NAME or a relative folder: found before leaving
+        workdir.mkdir(parents=True, exist_ok=True)
+        sys.path.insert(0, os.getcwd())  # a module agent still imports from where the client was started
+        os.chdir(workdir)
+    from core.clients.runner import run_client
+
+    sys.exit(run_client(sandbox, server, concurrency=concurrency, episodes=episodes, group_size=group_size, kind=kind,
+                        max_consecutive_failures=max_consecutive_failures, client_id=client_id, split=split,
+                        max_tasks=tasks, episode_timeout_s=episode_timeout))
+
+
+@app.command()
+def swap(
+    sandbox: str = typer.Argument(..., help="the sandbox (new code) that takes over: sandbox:NAME or a folder"),
+    server: str = typer.Option(..., "--server", help="swarm server URL, or a run's server.json (or its run folder)"),
+    concurrency: int = typer.Option(None, help="episodes in flight for the new version (default: the old client's)"),
+    admin_token: str = typer.Option(None, "--admin-token", help="the server's admin token (default: $SWARMRL_ADMIN_TOKEN, "
+                                    "the server file, or this machine's record of the server)"),
+    timeout: float = typer.Option(180.0, help="seconds the new client gets to register and finish its first episode "
+                                  "(180: core.clients.hotswap.REGISTER_TIMEOUT_S); past them it is stopped and the old one keeps serving"),
+):
+    """Hot-swap a sandbox's clients through the server: start the new code with the old one's kind and group size,
+    wait until it has registered, then have the server drain the old clients (they may run anywhere)."""
+    _setup_logging(False)
+    from core.clients.hotswap import swap as swap_client
+
+    sys.exit(swap_client(sandbox, server, concurrency=concurrency, admin_token=admin_token, register_timeout_s=timeout))
+
+
+@app.command()
+def status(url: str = typer.Argument("http://127.0.0.1:8000", help="swarm server URL"), as_json: bool = typer.Option(False, "--json")):
+    """Show a server's state, models, buffer, episodes and throughput."""
+    try:
+        data = httpx.get(url.rstrip("/") + "/swarm/v1/status", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        console.print(f"[red]cannot reach {url}: {e}[/red]")
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"{url} — {data['state']}")
+    table.add_column("model")
+    table.add_column("version", justify="right")
+    table.add_column("step", justify="right")
+    for n, m in data["models"].items():
+        table.add_row(n, str(m["version"]), str(m["step"]))
+    Console().print(table)
+    t = data["throughput"]
+    Console().print(
+        f"open episodes {data['open_episodes']}  ready groups {data['buffer']['ready_groups']}  "
+        f"episodes {data['episodes']}\ncalls {t['calls']} ({t['calls_per_s']:.1f}/s)  tokens/s {t['tokens_per_s']:.1f}  "
+        f"token-in-token-out {t['tito']}"
+    )
+    for c in data.get("clients", []):  # registered client processes (hot swap drains through this table)
+        Console().print(f"client {c['client_id']}: {c['sandbox']} @ {c['version'] or '-'} ({c['kind']}, group "
+                        f"{c['group_size']}, pid {c['pid']} on {c['host']}) {c['state']}")
+    if data.get("stalled"):  # the hang watchdog's diagnostic (core.run.watchdog)
+        Console().print(f"[red]{data['stalled']}[/red]")
+
+
+@app.command()
+def models():
+    """List the model presets; any local Hugging Face folder works too."""
+    from core.models import PRESETS, cache_dir
+
+    table = Table(title="model presets")
+    table.add_column("name")
+    table.add_column("what it is")
+    for p in PRESETS.values():
+        table.add_row(p.name, p.description)
+    Console().print(table)
+    Console().print(f"any local HF folder is accepted as a source; converted presets are cached under {cache_dir()}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,323 @@
+"""A core run, start to finish: server, trainers, local clients, telemetry, checkpoints.
+
+This is the one file that holds the whole RL loop:
+
+    start the server (policies behind the gateway) and the configured clients (isolated ones as
+        processes that `core.run.supervisor` restarts when they die)
+    repeat `trainer.steps` times, under the hang watchdog (`core.run.watchdog`):
+        wait for `batch_groups` ready groups (episodes that clients finished; admission control
+            refuses new groups beyond what the staleness budget can train, so none is wasted)
+        for each trainable policy, one trainer step (prepare, backward, apply):
+            on-policy (max_staleness 0): hold new generations, drain, step, resume
+            overlapped (max_staleness >= 1): keep generating; swap weights between two decode steps
+            the version goes up only if the weights changed (not on zero advantages, skips, errors)
+        log metrics (`time/*` breakdown, `episodes/wasted_frac`) and a few trajectories to MLflow;
+        checkpoint every N steps
+    checkpoint, stop clients, stop the server
+
+Colocated weight sync is just the pause or the swap: engine and trainer share the same module, so
+the new weights are live at the next decode step. Any exception in a step is logged with the step;
+the engine always resumes and the run goes on. A checkpoint never interleaves with a step.
+`/admin/shutdown` (and Ctrl-C or SIGTERM, through `core.run.processes`) stops after the current step.
+The processes around this loop (`swarm run`, `swarm serve`: resume, signals, the MLflow run's final
+status) live in `core.run.processes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from core.run import checkpoint
+from core.config import RunConfig
+from core.episodes.registry import Batch
+from core.records import Episode
+from core.clients.runner import run_agent
+from core.clients.sandbox import load_agent, locate, sandbox_roots
+from core.serve.server import Server
+from core.run.supervisor import Supervisor
+from core.run.telemetry import Telemetry
+from core.clients.venvs import client_python
+from core.episodes.wire import SwapRecord
+from core.train.trainer import Trainer, seed_everything
+from core.run.watchdog import Watchdog, run_folder
+
+log = logging.getLogger(__name__)
+
+BATCH_POLL_S = 0.05  # how often the trainer looks for ready groups
+CLIENT_DRAIN_S = 30.0  # how long clients get to finish in-flight episodes at the end of a run
+
+
+class CoreRun:
+    def __init__(self, cfg: RunConfig, server: Server | None = None, trainers: dict[str, Trainer] | None = None):
+        """`trainers`: given by a placement that hosts them elsewhere (`core.ray.actors`), else built here."""
+        seed_everything(cfg.trainer.seed)
+        self.cfg = cfg
+        self.server = server or Server(cfg)
+        self.trainers = trainers if trainers is not None else {
+            name: Trainer(p.model, cfg.trainer, name, lora=_lora(cfg, name))
+            for name, p in self.server.policies.items()
+            if p.trainable
+        }
+        self.step = 0
+        self.stop = threading.Event()
+        self._step_lock = threading.RLock()  # a checkpoint (also `/admin/checkpoint`) never interleaves with a step
+        if self.trainers:
+            self.server.registry.admit_within(cfg.trainer.max_staleness)
+            self.server.allow_anonymous = False  # during training every generation belongs to an episode: 401
+        self.telemetry: Telemetry | None = None
+        self.failure: BaseException | None = None  # what ended the run early (local clients crashed), if anything
+        self.server.on_checkpoint = self.checkpoint
+        self.server.on_shutdown = self.stop.set
+        self.server.clients.on_swap = self._on_swap  # `swarm swap` drained old clients: tag it on the run
+        self._clients_stop: asyncio.Event | None = None
+        self._clients_loop: asyncio.AbstractEventLoop | None = None
+        self._client_threads: list[threading.Thread] = []
+        # Isolated clients: restarted when they die; a client that keeps dying without work fails the run.
+        self.supervisor = Supervisor(self.server.registry.finished_by, self._give_up)
+        self._last = (time.time(), 0)  # (time, completion tokens served) at the previous step
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def resume(self) -> checkpoint.Checkpoint | None:
+        """Restore the latest checkpoint, if any; returns it (its `mlflow` names the run to reopen)."""
+        ckpt = checkpoint.load_latest(self.cfg.trainer.checkpoint_dir)
+        if ckpt is None:
+            log.info("no checkpoint under %s; starting fresh", self.cfg.trainer.checkpoint_dir)
+            return None
+        checkpoint.restore(ckpt, self.trainers)
+        for name, version in ckpt.versions.items():
+            if name in self.server.policies:
+                self.server.policies[name].engine.resume(version)
+                self.server.policies[name].step = ckpt.step
+        self.server.registry.restore(ckpt.buffered)
+        self.step = ckpt.step
+        log.info("resumed from %s at step %d with %d buffered groups", ckpt.path, ckpt.step, len(ckpt.buffered))
+        return ckpt
+
+    def checkpoint(self) -> str:
+        t = self.telemetry
+        with self._step_lock:
+            path = checkpoint.save(
+                self.cfg.trainer.checkpoint_dir, self.step, self.trainers, self.server.registry.buffered(),
+                self.server.versions(), self.cfg.model_dump(), keep=self.cfg.trainer.keep_checkpoints,
+                mlflow=checkpoint.MlflowRun(run_id=t.run_id, tracking_uri=t.store_uri) if t is not None else None,
+            )
+        log.info("checkpoint written to %s", path)
+        return str(path)
+
+    def start_clients(self) -> None:
+        url = self.server.url
+        local = [c for c in self.cfg.clients if not c.isolate]
+        roots = sandbox_roots(self.cfg.source_file)  # `sandbox:NAME` is looked up in the config's project first
+        for i, c in enumerate(self.cfg.clients):
+            if c.isolate:
+                spec = locate(c.agent, roots)  # an absolute folder: the client runs in a working folder of its own
+                workdir = run_folder(self.cfg.trainer.checkpoint_dir) / "clients" / f"{i}-{c.sandbox_name}"
+                cmd = [client_python(spec), "-m", "core.run.cli", "client", spec, "--server", url,
+                       "--concurrency", str(c.concurrency), "--group-size", str(c.group_size or self.cfg.trainer.group_size),
+                       "--kind", c.kind, "--workdir", str(workdir), "--split", c.split,
+                       *(["--tasks", str(c.tasks)] if c.tasks else []),
+                       *(["--episode-timeout", str(c.episode_timeout)] if c.episode_timeout is not None else [])]
+                self.supervisor.start(c.agent, cmd)
+        if local:
+            agents = [(c, load_agent(c.agent, roots)) for c in local]  # import errors surface before training starts
+            ready = threading.Event()
+            t = threading.Thread(target=self._run_local_clients, args=(agents, url, ready), daemon=True, name="clients")
+            t.start()
+            ready.wait()
+            self._client_threads.append(t)
+
+    def _run_local_clients(self, agents, url: str, ready: threading.Event) -> None:
+        async def main() -> None:
+            self._clients_loop = asyncio.get_running_loop()
+            self._clients_stop = asyncio.Event()
+            ready.set()
+            await asyncio.gather(*(
+                run_agent(agent, url, concurrency=c.concurrency, group_size=c.group_size or self.cfg.trainer.group_size,
+                          kind=c.kind, split=c.split, max_tasks=c.tasks, stop=self._clients_stop,
+                          episode_timeout_s=c.episode_timeout)
+                for c, agent in agents
+            ), return_exceptions=False)
+
+        try:
+            asyncio.run(main())
+        except Exception as e:  # no client is left to feed the trainer: end the run as failed, not hung
+            log.exception("local clients crashed")
+            self.failure = e
+            self.stop.set()
+        finally:
+            ready.set()
+
+    def _give_up(self, why: str) -> None:
+        """An isolated client keeps dying before doing any work: end the run as failed, with the reason."""
+        log.error("%s", why)
+        self.failure = RuntimeError(why)
+        self.stop.set()
+
+    def stop_clients(self) -> None:
+        if self._clients_loop is not None and self._clients_stop is not None:
+            self._clients_loop.call_soon_threadsafe(self._clients_stop.set)
+        # Registered clients this run did not start (`swarm swap` started them) end with it too: the
+        # server tells them to drain at their next heartbeat; they are not ours to signal.
+        deadline = time.monotonic() + CLIENT_DRAIN_S
+        self.server.clients.drain_all()
+        for t in self._client_threads:
+            t.join(timeout=CLIENT_DRAIN_S)
+        self.supervisor.stop(CLIENT_DRAIN_S)
+        while self.server.clients.count() and time.monotonic() < deadline:
+            time.sleep(BATCH_POLL_S)
+
+    def _on_swap(self, record: SwapRecord) -> None:
+        """A hot swap happened (the server drained old clients for a registered successor): tag the
+        MLflow run `swarmrl.sandbox_swap.<n>` with it and the trainer step. Telemetry never stops training."""
+        record.step = self.step
+        log.info("hot swap %d of %s at step %d: %s -> %s", record.n, record.sandbox, self.step,
+                 ",".join(record.from_versions), record.to_version)
+        t = self.telemetry
+        if t is not None:
+            try:
+                t.client.set_tag(t.run_id, f"swarmrl.sandbox_swap.{record.n}", record.model_dump_json())
+            except Exception as e:  # noqa: BLE001 - an unreachable tracking store must not fail the swap
+                log.warning("could not tag hot swap %d on MLflow: %s", record.n, e)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train(self, on_step=None) -> None:
+        """Train until `trainer.steps` steps are done or `stop` is set, under the hang watchdog."""
+        stall_s = self.cfg.server.stall_s
+        watchdog = Watchdog(self.server, stall_s, run_folder(self.cfg.trainer.checkpoint_dir),
+                            lambda: self.step).start() if stall_s else None
+        try:
+            self._train(on_step)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+
+    def _train(self, on_step) -> None:
+        registry = self.server.registry
+        idle_since = time.perf_counter()  # the trainer waits for groups from here
+        while self.step < self.cfg.trainer.steps and not self.stop.is_set():
+            batch = registry.take_batch(self.server.versions(), self.cfg.trainer.max_staleness)
+            if batch is None:
+                self.stop.wait(BATCH_POLL_S)
+                continue
+            taken = time.perf_counter()
+            with self._step_lock:
+                metrics = self._train_batch(batch)
+                self.step += 1
+            metrics["time/wait_groups_s"] = taken - idle_since
+            metrics["time/step_s"] = time.perf_counter() - idle_since
+            metrics.update(self._rollout_metrics(batch))
+            if self.telemetry is not None:
+                self.telemetry.log(self.step, metrics)
+                self.telemetry.log_trajectories(self.step, batch.episodes)
+            if self.cfg.trainer.checkpoint_every and self.step % self.cfg.trainer.checkpoint_every == 0:
+                self.checkpoint()
+            if on_step is not None:
+                on_step(self.step, metrics)
+            idle_since = time.perf_counter()
+
+    def _train_batch(self, batch: Batch) -> dict[str, float]:
+        """One step of every trainable policy that served the batch; the weight-sync mode per policy."""
+        plan = {name: [g for g in ([e for e in group if e.calls_of(name)] for group in batch.groups) if g]
+                for name in self.trainers}
+        overlap = {name: self.cfg.trainer.max_staleness >= 1 and self.trainers[name].overlap_safe for name in plan}
+        for name, groups in plan.items():
+            if groups and not overlap[name]:
+                # At once, before anything else: a call that arrives from now on waits for this step's
+                # weights, so an episode admitted in the room this batch leaves is not stale on arrival.
+                self.server.policies[name].engine.hold()
+            elif groups:
+                self.server.registry.step_started()
+        metrics: dict[str, float] = {"episodes/stale_dropped": float(batch.dropped_stale), "time/train_s": 0.0,
+                                     "time/sync_s": 0.0}
+        for name, groups in plan.items():
+            if groups:
+                prefix = "" if len(self.trainers) == 1 else f"{name}/"
+                step_metrics = self._step_policy(name, groups, overlap[name], metrics)
+                metrics.update({prefix + k: v for k, v in step_metrics.items()})
+        return metrics
+
+    def _step_policy(
+        self, name: str, groups: list[list[Episode]], overlap: bool, timing: dict[str, float]
+    ) -> dict[str, float]:
+        """prepare -> backward -> apply for one policy. The engine always resumes and the version goes up
+        only when the weights changed; an exception is logged with the step and the run goes on."""
+        trainer, policy = self.trainers[name], self.server.policies[name]
+        started, synced, updated = time.perf_counter(), 0.0, False
+        try:
+            prepared = trainer.prepare(groups)
+            if not prepared.needs_update:
+                trainer.apply(prepared)  # counts the step; nothing can change, so nothing waits
+            elif overlap:
+                trainer.backward(prepared)  # generation goes on meanwhile
+                swap_started = time.perf_counter()
+                applied = []
+                updated = policy.engine.swap_weights(lambda: _timed(applied, trainer.apply, prepared))
+                synced = time.perf_counter() - swap_started - sum(applied)
+            else:
+                drain_started = time.perf_counter()
+                policy.engine.pause_blocking()  # held since the batch was taken: wait for rows in flight
+                synced = time.perf_counter() - drain_started
+                trainer.backward(prepared)
+                updated = trainer.apply(prepared)
+            policy.step += 1
+            return trainer.metrics(prepared)
+        except Exception:
+            log.exception("step %d of %s failed; its weights and version are unchanged", self.step + 1, name)
+            trainer.discard()
+            return {"train/failed": 1.0}
+        finally:
+            if overlap:
+                self.server.registry.step_synced()
+            else:
+                policy.engine.resume(policy.version + 1 if updated else None)
+            timing["time/sync_s"] += synced
+            timing["time/train_s"] += time.perf_counter() - started - synced
+
+    def _rollout_metrics(self, batch: Batch) -> dict[str, float]:
+        now, tokens = time.time(), self.server.throughput.completion_tokens
+        then, then_tokens = self._last
+        self._last = (now, tokens)
+        dt = max(now - then, 1e-9)
+        counters = self.server.registry.counters
+        episodes = batch.episodes
+        out = {
+            "rollout/episodes_per_s": len(episodes) / dt,
+            "rollout/tokens_per_s": (tokens - then_tokens) / dt,
+            # Wall time from the batch's first open to its last finish (overlaps the previous step).
+            "time/rollout_s": max(e.ended_at or now for e in episodes) - min(e.opened_at for e in episodes),
+            "episodes/aborted": float(counters["aborted"]),
+            "episodes/expired": float(counters["expired"]),
+            "episodes/refused": float(counters["refused"]),
+            # Of the train episodes that generated anything so far, those never trained (stale, or
+            # aborted/expired after generating).
+            "episodes/wasted_frac": counters["wasted"] / max(counters["generated"], 1),
+            **self.server.throughput.tito_metrics(),  # tito/{reused,drift,broken}, cumulative
+        }
+        by_sandbox: dict[str, list[float]] = {}
+        for ep in self.server.registry.take_eval():
+            if ep.reward:
+                by_sandbox.setdefault(ep.sandbox, []).append(sum(ep.reward.values()) / len(ep.reward))
+        for (sandbox, version), eps in batch.by_version().items():  # every episode names its code version
+            rewards = [sum(e.reward.values()) / len(e.reward) for e in eps if e.reward]
+            out[f"episodes/{sandbox}/version/{version}"] = float(len(eps))
+            if rewards:
+                out[f"reward/{sandbox}/version/{version}"] = sum(rewards) / len(rewards)
+        for sandbox, rewards in by_sandbox.items():
+            out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
+        return out
+
+
+def _timed(spent: list[float], fn, *args):
+    """Call `fn(*args)` and append the seconds it took to `spent` (time inside a weight swap)."""
+    start = time.perf_counter()
+    try:
+        return fn(*args)
+    finally:
+        spent.append(time.perf_counter() - start)
+
+
+def _lora(cfg: RunConfig, name: str) -> bool:
+    return next(m for m in cfg.models if m.name == name).lora is not None

@@ -1,0 +1,123 @@
+"""Where a run's parts live: the placement plan that `swarm run --dry-run` prints, checked before anything starts.
+
+`plan(cfg)` reads a validated config and says what runs where with which resources: the gateway
+and episode registry (always one HTTP service in the `swarm run` process, reached by URL), each
+model's engine and trainer (colocated, in this process or in one Ray actor per model), and each
+client (a thread, a process, or Ray actors). It checks what the schema alone cannot (a model on
+`cuda` under Ray needs a GPU reserved for it) and raises `ConfigError` naming the key.
+
+`PlacementError` lives here too: the Ray driver raises it, and this module imports nothing that
+starts a run, so `core.ray` can import it without going round through `core.run.placement`.
+This module deliberately starts nothing and does not know Ray's API; `core.run.placement` builds the run.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from core.config import ConfigError, RunConfig
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class PlacementError(RuntimeError):
+    """The placement could not be set up (the cluster cannot be reached, an actor does not start)."""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One row of the plan: a part of the run, where it runs, and what it reserves."""
+
+    part: str  # e.g. "model policy: engine hf + trainer"
+    where: str  # e.g. "Ray actor swarm-model-policy" or "this process"
+    cpus: float = 0.0
+    gpus: float = 0.0
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str
+    rows: list[Placed]
+    warnings: list[str]
+    episodes_in_flight: int  # most train/eval episodes the clients keep open at once
+
+    @property
+    def cpus(self) -> float:
+        return sum(r.cpus for r in self.rows)
+
+    @property
+    def gpus(self) -> float:
+        return sum(r.gpus for r in self.rows)
+
+
+def plan(cfg: RunConfig) -> Plan:
+    """The placement of `cfg`; raises ConfigError for a placement that cannot work."""
+    ray = cfg.placement.kind == "ray"
+    rows = [Placed("gateway + episode registry (HTTP)", "this process" + (" (the Ray driver)" if ray else ""),
+                   note=f"clients reach it at http://{_shown_host(cfg.server.host)}:{cfg.server.port or '<free port>'}")]
+    warnings: list[str] = []
+    for i, m in enumerate(cfg.models):
+        part = f"model {m.name} ({m.source}): engine {cfg.engine.kind}" + (" + trainer" if m.trainable else "")
+        part += " (LoRA r=%d)" % m.lora.r if m.lora is not None else ""
+        if ray:
+            _check_ray_device(i, m.device, m.ray.num_gpus)
+            extra = f", resources {m.ray.resources}" if m.ray.resources else ""
+            rows.append(Placed(part, "a Ray actor", m.ray.num_cpus, m.ray.num_gpus,
+                               f"device {m.device}{extra}; weight sync stays inside the actor"))
+        else:
+            rows.append(Placed(part, "this process", note=f"device {m.device}"))
+    in_flight = 0
+    for c in cfg.clients:
+        part = f"client {c.agent} ({c.kind}, {c.concurrency} episodes in flight each)"
+        if ray:
+            extra = f", resources {c.ray.resources}" if c.ray.resources else ""
+            rows.append(Placed(part, f"{c.ray.replicas} Ray actor(s)",
+                               c.ray.num_cpus * c.ray.replicas, 0.0, f"{c.ray.num_cpus} CPU each{extra}"))
+            in_flight += c.concurrency * c.ray.replicas
+        else:
+            rows.append(Placed(part, "its own process (swarm client)" if c.isolate else "a thread of this process"))
+            in_flight += c.concurrency
+    if ray and cfg.clients and cfg.server.host in LOOPBACK and cfg.placement.address != "local":
+        warnings.append(f"server.host is {cfg.server.host}: client actors on other nodes cannot reach it; "
+                        "set server.host: 0.0.0.0 for a multi-node cluster")
+    if in_flight > cfg.server.max_open_episodes:
+        warnings.append(f"clients keep {in_flight} episodes in flight but server.max_open_episodes is "
+                        f"{cfg.server.max_open_episodes}: the rest are refused and retried")
+    return Plan(cfg.placement.kind, rows, warnings, in_flight)
+
+
+def _shown_host(host: str) -> str:
+    return "<this node's IP>" if host in ("0.0.0.0", "::", "") else host
+
+
+def _check_ray_device(index: int, device: str, num_gpus: float) -> None:
+    key = f"models.{index}"
+    if device.startswith("cuda") and num_gpus < 1:
+        raise ConfigError(f"{key}.ray.num_gpus: the model is on {device} but its actor reserves {num_gpus} GPUs; "
+                          "Ray only shows an actor the GPUs it reserves")
+    ordinal = re.fullmatch(r"cuda:(\d+)", device)
+    if ordinal and int(ordinal.group(1)) >= num_gpus:
+        raise ConfigError(f"{key}.device: {device} inside an actor that reserves {num_gpus} GPU(s); "
+                          "an actor numbers its GPUs from cuda:0")
+    if device == "cpu" and num_gpus > 0:
+        raise ConfigError(f"{key}.ray.num_gpus: {num_gpus} GPUs reserved for a model on cpu")
+
+
+def describe(cfg: RunConfig) -> str:
+    """The plan as text: what `swarm run --dry-run` prints."""
+    p = plan(cfg)
+    where = f"Ray cluster at {cfg.placement.address}" if p.kind == "ray" else "this machine"
+    lines = [f"placement: {p.kind} ({where})"]
+    width = max(len(r.part) for r in p.rows)
+    for r in p.rows:
+        res = f"cpu {r.cpus:g} gpu {r.gpus:g}" if p.kind == "ray" else ""
+        lines.append(f"  {r.part:<{width}}  {r.where}  {res}  {r.note}".rstrip())
+    steps, groups, size = cfg.trainer.steps, cfg.trainer.batch_groups, cfg.trainer.group_size
+    lines.append(f"training: {steps} steps x {groups} groups x {size} episodes; "
+                 f"{p.episodes_in_flight} episodes in flight at most")
+    if p.kind == "ray":
+        lines.append(f"reserves: {p.cpus:g} CPUs, {p.gpus:g} GPUs (plus the driver's own process)")
+    lines += [f"warning: {w}" for w in p.warnings]
+    return "\n".join(lines)

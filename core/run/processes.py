@@ -1,0 +1,212 @@
+"""The `swarm run` and `swarm serve` processes: resume, telemetry, signals and the run's final status.
+
+`run` wires one `CoreRun` into a process: it restores the latest checkpoint when asked and opens
+the MLflow run (the checkpoint's run again on resume, `core.run.telemetry`), turns Ctrl-C and SIGTERM
+into a stop after the current step, trains, checkpoints, and always ends the MLflow run with a
+status: FINISHED, KILLED (stopped early) or FAILED (an exception, or the local clients crashed).
+`serve` does the same around a foreground server with a trainer thread. Both print the admin token
+once at start, on stdout and never through logging (logs are kept and shared; see `announce_admin_token`).
+`run` also writes `<run folder>/server.json` (the folder holding `trainer.checkpoint_dir`): the URL
+and the path of a 0600 admin-token file, for `swarm swap --server <run folder>` and the researcher;
+removed when the run ends (`core.clients.hotswap.write_server_files`).
+
+The RL loop itself lives in `core.run.loop`; this module adds no training logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from core.run import checkpoint
+from core.auth import masked
+from core.config import RunConfig, flatten
+from core.run.loop import CoreRun
+from core.run.placement import core_run
+from core.run.plan import PlacementError
+from core.serve.server import Server
+from core.clients.hotswap import remove_server_files, write_server_files
+from core.run.telemetry import ResumePoint, RunStatus, Telemetry, TelemetryError
+from core.run.watchdog import run_folder
+
+log = logging.getLogger(__name__)
+
+TRAINER_JOIN_S = 60.0  # how long `swarm serve` waits for the trainer's current step when the server stops
+EXIT_CODES: dict[RunStatus, int] = {"FINISHED": 0, "KILLED": 130, "FAILED": 1}  # 130: the shell's code for Ctrl-C
+
+
+def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, progress: bool = True) -> int:
+    """`swarm run`: returns the process exit code (0 done, 130 stopped early, 1 failed).
+
+    The MLflow run ends FINISHED when every step is done; KILLED when Ctrl-C, SIGTERM or
+    `/admin/shutdown` stopped it first (after the current step, with a checkpoint); FAILED on an
+    exception, logged with its traceback. With `resume` it continues the checkpoint's MLflow run.
+    """
+    try:
+        core = core_run(cfg)  # in this process, or models and clients as Ray actors (`core.run.placement`)
+    except PlacementError as e:
+        log.error("cannot place the run: %s", e)
+        return 1
+    try:
+        point = _resume_point(core.resume()) if resume else None
+    except checkpoint.CheckpointError as e:  # nothing has run yet: say why and stop
+        log.error("cannot resume: %s", e)
+        core.serve.server.close()
+        return 1
+    previous = {sig: signal.signal(sig, lambda *_: core.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    status: RunStatus = "FAILED"
+    advertised: list[Path] = []
+    try:
+        core.serve.server.start()
+        announce_admin_token(core.serve.server)
+        # <run folder>/server.json: where outside tools (`swarm swap`, the researcher) find the URL and token
+        advertised = write_server_files(core.serve.server.url, core.serve.server.admin_token, run_folder(cfg.trainer.checkpoint_dir))
+        print(f"swarm server file: {advertised[0]}", flush=True)
+        log.info("serving at %s; training %d steps", core.serve.server.url, cfg.trainer.steps)
+        # Clients first, the MLflow run second: client processes take a second or two to import and
+        # register, on the other core, while this one opens the run (start-up, bench/startup.py).
+        # Their episodes wait in the registry; no step trains before the run exists.
+        core.start_clients()
+        try:
+            core.run.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
+                                       resume=point)
+        except TelemetryError as e:  # no MLflow run to write a status to: say why and stop
+            log.error("cannot %s: %s", "resume" if resume else "start", e)
+            return 1
+        if run_id_file is not None:  # the same id after a resume that reopened the run: one run per launch
+            Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(run_id_file).write_text(core.run.telemetry.run_id)
+        if progress:
+            with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
+                core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
+        else:
+            core.train(on_step=lambda step, m: log.info("step %d reward %s", step, reward_text(m)))
+        status = _outcome(core)
+        core.run.checkpoint()  # also after a client crash: the trainer's state is sound, and a fixed sandbox resumes here
+    except Exception:
+        log.exception("core run failed at step %d", core.step)
+        status = "FAILED"
+    finally:
+        try:
+            core.stop_clients()
+            core.serve.server.stop()
+        finally:  # the run's status is written whatever happened above, so no run is left RUNNING
+            remove_server_files(advertised)
+            if core.run.telemetry is not None:
+                core.run.telemetry.close(status)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    return EXIT_CODES[status]
+
+
+def announce_admin_token(server: Server) -> None:
+    """Print the admin token once: in full when it was generated (nobody else knows it), masked when the
+    config set it (the operator has it already). Printed, not logged, so log files never hold it."""
+    token = server.admin_token
+    shown = masked(token) + " (from server.admin_token)" if server.cfg.server.admin_token else token
+    print(f"swarm admin token: {shown}", file=sys.stdout, flush=True)
+
+
+def _resume_point(saved: checkpoint.Checkpoint | None) -> ResumePoint | None:
+    """Where the MLflow side of a resume starts: the checkpoint's step and run (None: a fresh start)."""
+    if saved is None:
+        return None
+    ref = saved.mlflow
+    return ResumePoint(saved.step, ref.run_id if ref else None, ref.tracking_uri if ref else None)
+
+
+def _outcome(core: CoreRun) -> RunStatus:
+    if core.failure is not None:
+        log.error("core run failed at step %d: %s", core.step, core.failure)
+        return "FAILED"
+    if core.stop.is_set() and core.step < core.cfg.trainer.steps:
+        log.info("stopped at step %d of %d", core.step, core.cfg.trainer.steps)
+        return "KILLED"
+    return "FINISHED"
+
+
+def serve(cfg: RunConfig, train: bool) -> None:
+    """`swarm serve`: the server in the foreground; with `train`, a trainer thread consumes finished groups.
+
+    With a trainer, the MLflow run ends FINISHED when the trainer did all its steps before the server
+    stopped; KILLED when Ctrl-C, SIGTERM or `/admin/shutdown` stopped the server first; FAILED when
+    the trainer raised (the server then stops too).
+    """
+    server = Server(cfg)
+    announce_admin_token(server)
+    # This machine's record of the server, so `swarm swap --server URL` here finds the admin token
+    # (port 0 is only known once serving: such a server is swapped with --admin-token).
+    advertised = write_server_files(server.url, server.admin_token, None) if server.port else []
+    try:
+        _serve(cfg, server, train)
+    finally:
+        remove_server_files(advertised)
+
+
+def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
+    if not train:
+        server.serve_forever()
+        return
+    core = CoreRun(cfg, server)
+    core.run.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
+
+    def stop_serving(*_: object) -> None:
+        core.stop.set()
+        server.request_exit()
+
+    def train_until_stopped() -> None:
+        try:
+            core.train()
+            if not core.stop.is_set():  # every step done: the server serves on, but trains nothing more
+                server.registry.end_training(f"its trainer finished all {cfg.trainer.steps} steps")
+                log.info("trainer done after %d steps; serving on (train episodes are refused from now)", core.step)
+        except Exception as e:
+            log.exception("trainer failed at step %d; stopping the server", core.step)
+            core.failure = e
+            server.request_exit()
+
+    # uvicorn answers a signal by shutting down, then re-raises it to the handler it found: ours, so
+    # a SIGTERM does not end the process before the run's status is written.
+    previous = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server.on_shutdown = stop_serving  # /admin/shutdown ends the server, not only the trainer
+    thread = threading.Thread(target=train_until_stopped, daemon=True, name="trainer")
+    status: RunStatus = "FAILED"
+    try:
+        thread.start()
+        server.serve_forever()
+        core.stop.set()
+        thread.join(timeout=TRAINER_JOIN_S)
+        status = _outcome(core)
+    finally:
+        core.stop.set()
+        core.run.telemetry.close(status)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextmanager
+def _progress_bar(total: int, done: int):
+    columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("reward {task.fields[reward]}"),
+               TextColumn("{task.fields[eps]} ep/s"), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns) as bar:
+        yield bar, bar.add_task("train", total=total, completed=done, reward="-", eps="-")
+
+
+def _progress_fields(m: dict[str, float]) -> dict[str, str]:
+    return {"reward": reward_text(m), "eps": f"{m.get('rollout/episodes_per_s', 0):.1f}"}
+
+
+def reward_text(m: dict[str, float]) -> str:
+    """A step's mean reward: `0.412`, or one per model (`drafter 0.41 reviewer 0.12`) in multi-model runs."""
+    if "reward/mean" in m:
+        return f"{m['reward/mean']:.3f}"
+    per_model = [(k.removesuffix("/reward/mean"), v) for k, v in m.items() if k.endswith("/reward/mean")
+                 and k.count("/") == 2]
+    return " ".join(f"{name} {v:.3f}" for name, v in per_model) or "nan"
+

@@ -1,0 +1,260 @@
+"""The HTTP gateway: OpenAI-compatible routes, swarm routes, and OpenAI-shaped errors.
+
+A request belongs to an episode through its bearer key (or the path form
+`/episodes/{secret}/v1/...`, the secret derived from the key, for clients that cannot set one;
+never the bare episode id, see `core.auth`); its tokens are then recorded on that
+episode. Requests without a key are served, unrecorded, only when the server allows anonymous use.
+No input a client can send reaches a bare 500: validation, template, context and episode errors all
+map to OpenAI-style JSON. The gateway renders and records; engines generate, the registry keeps books.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from core.auth import bearer
+from core.serve.chat import TemplateError
+from core.engine import Generation, SamplingParams
+from core.episodes.registry import KEY_PREFIX, EpisodeError
+from core.records import Call, Episode
+from core.serve.state import Policy, ServerState
+from core.serve.streaming import stream_chat
+from core.serve.swarm_routes import swarm_router
+from core.serve.openai_wire import ChatRequest, CompletionRequest
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+               422: "invalid_request_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.code, self.retry_after = status, code, retry_after
+
+
+def error_response(status: int, message: str, code: str | None = None, retry_after: float | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": code, "param": None}}
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(server: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        sweeper = asyncio.create_task(server.sweep_leases())
+        yield
+        sweeper.cancel()
+
+    app = FastAPI(title="swarmrl", version="0.1.0", lifespan=lifespan)
+    gw = _Gateway(server)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_response(e.status, str(e), e.code, e.retry_after)
+
+    @app.exception_handler(EpisodeError)
+    async def _episode_error(_: Request, e: EpisodeError):
+        return error_response(e.status, str(e), e.code, e.retry_after)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        msg = first.get("msg", "invalid request")
+        if first.get("type") in ("json_invalid", "model_attributes_type") and not where:
+            msg = "request body must be a JSON object"
+        return error_response(400, f"{where}: {msg}" if where else msg, "invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception):
+        log.exception("unhandled error")
+        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
+
+    @app.get("/v1/models")
+    async def list_models():
+        now = int(server.throughput.started)
+        # max_model_len as vLLM reports it: clients (the researcher's planner) fit requests to the context
+        data = [{"id": n, "object": "model", "created": now, "owned_by": "swarmrl", "max_model_len": p.engine.max_context}
+                for n, p in server.policies.items()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await gw.chat(body, gw.episode_from_key(request))
+
+    @app.post("/episodes/{secret}/v1/chat/completions")
+    async def chat_path(secret: str, body: ChatRequest):
+        return await gw.chat(body, server.registry.by_path(secret))
+
+    @app.post("/v1/completions")
+    async def complete(body: CompletionRequest, request: Request):
+        return await gw.complete(body, gw.episode_from_key(request))
+
+    @app.post("/episodes/{secret}/v1/completions")
+    async def complete_path(secret: str, body: CompletionRequest):
+        return await gw.complete(body, server.registry.by_path(secret))
+
+    @app.get("/episodes/{secret}/v1/models")
+    async def list_models_path(secret: str):
+        server.registry.by_path(secret)
+        return await list_models()
+
+    app.include_router(swarm_router(server), prefix="/swarm/v1")
+    return app
+
+
+class _Gateway:
+    def __init__(self, server: ServerState):
+        self.server = server
+
+    def episode_from_key(self, request: Request) -> Episode | None:
+        key = bearer(request)
+        if key.startswith(KEY_PREFIX):
+            return self.server.registry.by_key(key)
+        if not self.server.allow_anonymous:  # off while a trainer runs: nothing unrecorded reaches its engine
+            raise APIError(401, "this server needs an episode key (Authorization: Bearer sk-swarm-...): anonymous "
+                           "use is off while it trains", "invalid_api_key")
+        return None
+
+    def policy(self, name: str) -> Policy:
+        policy = self.server.policies.get(name)
+        if policy is None:
+            raise APIError(404, f"model {name!r} is not served here; served: {sorted(self.server.policies)}",
+                           "model_not_found")
+        return policy
+
+    def sampling(self, body, policy: Policy, prompt_len: int, requested: int | None) -> list[SamplingParams]:
+        room = policy.engine.max_context - prompt_len
+        if room < 1:
+            raise APIError(400, f"prompt is {prompt_len} tokens; the model's context is {policy.engine.max_context}",
+                           "context_length_exceeded")
+        if requested is not None and requested > room:
+            raise APIError(400, f"prompt ({prompt_len}) + max_tokens ({requested}) exceeds the model's context "
+                           f"({policy.engine.max_context})", "context_length_exceeded")
+        max_tokens = min(requested or self.server.cfg.engine.default_max_tokens, room)
+        stop = tuple(body.stop or ())
+        temperature = self.server.cfg.engine.default_temperature if body.temperature is None else body.temperature
+        return [
+            SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, stop=stop,
+                           seed=None if body.seed is None else body.seed + i)
+            for i in range(body.n)
+        ]
+
+    def text_of(self, policy: Policy, gen: Generation) -> str:
+        text = policy.renderer.completion_text(gen.token_ids)
+        if gen.stop_string and gen.stop_string in text:
+            text = text[: text.index(gen.stop_string)]
+        return text
+
+    def record(self, episode: Episode | None, call: Call) -> None:
+        self.server.throughput.calls += 1
+        self.server.throughput.completion_tokens += len(call.completion_ids)
+        if episode is not None:
+            self.server.registry.record(episode, call)
+
+    async def chat(self, body: ChatRequest, episode: Episode | None):
+        policy = self.policy(body.model)
+        messages = [m.to_template() for m in body.messages]
+        tools_offered = bool(body.tools) and body.tool_choice != "none"
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_offered else None
+        history = episode.calls_of(policy.name) if episode is not None else []
+        try:
+            rendered = policy.renderer.render(messages, tools, history)
+        except TemplateError as e:
+            raise APIError(400, str(e), "invalid_messages") from None
+        tp = self.server.throughput
+        tp.tito_reused += rendered.reused_prefix > 0
+        tp.tito_drift += rendered.drift
+        tp.tito_broken += rendered.broken
+        params = self.sampling(body, policy, len(rendered.prompt_ids), body.max_completion_tokens or body.max_tokens)
+        if body.stream:
+            return StreamingResponse(
+                stream_chat(self, policy, body, messages, rendered, params, tools_offered, episode),
+                media_type="text/event-stream",
+            )
+        gens = await asyncio.gather(*(policy.engine.generate(rendered.prompt_ids, p) for p in params))
+        choices, completion_tokens = [], 0
+        for i, gen in enumerate(gens):
+            reply = policy.renderer.parse_reply(self.text_of(policy, gen), tools_offered)
+            self.record(episode, self.make_call(policy, messages, rendered, gen, reply))
+            choices.append({
+                "index": i,
+                "message": reply,
+                "finish_reason": "tool_calls" if reply.get("tool_calls") else gen.finish_reason,
+                "logprobs": self.logprobs(policy, gen) if body.logprobs else None,
+            })
+            completion_tokens += len(gen.token_ids)
+        return self.envelope("chat.completion", policy, choices, len(rendered.prompt_ids), completion_tokens)
+
+    def make_call(self, policy: Policy, messages, rendered, gen: Generation, reply) -> Call:
+        return Call(
+            model=policy.name, version=gen.version, messages=messages, prompt_ids=rendered.prompt_ids,
+            completion_ids=gen.token_ids, completion_logprobs=gen.logprobs, finish_reason=gen.finish_reason,
+            temperature=gen.temperature, top_p=gen.top_p, reused_prefix=rendered.reused_prefix, reply=reply,
+        )
+
+    async def complete(self, body: CompletionRequest, episode: Episode | None):
+        policy = self.policy(body.model)
+        if body.stream:
+            raise APIError(400, "streaming is offered on /v1/chat/completions only", "unsupported")
+        if isinstance(body.prompt, str):
+            prompt_ids = policy.renderer.encode(body.prompt)
+        else:
+            vocab = len(policy.tokenizer)
+            if any(t < 0 or t >= vocab for t in body.prompt):
+                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_prompt")
+            prompt_ids = list(body.prompt)
+        params = self.sampling(body, policy, len(prompt_ids), body.max_tokens)
+        gens = await asyncio.gather(*(policy.engine.generate(prompt_ids, p) for p in params))
+        choices, completion_tokens = [], 0
+        for i, gen in enumerate(gens):
+            text = self.text_of(policy, gen)
+            self.record(episode, Call(
+                model=policy.name, version=gen.version, prompt_ids=prompt_ids, completion_ids=gen.token_ids,
+                completion_logprobs=gen.logprobs, finish_reason=gen.finish_reason, temperature=gen.temperature,
+                top_p=gen.top_p,
+            ))
+            prefix = policy.tokenizer.decode(prompt_ids) if body.echo else ""
+            lp = None
+            if body.logprobs:
+                lp = {"tokens": [policy.tokenizer.decode([t]) for t in gen.token_ids], "token_logprobs": gen.logprobs,
+                      "top_logprobs": None, "text_offset": None}
+            choices.append({"index": i, "text": prefix + text, "finish_reason": gen.finish_reason, "logprobs": lp})
+            completion_tokens += len(gen.token_ids)
+        return self.envelope("text_completion", policy, choices, len(prompt_ids), completion_tokens)
+
+    def logprobs(self, policy: Policy, gen: Generation) -> dict[str, Any]:
+        content = []
+        for t, lp in zip(gen.token_ids, gen.logprobs):
+            piece = policy.tokenizer.decode([t])
+            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
+        return {"content": content}
+
+    def envelope(self, kind: str, policy: Policy, choices: list, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {
+            "id": ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex,
+            "object": kind,
+            "created": int(time.time()),
+            "model": policy.name,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens},
+            "system_fingerprint": f"swarmrl-v{policy.version}",
+        }

@@ -1,0 +1,97 @@
+"""Server-sent events for streamed chat completions.
+
+Text streams token by token as the engine samples it, held back only where a stop string might still
+be forming or a UTF-8 character is incomplete. When tools are offered, the reply is sent whole at the
+end, because a tool call is only known once its closing tag has arrived. Recording happens exactly as
+for non-streamed calls, once a choice is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from core.episodes.registry import EpisodeError
+from core.serve.state import Policy
+from core.serve.openai_wire import ChatRequest
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event: a JSON object, or a bare string such as `[DONE]`."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+async def stream_chat(gw, policy: Policy, body: ChatRequest, messages, rendered, params, tools_offered,
+                      episode) -> AsyncIterator[bytes]:
+    """The SSE body of one streamed chat completion. `gw` is the gateway that renders and records
+    (`text_of`, `make_call`, `record`): passed in, so this module never imports the gateway."""
+    chunk_id, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+    hold = max((len(s) for s in body.stop or ()), default=1) - 1
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
+        return sse({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": policy.name,
+                    "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    events: asyncio.Queue = asyncio.Queue()
+    tokens: list[list[int]] = [[] for _ in params]
+    sent = [""] * len(params)
+
+    async def run(i: int):
+        try:
+            gen = await policy.engine.generate(rendered.prompt_ids, params[i], on_token=lambda t: events.put_nowait((i, t)))
+            events.put_nowait((i, gen))
+        except Exception as e:  # reported in-stream: the HTTP status is already sent
+            events.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(run(i)) for i in range(len(params))]
+    try:
+        for i in range(len(params)):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        done, completion_tokens = 0, 0
+        while done < len(params):
+            i, item = await events.get()
+            if isinstance(item, int):
+                tokens[i].append(item)
+                if tools_offered:
+                    continue
+                text = policy.renderer.completion_text(tokens[i])
+                safe = text[: len(text) - hold] if hold else text
+                if safe.endswith("\ufffd"):
+                    continue  # half a UTF-8 character: wait for the rest
+                if len(safe) > len(sent[i]) and not any(s in safe for s in body.stop or ()):
+                    yield chunk(i, {"content": safe[len(sent[i]) :]})
+                    sent[i] = safe
+                continue
+            done += 1
+            if isinstance(item, Exception):
+                yield sse({"error": {"message": f"generation failed: {item}", "type": "server_error", "code": None}})
+                continue
+            gen = item
+            reply = policy.renderer.parse_reply(gw.text_of(policy, gen), tools_offered)
+            try:
+                gw.record(episode, gw.make_call(policy, messages, rendered, gen, reply))
+            except EpisodeError as e:  # the lease ran out while generating
+                yield sse({"error": {"message": str(e), "type": "conflict_error", "code": e.code}})
+                continue
+            completion_tokens += len(gen.token_ids)
+            delta: dict = {}
+            final_text = reply.get("content") or ""
+            if final_text.startswith(sent[i]) and len(final_text) > len(sent[i]):
+                delta["content"] = final_text[len(sent[i]) :]
+            if reply.get("tool_calls"):
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(reply["tool_calls"])]
+            if delta:
+                yield chunk(i, delta)
+            yield chunk(i, {}, "tool_calls" if reply.get("tool_calls") else gen.finish_reason)
+        if body.stream_options and body.stream_options.include_usage:
+            prompt = len(rendered.prompt_ids)
+            yield sse({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": policy.name,
+                       "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                                                "total_tokens": prompt + completion_tokens}})
+        yield sse("[DONE]")
+    finally:
+        for t in tasks:
+            t.cancel()
