@@ -10,8 +10,12 @@ re-validated after a crash gets the very same commit id.
 
 Path rules: an edit may only touch editable, non-readonly files inside the workspace. Absolute
 paths, `..`, symlinks pointing out of the workspace, new files outside `editable` and deleting a
-sandbox's entry file are refused with a `WorkspaceError` naming the path. Nothing outside the
-workspace (and the folders it is asked to write) ever changes: not the project, not another study.
+sandbox's entry file are refused with a `WorkspaceError` naming the path. Every edit resolves the
+real path it is about to write (following any symlink on the way) and refuses one outside the
+trial worktree, or one the rules would refuse under its real name. The base copy refuses a project
+whose editable paths hold a symlink resolving outside them (`data -> ../outside/`): copied as a
+link, it would let an edit write through it. Nothing outside the workspace (and the folders it is
+asked to write) ever changes: not the project, not another study.
 
 It does not validate behaviour (researcher/validation.py does) and knows nothing of MLflow.
 """
@@ -75,6 +79,7 @@ class Workspace:
                 return head
         # Built next to its final place and renamed: a crash leaves no half-made workspace behind.
         self.root.parent.mkdir(parents=True, exist_ok=True)
+        self._refuse_escaping_links()
         tmp = Path(tempfile.mkdtemp(prefix=".workspace-", dir=self.root.parent))
         for rel in self.spec.editable:
             src, dst = self.project / rel, tmp / rel
@@ -90,6 +95,26 @@ class Workspace:
             shutil.rmtree(self.root)
         tmp.rename(self.root)
         return _git(self.root, "rev-parse", BASE_REF).strip()
+
+    def _refuse_escaping_links(self) -> None:
+        """Refuse a symlink under the editable paths that resolves outside all of them (named, with its target)."""
+        roots = [(self.project / rel).resolve() for rel in self.spec.editable]
+        for rel in self.spec.editable:
+            top = self.project / rel
+            if not top.is_dir():
+                continue
+            for folder, dirs, files in os.walk(top):
+                for name in dirs + files:
+                    path = Path(folder) / name
+                    if not path.is_symlink():
+                        continue
+                    target = path.resolve()
+                    if not any(target == r or target.is_relative_to(r) for r in roots):
+                        raise WorkspaceError(
+                            f"{path.relative_to(self.project)}: a symlink to {os.readlink(path)} (resolving to "
+                            f"{target}) leads outside the editable paths {self.spec.editable}; edits could write "
+                            "through it, so the workspace is not created. Replace the link by a copy, or make "
+                            "its target editable.")
 
     def commit_of(self, proposal_id: str) -> str | None:
         out = _git(self.root, "rev-parse", "--verify", "--quiet", f"refs/proposals/{proposal_id}", check=False)
@@ -180,7 +205,7 @@ class Workspace:
         for edit in edits:
             exists = (tree / edit.file).is_file() if not edit.file.startswith("/") else False
             rel = self.check_path(edit.file, "modify" if exists or edit.search else "add")
-            path = tree / rel
+            path = self._real(tree, rel, "modify" if exists or edit.search else "add")
             if not edit.search:
                 if path.exists():
                     raise EditError(f"{rel}: an empty search block creates a file, but the file exists",
@@ -197,6 +222,21 @@ class Workspace:
                 raise EditError(f"{rel}: the search block {how}; it must match the file's text exactly once",
                                 rel, text)
             path.write_text(text.replace(edit.search, edit.replace, 1))
+
+    def _real(self, tree: Path, rel: str, action: str) -> Path:
+        """The real path an edit of `rel` writes, symlinks followed: inside the worktree and allowed under
+        its real name too, else a `WorkspaceError` naming both."""
+        root, real = tree.resolve(), (tree / rel).resolve()
+        if not real.is_relative_to(root) or real == root:
+            raise WorkspaceError(f"{rel}: resolves to {real}, outside the workspace (through a symlink); "
+                                 "writing there is refused")
+        real_rel = real.relative_to(root).as_posix()
+        if real_rel != rel:
+            try:
+                self.check_path(real_rel, action)
+            except WorkspaceError as e:
+                raise WorkspaceError(f"{rel}: resolves through a symlink to {real_rel}, which is refused: {e}") from None
+        return real
 
     def apply_patch(self, tree: Path, patch: str) -> None:
         """Apply a person's unified diff (paths relative to the workspace root, a/ b/ prefixes)."""
