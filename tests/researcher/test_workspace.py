@@ -72,7 +72,7 @@ def test_base_commit_holds_copies_of_the_editable_paths_and_is_stable(ws: Worksp
 
 @pytest.mark.parametrize("rel, action, why", [
     ("/etc/passwd", "modify", "absolute paths are refused"),
-    ("sandboxes/letters/../../core/run.py", "modify", "'..' are refused"),
+    ("sandboxes/letters/../../core/run/loop.py", "modify", "'..' are refused"),
     ("sandboxes/letters/reward.py", "modify", "read-only by the brief"),
     ("sandboxes/other/agent.py", "add", "new files outside the editable paths"),
     ("sandboxes/letters/agent.py", "delete", "deleting a sandbox's entry file"),
