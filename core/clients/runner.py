@@ -37,7 +37,7 @@ import openai
 
 from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, ServerUnreachable, SwarmClient, SwarmError, backoff_delay
 from core.clients.deadline import EPISODE_TIMEOUT_S, EpisodeTimeout, rollout_source, within_limit
-from core.clients.sandbox import Agent, Outcome, load_agent
+from core.clients.sandbox import Agent, Outcome, load_agent, task_order
 from core.clients.hotswap import PidFile
 
 log = logging.getLogger(__name__)
@@ -152,9 +152,11 @@ async def run_agent(
     max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
     client_id: str | None = None,
     episode_timeout_s: float | None = None,
+    seed: int | str | None = None,
 ) -> RunnerStats:
     """Keep `concurrency` episodes in flight until `stop` is set or the episode/task budget is spent.
-    `episode_timeout_s`: each rollout's deadline (None: EPISODE_TIMEOUT_S, 0: none).
+    `episode_timeout_s`: each rollout's deadline (None: EPISODE_TIMEOUT_S, 0: none). `seed`: the train
+    split's tasks are drawn in an order shuffled by it, a new one each pass (None, and other splits: as yielded).
 
     Raises `ClientGaveUp` after `max_consecutive_failures` failed episodes in a row (0: never)."""
     stop = stop or asyncio.Event()
@@ -210,10 +212,12 @@ async def run_agent(
         return bool(max_episodes) and started >= max_episodes
 
     try:
-        tasks_done = 0
+        tasks_done, passes = 0, 0
         while not stop.is_set() and not budget_spent() and (max_tasks is None or tasks_done < max_tasks):
             empty = True
-            for index, task in enumerate(agent.tasks(split)):
+            order_seed = f"{seed}/{passes}" if seed is not None and split == "train" else None
+            passes += 1
+            for index, task in task_order(agent.tasks(split), order_seed):
                 empty = False
                 task_id = str(task.get("id", index)) if isinstance(task, dict) else str(index)
                 for _ in range(group_size):
@@ -320,7 +324,7 @@ def new_client_id(name: str) -> str:
 def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, group_size: int | None = None,
                kind: str = "train", max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
                client_id: str | None = None, split: str = "train", max_tasks: int | None = None,
-               episode_timeout_s: float | None = None) -> int:
+               episode_timeout_s: float | None = None, seed: str | None = None) -> int:
     """`swarm client`: run an agent against a server until done, drained or stopped; the exit code says how
     it ended. It registers with the server first (and gives up at once when it cannot)."""
     try:
@@ -372,7 +376,7 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
             return await run_agent(agent, url, concurrency=concurrency, group_size=group_size, kind=kind,
                                    max_episodes=episodes, stop=stop, max_consecutive_failures=max_consecutive_failures,
                                    client_id=client_id, stats=stats, split=split, max_tasks=max_tasks,
-                                   episode_timeout_s=episode_timeout_s)
+                                   episode_timeout_s=episode_timeout_s, seed=seed)
         finally:
             stop.set()
             await beating

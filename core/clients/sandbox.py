@@ -7,6 +7,10 @@ sandbox is such an agent in a folder `sandboxes/<name>/` with `agent.py` and `sa
 episode records the folder's code version. Loading wraps the agent's `tasks` and `rollout` so that
 bad agent code (an exception, a reward that is not a finite number) surfaces as a `SandboxError`
 naming the file, line and function, while errors of the server or the SDK pass through unchanged.
+Names are confined: `sandbox:NAME` and a sandbox.toml `name` must be plain names (no separator, no
+`..`), and `safe_name` is what file names built from a name use.
+`task_order` is the order a client draws a split's tasks in: shuffled by the run's seed (through a
+window, so an endless `tasks()` still streams), so two seeds see different task sequences.
 Running agents is `core.clients.runner`'s job, replacing a running client is `core.clients.hotswap`'s; this module
 only loads.
 """
@@ -18,6 +22,8 @@ import functools
 import hashlib
 import math
 import numbers
+import re
+import random
 import importlib
 import importlib.util
 import subprocess
@@ -54,6 +60,8 @@ class SandboxError(RuntimeError):
 # their types (retry hints, `ClientStopping`).
 PASS_THROUGH = ("openai", "httpx", "httpcore", "core")
 
+TASK_WINDOW = 1024  # tasks held at once while shuffling: a whole sandbox split, or a window of an endless one
+
 SANDBOXES_DIR = "sandboxes"  # a project's sandbox folders live under <project>/sandboxes/<name>/
 
 
@@ -77,13 +85,31 @@ def sandbox_roots(config_file: str | Path | None = None) -> list[Path]:
     return roots
 
 
+def is_plain_name(name: str) -> bool:
+    """A name that stays one folder or file name wherever it is joined: no separator, no `..`, not absolute."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in ("/", "\\", "\0"))
+
+
+def safe_name(name: str) -> str:
+    """`name` made safe for a file name (pid, log and state files): anything but letters, digits, `.`, `_`
+    and `-` becomes `_`, and it never starts with a dot."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "_"
+
+
 def locate(spec: str, roots: Sequence[Path] | None = None) -> str:
     """The folder a `sandbox:NAME` spec names (an absolute path), looked up in `roots` (default: the
     current folder's `sandboxes/`); a bare NAME too when such a folder exists. Any other spec (a folder
-    path, a module) comes back unchanged."""
+    path, a module) comes back unchanged. NAME must be a plain folder name (`is_plain_name`): code from
+    anywhere else is loaded only when the config names its folder as a path."""
     name = spec.removeprefix("sandbox:")
     if not spec.startswith("sandbox:") and (Path(spec).is_dir() or "/" in spec):
         return spec
+    if not is_plain_name(name):
+        if not spec.startswith("sandbox:"):
+            return spec  # no sandbox name: a module
+        raise SandboxNotFound(f"sandbox name {name!r} is refused: `sandbox:NAME` names a folder directly under "
+                              "sandboxes/ (no '/', '..' or absolute path); give a folder path as the agent to run "
+                              "code from elsewhere")
     roots = list(roots) if roots is not None else sandbox_roots()
     for root in roots:
         if (root / name / "agent.py").is_file():
@@ -120,9 +146,14 @@ def sandbox_meta(folder: Path) -> dict[str, Any]:
     if not path.is_file():
         return {"name": folder.name}
     try:
-        return tomllib.loads(path.read_text())
+        meta = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: {e}") from None
+    name = meta.get("name", folder.name)
+    if not isinstance(name, str) or not is_plain_name(name):
+        raise ValueError(f"{path}: name {name!r} is refused; a sandbox's name must be a plain name (no '/', '\\', "
+                         "'..'): it keys groups and names the client's pid and state files")
+    return meta
 
 
 def sandbox_requirements(folder: Path, meta: dict[str, Any]) -> list[str]:
@@ -241,3 +272,21 @@ def _folder_version(folder: Path) -> str:
     for f in sorted(folder.rglob("*.py")) + sorted(folder.glob("*.toml")):
         digest.update(f.read_bytes())
     return "sha1-" + digest.hexdigest()[:12]
+
+
+def task_order(tasks: Iterable[Any], seed: int | str | None) -> Iterable[tuple[int, Any]]:
+    """(position in `tasks()`, task) in the order a client draws them: as yielded when `seed` is None,
+    else shuffled by `seed` within windows of `TASK_WINDOW` tasks (the same seed, the same order)."""
+    if seed is None:
+        yield from enumerate(tasks)
+        return
+    rng = random.Random(str(seed))  # a str seed is hashed the same way in every process
+    window: list[tuple[int, Any]] = []
+    for pair in enumerate(tasks):
+        window.append(pair)
+        if len(window) >= TASK_WINDOW:
+            rng.shuffle(window)
+            yield from window
+            window = []
+    rng.shuffle(window)
+    yield from window

@@ -11,9 +11,10 @@ from core.engine.hf import HFEngine
 from core.engine.null import NullEngine
 
 
-def make_engine(kind: str, model, tokenizer, cfg, max_context: int) -> Engine:
+def make_engine(kind: str, model, tokenizer, cfg, max_context: int, seed: int = 0) -> Engine:
+    """`seed`: the run's `trainer.seed`, which seeds the engine's sampling."""
     if kind == "hf":
-        return HFEngine(model, tokenizer, cfg, max_context)
+        return HFEngine(model, tokenizer, cfg, max_context, seed)
     if kind == "instant":
         return NullEngine(tokenizer, max_context)
     if kind == "vllm":
@@ -24,5 +25,5 @@ def make_engine(kind: str, model, tokenizer, cfg, max_context: int) -> Engine:
         except ImportError as e:
             raise RuntimeError(f"engine.kind vllm needs vLLM installed (`pip install .[gpu]`): {e}") from e
 
-        return VLLMEngine(model, tokenizer, cfg, max_context)
+        return VLLMEngine(model, tokenizer, cfg, max_context, seed)
     raise ValueError(f"unknown engine kind {kind!r}")

@@ -76,8 +76,8 @@ class VLLMEngine(WorkerEngine):
     thread_name = "vllm-engine"
     close_join_s = 10.0
 
-    def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int):
-        super().__init__(model, tokenizer, cfg, max_context)
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int, seed: int = 0):
+        super().__init__(model, tokenizer, cfg, max_context, seed)
         self.lora = hasattr(model, "peft_config")  # a PEFT-wrapped policy trains adapters only
         self.eos_ids = sorted(stop_ids(model, tokenizer))  # the same stop ids as the hf engine
         self.stats = {"steps": 0, "max_rows": 0, "tokens": 0}
@@ -255,7 +255,7 @@ class VLLMEngine(WorkerEngine):
             max_tokens=min(p.max_tokens, self.max_context - len(req.prompt_ids)),
             temperature=p.temperature,
             top_p=p.top_p,
-            seed=p.seed,
+            seed=self.request_seed(p),  # unseeded requests draw from the run's seeded stream
             stop=list(p.stop) or None,
             stop_token_ids=self.eos_ids,
             logprobs=0,  # the sampled token's own logprob only

@@ -4,8 +4,11 @@
 and weight changes (`swap_weights`) from any thread or event loop; one worker thread, written by the
 subclass (`_run`), owns the model, takes requests, steps the batch and calls `_run_swaps` between two
 forward passes, so a weight change never lands mid-pass. Admission (`hold`, `pause`, `resume`) is
-three events the worker reads. This module deliberately holds no batching, sampling or model code:
-that is each engine's own.
+three events the worker reads. The run's sampler (`_rng`, seeded from `trainer.seed`) lives here too:
+the hf engine draws unseeded rows' tokens from it, vLLM draws per-request seeds from it, and a
+checkpoint saves its state (`sampler_state`) so a resumed run continues the stream instead of
+replaying it. This module deliberately holds no batching, sampling or model code: that is each
+engine's own.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class WorkerEngine:
     thread_name = "engine"
     close_join_s = 5.0  # how long close() waits for the worker's current step
 
-    def __init__(self, model: torch.nn.Module, tokenizer, cfg, max_context: int):
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg, max_context: int, seed: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.cfg = cfg
@@ -91,10 +94,26 @@ class WorkerEngine:
         self._inflight: dict[int, float] = {}
         self._inflight_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._rng = torch.Generator().manual_seed(seed)  # only the worker thread draws from it
 
     def _start(self) -> None:
         """Start the worker; the subclass calls it last in its constructor, once its own state exists."""
         self._thread.start()
+
+    # -- the run's sampler ----------------------------------------------------------------------
+    def sampler_state(self) -> torch.Tensor:
+        """The sampler's state, for a checkpoint (a copy; call it between steps, while generation is held)."""
+        return self._rng.get_state().clone()
+
+    def restore_sampler(self, state: torch.Tensor) -> None:
+        """Continue the stream a checkpoint saved (`sampler_state`)."""
+        self._rng.set_state(state)
+
+    def request_seed(self, params: SamplingParams) -> int:
+        """The request's own seed, else the next one of the run's stream: a seeded run is reproducible."""
+        if params.seed is not None:
+            return params.seed
+        return int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
 
     # -- public API ---------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:

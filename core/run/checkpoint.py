@@ -7,6 +7,7 @@ Layout of one checkpoint, ``<directory>/step-00000012/``::
     models/<name>/model.safetensors    full fine-tune: every weight (tied ones stored once)
     models/<name>/adapter/             LoRA: only the adapter, as a standard PEFT folder
     models/<name>/trainer.pt      optimizer, trainer step, RNG states (loaded with weights_only)
+    samplers.pt                   each engine's sampler state: a resumed run continues its random stream
 
 A checkpoint is written into a hidden temporary folder and renamed into place, then the
 ``latest`` file is replaced atomically to name it, so a crash at any moment leaves either the old
@@ -55,6 +56,7 @@ EPISODES = "episodes.json"
 FULL_WEIGHTS = "model.safetensors"
 ADAPTER_DIR = "adapter"
 TRAINER_STATE = "trainer.pt"
+SAMPLERS = "samplers.pt"
 # What `latest` may name: one checkpoint folder of this directory, never a path that leaves it.
 LATEST_NAME = re.compile(re.escape(STEP_PREFIX) + r"[0-9]+")
 
@@ -94,6 +96,7 @@ class Checkpoint:
     models: dict[str, ModelEntry]
     buffered: list[list[Episode]]
     mlflow: MlflowRun | None = None
+    samplers: dict[str, torch.Tensor] | None = None  # model -> engine sampler state; None: not saved
 
 
 def step_dir_name(step: int) -> str:
@@ -109,11 +112,13 @@ def save(
     config: dict[str, Any],
     keep: int | None = None,
     mlflow: MlflowRun | None = None,
+    samplers: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a checkpoint atomically and point `latest` at it; returns its folder.
 
     `keep`: how many checkpoints to keep (oldest removed first); None keeps all.
     `mlflow`: the MLflow run the run logs to, for a resume to reopen.
+    `samplers`: model -> its engine's sampler state (`WorkerEngine.sampler_state`).
     """
     if step < 0:
         raise CheckpointError(f"step must be non-negative, got {step}")
@@ -141,6 +146,8 @@ def save(
             _save_model(tmp / "models" / name, trainer)
         episodes = [[e.model_dump(mode="json") for e in group] for group in buffered]
         (tmp / EPISODES).write_text(json.dumps(episodes))
+        if samplers:
+            torch.save(dict(samplers), tmp / SAMPLERS)
         # The manifest goes last: a folder with a manifest is complete.
         (tmp / MANIFEST).write_text(manifest_text)
         _move_into_place(tmp, final)
@@ -223,6 +230,9 @@ def load_latest(directory: str | Path) -> Checkpoint | None:
 def load(path: str | Path) -> Checkpoint:
     """Read one checkpoint folder's manifest and buffered episodes (weights load in `restore`)."""
     folder = Path(path)
+    if folder.is_symlink():  # a link could point a resume at any folder on the machine
+        raise CheckpointError(f"{folder} is a symlink (to {os.readlink(folder)}); checkpoint folders must be real "
+                              "folders of their directory; refusing to load it")
     manifest_file = folder / MANIFEST
     try:
         manifest = Manifest.model_validate_json(manifest_file.read_text())
@@ -236,6 +246,11 @@ def load(path: str | Path) -> Checkpoint:
         buffered = [[Episode.model_validate(e) for e in group] for group in raw]
     except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"cannot read buffered episodes {episodes_file}: {e}") from e
+    samplers_file = folder / SAMPLERS
+    try:
+        samplers = torch.load(samplers_file, weights_only=True) if samplers_file.is_file() else None
+    except Exception as e:  # torch raises many kinds on a damaged file
+        raise CheckpointError(f"cannot read sampler states {samplers_file}: {e}") from e
     return Checkpoint(
         path=folder,
         step=manifest.step,
@@ -244,6 +259,7 @@ def load(path: str | Path) -> Checkpoint:
         models=manifest.models,
         buffered=buffered,
         mlflow=manifest.mlflow,
+        samplers=samplers,
     )
 
 
@@ -267,6 +283,19 @@ def restore(ckpt: Checkpoint, trainers: dict[str, Trainer]) -> None:
         else:
             _load_model(trainer, *loaded[name], name)
     log.info("restored %s from %s (step %d)", sorted(trainers), ckpt.path, ckpt.step)
+
+
+def restore_samplers(ckpt: Checkpoint, engines: dict[str, Any]) -> None:
+    """Put each engine's saved sampler state back; engines without a sampler, or not saved, start fresh."""
+    for name, state in (ckpt.samplers or {}).items():
+        engine = engines.get(name)
+        if engine is not None and hasattr(engine, "restore_sampler"):
+            engine.restore_sampler(state)
+
+
+def samplers_of(engines: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """model -> its engine's sampler state, for `save` (engines without a sampler are left out)."""
+    return {name: e.sampler_state() for name, e in engines.items() if hasattr(e, "sampler_state")}
 
 
 def restore_one(ckpt: Checkpoint, name: str, trainer: Trainer) -> None:

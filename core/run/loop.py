@@ -87,6 +87,7 @@ class CoreRun:
             log.info("no checkpoint under %s; starting fresh", self.cfg.trainer.checkpoint_dir)
             return None
         checkpoint.restore(ckpt, self.trainers)
+        checkpoint.restore_samplers(ckpt, {n: p.engine for n, p in self.server.policies.items()})
         for name, version in ckpt.versions.items():
             if name in self.server.policies:
                 self.server.policies[name].engine.resume(version)
@@ -103,6 +104,7 @@ class CoreRun:
                 self.cfg.trainer.checkpoint_dir, self.step, self.trainers, self.server.registry.buffered(),
                 self.server.versions(), self.cfg.model_dump(), keep=self.cfg.trainer.keep_checkpoints,
                 mlflow=checkpoint.MlflowRun(run_id=t.run_id, tracking_uri=t.store_uri) if t is not None else None,
+                samplers=checkpoint.samplers_of({n: p.engine for n, p in self.server.policies.items()}),
             )
         log.info("checkpoint written to %s", path)
         return str(path)
@@ -118,11 +120,12 @@ class CoreRun:
                 cmd = [client_python(spec), "-m", "core.run.cli", "client", spec, "--server", url,
                        "--concurrency", str(c.concurrency), "--group-size", str(c.group_size or self.cfg.trainer.group_size),
                        "--kind", c.kind, "--workdir", str(workdir), "--split", c.split,
-                       *(["--tasks", str(c.tasks)] if c.tasks else []),
+                       *(["--tasks", str(c.tasks)] if c.tasks else []), "--seed", f"{self.cfg.trainer.seed}/{i}",
                        *(["--episode-timeout", str(c.episode_timeout)] if c.episode_timeout is not None else [])]
                 self.supervisor.start(c.agent, cmd)
         if local:
-            agents = [(c, load_agent(c.agent, roots)) for c in local]  # import errors surface before training starts
+            agents = [(c, load_agent(c.agent, roots), f"{self.cfg.trainer.seed}/{i}")  # each client its own task order
+                      for i, c in enumerate(self.cfg.clients) if not c.isolate]  # import errors surface before training starts
             ready = threading.Event()
             t = threading.Thread(target=self._run_local_clients, args=(agents, url, ready), daemon=True, name="clients")
             t.start()
@@ -137,8 +140,8 @@ class CoreRun:
             await asyncio.gather(*(
                 run_agent(agent, url, concurrency=c.concurrency, group_size=c.group_size or self.cfg.trainer.group_size,
                           kind=c.kind, split=c.split, max_tasks=c.tasks, stop=self._clients_stop,
-                          episode_timeout_s=c.episode_timeout)
-                for c, agent in agents
+                          episode_timeout_s=c.episode_timeout, seed=seed)
+                for c, agent, seed in agents
             ), return_exceptions=False)
 
         try:

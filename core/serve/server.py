@@ -148,7 +148,7 @@ def load_policies(cfg: RunConfig) -> dict[str, Policy]:
 
             model = prepare_policy(model, mc.lora)
         max_context = mc.max_context or min(getattr(model.config, "max_position_embeddings", 2048), 1 << 16)
-        engine = make_engine(cfg.engine.kind, model, tok, cfg.engine, max_context)
+        engine = make_engine(cfg.engine.kind, model, tok, cfg.engine, max_context, seed=cfg.trainer.seed)
         policies[mc.name] = Policy(mc.name, model, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
     return policies
 
