@@ -48,14 +48,13 @@ class _Row:
 class HFEngine(WorkerEngine):
     thread_name = "hf-engine"
 
-    def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int):
-        super().__init__(model, tokenizer, cfg, max_context)
+    def __init__(self, model: torch.nn.Module, tokenizer, cfg: EngineConfig, max_context: int, seed: int = 0):
+        super().__init__(model, tokenizer, cfg, max_context, seed)  # `self._rng`: the run's seeded sampler
         self.eos_ids = stop_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         # The model's device (`models[].device`); ids, masks and sampling stay on the CPU, where they are
         # built row by row, and only the forward pass's inputs move.
         self.device = next(model.parameters()).device
-        self._rng = torch.Generator().manual_seed(0)
         self.stats = {"batches": 0, "max_rows": 0, "tokens": 0}
         self._start()
 
