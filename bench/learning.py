@@ -39,14 +39,14 @@ def run(config: str, overrides: list[str]) -> tuple[list[float], float]:
     core = CoreRun(cfg)
     rewards: list[float] = []
     start = time.time()
-    core.serve.server.start()
+    core.server.start()
     try:
         core.start_clients()
         core.train(on_step=lambda step, m: (rewards.append(m["reward/mean"]), print(f"step {step:3d} reward {m['reward/mean']:.3f} "
                                                                                       f"({time.time() - start:.0f}s)", flush=True)))
     finally:
         core.stop_clients()
-        core.serve.server.stop()
+        core.server.stop()
     return rewards, time.time() - start
 
 

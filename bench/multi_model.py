@@ -85,7 +85,7 @@ def main() -> None:
             data = episodes(args, vocab, seed=step)
             for name, core in runs.items():
                 names = ("policy", "policy") if name == "single" else ROLES
-                b = batch(data, names, core.serve.server.versions(), args.group_size)
+                b = batch(data, names, core.server.versions(), args.group_size)
                 started = time.perf_counter()
                 metrics = core._train_batch(b)
                 if step:
@@ -93,7 +93,7 @@ def main() -> None:
                 tokens[name] = sum(v for k, v in metrics.items() if k.endswith("train/tokens"))
     finally:
         for core in runs.values():
-            core.serve.server.close()
+            core.server.close()
     single, multi = statistics.median(times["single"]), statistics.median(times["multi"])
     load = os.getloadavg()[0]
     print(f"source={args.source} episodes/step={args.groups * args.group_size} calls/episode=2 "

@@ -172,14 +172,14 @@ def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
         metrics.append(dict(m))
         report(collect())
 
-    core.serve.server.start()
+    core.server.start()
     start = time.perf_counter()
     try:
         core.start_clients()
         core.train(on_step=on_step)
     finally:
         core.stop_clients()
-        core.serve.server.stop()
+        core.server.stop()
     return collect()
 
 

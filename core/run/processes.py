@@ -57,49 +57,49 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
         point = _resume_point(core.resume()) if resume else None
     except checkpoint.CheckpointError as e:  # nothing has run yet: say why and stop
         log.error("cannot resume: %s", e)
-        core.serve.server.close()
+        core.server.close()
         return 1
     previous = {sig: signal.signal(sig, lambda *_: core.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     status: RunStatus = "FAILED"
     advertised: list[Path] = []
     try:
-        core.serve.server.start()
-        announce_admin_token(core.serve.server)
+        core.server.start()
+        announce_admin_token(core.server)
         # <run folder>/server.json: where outside tools (`swarm swap`, the researcher) find the URL and token
-        advertised = write_server_files(core.serve.server.url, core.serve.server.admin_token, run_folder(cfg.trainer.checkpoint_dir))
+        advertised = write_server_files(core.server.url, core.server.admin_token, run_folder(cfg.trainer.checkpoint_dir))
         print(f"swarm server file: {advertised[0]}", flush=True)
-        log.info("serving at %s; training %d steps", core.serve.server.url, cfg.trainer.steps)
+        log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
         # Clients first, the MLflow run second: client processes take a second or two to import and
         # register, on the other core, while this one opens the run (start-up, bench/startup.py).
         # Their episodes wait in the registry; no step trains before the run exists.
         core.start_clients()
         try:
-            core.run.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
+            core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
                                        resume=point)
         except TelemetryError as e:  # no MLflow run to write a status to: say why and stop
             log.error("cannot %s: %s", "resume" if resume else "start", e)
             return 1
         if run_id_file is not None:  # the same id after a resume that reopened the run: one run per launch
             Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(run_id_file).write_text(core.run.telemetry.run_id)
+            Path(run_id_file).write_text(core.telemetry.run_id)
         if progress:
             with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
                 core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
         else:
             core.train(on_step=lambda step, m: log.info("step %d reward %s", step, reward_text(m)))
         status = _outcome(core)
-        core.run.checkpoint()  # also after a client crash: the trainer's state is sound, and a fixed sandbox resumes here
+        core.checkpoint()  # also after a client crash: the trainer's state is sound, and a fixed sandbox resumes here
     except Exception:
         log.exception("core run failed at step %d", core.step)
         status = "FAILED"
     finally:
         try:
             core.stop_clients()
-            core.serve.server.stop()
+            core.server.stop()
         finally:  # the run's status is written whatever happened above, so no run is left RUNNING
             remove_server_files(advertised)
-            if core.run.telemetry is not None:
-                core.run.telemetry.close(status)
+            if core.telemetry is not None:
+                core.telemetry.close(status)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     return EXIT_CODES[status]
@@ -154,7 +154,7 @@ def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
         server.serve_forever()
         return
     core = CoreRun(cfg, server)
-    core.run.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
+    core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
 
     def stop_serving(*_: object) -> None:
         core.stop.set()
@@ -185,7 +185,7 @@ def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
         status = _outcome(core)
     finally:
         core.stop.set()
-        core.run.telemetry.close(status)
+        core.telemetry.close(status)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -3,7 +3,7 @@
 Requests are validated here, so that every malformed body becomes a 400 with a message naming the
 field before it reaches an engine. Responses follow the shapes the official `openai` package parses.
 This module holds types only; routes live in `core.serve.gateway`. The swarm routes' own types are
-`core.episodes.registry.wire`, below this package, because the registry and the client table read them too.
+`core.episodes.wire`, below this package, because the registry and the client table read them too.
 """
 
 from __future__ import annotations

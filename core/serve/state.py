@@ -2,7 +2,7 @@
 
 The server (`core.serve.server`) owns this state and builds the app; the route modules (`core.serve.gateway`,
 `core.serve.swarm_routes`, `core.serve.streaming`) take it as a parameter typed by `ServerState`, so imports run one
-way: server → gateway → swarm_api / streaming → state, episodes. This module holds data only: it
+way: server → gateway → swarm_routes / streaming → state, episodes. This module holds data only: it
 deliberately does not load models, serve HTTP or train.
 """
 

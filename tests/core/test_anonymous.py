@@ -19,19 +19,19 @@ def test_a_training_run_refuses_anonymous_calls_before_the_engine_even_with_allo
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"trainer.checkpoint_dir={tmp_path}", "clients=[]",
                                                        "server.allow_anonymous=true"])
     core = CoreRun(cfg)  # what `swarm run` and `swarm serve CONFIG` (with its trainer) build
-    core.serve.server.start()
+    core.server.start()
     try:
         for headers in ({}, {"Authorization": "Bearer EMPTY"}):
-            r = httpx.post(core.serve.server.url + "/v1/chat/completions", json=BODY, headers=headers)
+            r = httpx.post(core.server.url + "/v1/chat/completions", json=BODY, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             assert "trains" in r.json()["error"]["message"]
-        assert core.serve.server.throughput.calls == 0  # nothing reached the engine
-        with SwarmClient(core.serve.server.url).episode(task_id="t", group_size=1) as ep:  # keyed calls are served
+        assert core.server.throughput.calls == 0  # nothing reached the engine
+        with SwarmClient(core.server.url).episode(task_id="t", group_size=1) as ep:  # keyed calls are served
             assert ep.openai.chat.completions.create(model="policy", messages=BODY["messages"], max_tokens=2).choices
             ep.finish(0.0)
-        assert core.serve.server.throughput.calls == 1
+        assert core.server.throughput.calls == 1
     finally:
-        core.serve.server.stop()
+        core.server.stop()
 
 
 def test_a_server_without_a_trainer_serves_anonymous_calls_unrecorded(tmp_path):

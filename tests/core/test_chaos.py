@@ -65,14 +65,14 @@ def test_a_client_that_keeps_crashing_fails_the_run_with_its_last_words(tmp_path
     cfg = load_config(overrides=["server.port=0", "trainer.steps=2", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
                                  f"clients=[{{agent: '{crashy}', isolate: true, concurrency: 1}}]"])
     core = CoreRun(cfg)
-    core.serve.server.start()
+    core.server.start()
     try:
         core.start_clients()
         core.train()  # returns when the supervisor gives up: the run fails instead of waiting forever
     finally:
         core.stop_clients()
-        core.serve.server.stop()
-    assert core.step == 0 and core.run.supervisor.restarts == 1
+        core.server.stop()
+    assert core.step == 0 and core.supervisor.restarts == 1
     why = str(core.failure)
     assert why.startswith(f"client {crashy} died 2 times in a row without finishing an episode "
                           "(last: exit code 2 after "), why

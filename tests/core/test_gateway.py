@@ -67,20 +67,21 @@ def test_tool_call_round_trip_over_five_turns_keeps_token_prefixes(live_server, 
     server = live_server({"policy": tiny_policy(model, tok)})
     with SwarmClient(server.url).episode(task_id="tools") as ep:
         messages = [{"role": "user", "content": USER_PROMPTS[0]}]
-        for turn in range(5):
+        replies = []
+        for _ in range(5):
             r = ep.openai.chat.completions.create(model="policy", messages=messages, tools=[ADD_TOOL], temperature=0, max_tokens=80)
+            replies.append(r.choices[0])
             msg = r.choices[0].message
-            if turn == 0:
-                assert r.choices[0].finish_reason == "tool_calls"
-                assert msg.tool_calls[0].function.name == "add"
-                assert msg.tool_calls[0].function.arguments == '{"a": 2, "b": 3}'
-            if turn == 1:
-                assert msg.content == "The sum is 5."  # answered from the tool result
             messages.append(msg.model_dump(exclude_none=True))
             if msg.tool_calls:
                 messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"})
             else:
                 messages.append({"role": "user", "content": USER_PROMPTS[0]})
+        first, second = replies[0], replies[1]
+        assert first.finish_reason == "tool_calls"
+        assert first.message.tool_calls[0].function.name == "add"
+        assert first.message.tool_calls[0].function.arguments == '{"a": 2, "b": 3}'
+        assert second.message.content == "The sum is 5."  # answered from the tool result
         calls = _episode_calls(server, ep.id)
         assert len(calls) == 5
         for prev, call in zip(calls, calls[1:]):

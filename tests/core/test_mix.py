@@ -173,7 +173,7 @@ def test_a_real_run_at_mix_3_to_1_trains_groups_in_that_ratio(tmp_path):
                              "trainer.group_size=2", "engine.default_max_tokens=8"])
     core = CoreRun(cfg)
     batches = []
-    take = core.serve.server.registry.take_batch
+    take = core.server.registry.take_batch
 
     def recording_take(*args, **kwargs):  # the real batch assembly, with what it hands the trainer kept
         batch = take(*args, **kwargs)
@@ -181,14 +181,14 @@ def test_a_real_run_at_mix_3_to_1_trains_groups_in_that_ratio(tmp_path):
             batches.append(batch)
         return batch
 
-    core.serve.server.registry.take_batch = recording_take
-    core.serve.server.start()
+    core.server.registry.take_batch = recording_take
+    core.server.start()
     try:
         core.start_clients()
         core.train()
     finally:
         core.stop_clients()
-        core.serve.server.stop()
+        core.server.stop()
     assert len(batches) == steps
     trained = {"letters": 0, "arith": 0}
     for batch in batches:

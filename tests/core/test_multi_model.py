@@ -46,9 +46,9 @@ def duo_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("duo")
     cfg = _duo(tmp_path)
     core = CoreRun(cfg)
-    initial = {n: _weights(core.serve.server.policies[n].model) for n in MODELS}
+    initial = {n: _weights(core.server.policies[n].model) for n in MODELS}
     batches, steps = [], []
-    take = core.serve.server.registry.take_batch
+    take = core.server.registry.take_batch
 
     def recording_take(*args, **kwargs):  # the real batch assembly, with what it hands the trainer kept
         batch = take(*args, **kwargs)
@@ -56,24 +56,24 @@ def duo_run(tmp_path_factory):
             batches.append(batch)
         return batch
 
-    core.serve.server.registry.take_batch = recording_take
-    core.run.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run"})
-    core.serve.server.start()
+    core.server.registry.take_batch = recording_take
+    core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run"})
+    core.server.start()
     try:
         core.start_clients()
         core.train(on_step=lambda step, m: steps.append(dict(m)))
     finally:
         core.stop_clients()
-        core.serve.server.stop()
-    path = core.run.checkpoint()
-    core.run.telemetry.close("FINISHED")
+        core.server.stop()
+    path = core.checkpoint()
+    core.telemetry.close("FINISHED")
     assert core.failure is None and core.step == STEPS, f"the shared run stopped at step {core.step}: {core.failure!r}"
     saved = {
         "path": path,
         "initial": initial,
-        "weights": {n: _weights(core.serve.server.policies[n].model) for n in MODELS},
+        "weights": {n: _weights(core.server.policies[n].model) for n in MODELS},
         "optimizer": {n: copy.deepcopy(core.trainers[n].optimizer.state_dict()) for n in MODELS},
-        "versions": core.serve.server.versions(),
+        "versions": core.server.versions(),
         "trainer_steps": {n: core.trainers[n].step_count for n in MODELS},
     }
     return core, cfg, batches, steps, saved
@@ -101,8 +101,8 @@ def test_each_update_touches_only_its_own_weights(duo_run):
     core, _, batches, _, saved = duo_run
     for name in MODELS:  # distinct modules: no tensor shared between the two policies
         other = next(n for n in MODELS if n != name)
-        mine = {p.data_ptr() for p in core.serve.server.policies[name].model.parameters()}
-        assert mine.isdisjoint(p.data_ptr() for p in core.serve.server.policies[other].model.parameters())
+        mine = {p.data_ptr() for p in core.server.policies[name].model.parameters()}
+        assert mine.isdisjoint(p.data_ptr() for p in core.server.policies[other].model.parameters())
         # the run changed both, each from its own seed
         assert any(not torch.equal(saved["initial"][name][k], saved["weights"][name][k]) for k in saved["initial"][name])
     assert any(not torch.equal(saved["initial"]["drafter"][k], saved["initial"]["reviewer"][k])
@@ -111,10 +111,10 @@ def test_each_update_touches_only_its_own_weights(duo_run):
     groups = batches[-1].groups
     for name in MODELS:
         other = next(n for n in MODELS if n != name)
-        before = {n: _weights(core.serve.server.policies[n].model) for n in MODELS}
+        before = {n: _weights(core.server.policies[n].model) for n in MODELS}
         metrics = core.trainers[name].step(groups)
         assert metrics["train/updated"] == 1.0
-        after = {n: _weights(core.serve.server.policies[n].model) for n in MODELS}
+        after = {n: _weights(core.server.policies[n].model) for n in MODELS}
         assert any(not torch.equal(before[name][k], after[name][k]) for k in before[name])
         assert all(torch.equal(before[other][k], after[other][k]) for k in before[other])
         # its samples train only its own calls' tokens
@@ -129,7 +129,7 @@ def test_each_policy_has_its_own_optimizer_version_and_checkpoint(duo_run):
     opts = {n: core.trainers[n].optimizer for n in MODELS}
     assert opts["drafter"] is not opts["reviewer"]
     for name in MODELS:
-        own = {id(p) for p in core.serve.server.policies[name].model.parameters()}
+        own = {id(p) for p in core.server.policies[name].model.parameters()}
         held = {id(p) for group in opts[name].param_groups for p in group["params"]}
         assert held == own
         assert saved["optimizer"][name]["state"]  # Adam moments exist for its parameters
@@ -148,7 +148,7 @@ def test_each_policy_has_its_own_optimizer_version_and_checkpoint(duo_run):
 def test_per_model_metrics_are_logged_under_the_model_name(duo_run):
     core, _, _, _, _ = duo_run
     client = MlflowClient()
-    run = client.get_run(core.run.telemetry.run_id)
+    run = client.get_run(core.telemetry.run_id)
     for name in MODELS:
         for metric in ("reward/mean", "reward/duo/mean", "train/loss", "train/grad_norm", "train/tokens", "merge/ratio"):
             history = client.get_metric_history(run.info.run_id, f"{name}/{metric}")

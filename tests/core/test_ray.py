@@ -148,7 +148,7 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
             trained_after_kill.append(step)
 
     try:
-        core.serve.server.start()
+        core.server.start()
         core.start_clients()
         core.train(on_step=on_step)
         core.stop_clients()
@@ -158,7 +158,7 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
         # Restored from step 2's checkpoint (a fresh actor would count only the steps after the kill).
         assert core.trainers["drafter"].step_count == 2 + len(trained_after_kill)
         assert core.trainers["reviewer"].step_count == 4  # the other model never noticed
-        versions = core.serve.server.versions()
+        versions = core.server.versions()
         assert versions["drafter"] >= 3  # restored weights were served under a new version
         assert [slot.restarts for slot in core._slots] == [1, 0]  # the killed client was replaced
         assert len(core.client_results) == 2 and all(r["pid"] != os.getpid() for r in core.client_results)
@@ -166,15 +166,15 @@ def test_a_two_model_run_on_ray_trains_survives_a_killed_model_actor_and_fails_p
         # 4 steps x 4 groups x 4 episodes filled the batches, with what the killed client actor finished
         # before it died (in no actor's result). An episode the killed drafter generated can be stale
         # for the restored one's new version: dropped from its group, so counted stale, not trained.
-        counters = core.serve.server.registry.counters
+        counters = core.server.registry.counters
         assert counters["trained"] <= 4 * 4 * 4 <= counters["trained"] + counters["stale"], counters
 
         # Budget spent (max_restarts 1): the next death ends the run as failed, with the reason.
         os.kill(drafter.info["pid"], signal.SIGKILL)
         with pytest.raises(ModelLost, match="died during hold"):
-            core.serve.server.policies["drafter"].engine.hold()
+            core.server.policies["drafter"].engine.hold()
         assert core.stop.is_set() and "died 2 times (placement.max_restarts 1)" in str(core.failure)
     finally:
         core.stop_clients()
-        core.serve.server.stop()
+        core.server.stop()
     assert not ray.is_initialized()  # the driver left the cluster

@@ -30,13 +30,13 @@ def test_tiny_policy_learns_the_dense_reward(tmp_path):
     cfg = _tiny(tmp_path, "trainer.steps=20")
     core = CoreRun(cfg)
     rewards = []
-    core.serve.server.start()
+    core.server.start()
     try:
         core.start_clients()
         core.train(on_step=lambda step, m: rewards.append(m["reward/mean"]))
     finally:
         core.stop_clients()
-        core.serve.server.stop()
+        core.server.stop()
     assert len(rewards) == 20
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.15, rewards  # measured: about 0.15 over the first 4 steps, 0.4 over the last 4

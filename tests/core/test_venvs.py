@@ -61,10 +61,10 @@ def test_an_isolated_client_runs_in_its_sandbox_venv_and_own_folder(tmp_path):
         "clients=[{agent: 'sandbox:roman', group_size: 2, concurrency: 2}]"])
     assert cfg.clients[0].isolate  # the default
     core = CoreRun(cfg)
-    core.serve.server.start()
+    core.server.start()
     try:
         core.start_clients()
-        [pid] = core.run.supervisor.pids()
+        [pid] = core.supervisor.pids()
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         assert argv[0].decode() == client_python(str(ROMAN))
         workdir, deadline = str(tmp_path / "run" / "clients" / "0-roman"), time.time() + 60
@@ -74,6 +74,6 @@ def test_an_isolated_client_runs_in_its_sandbox_venv_and_own_folder(tmp_path):
         core.train()
     finally:
         core.stop_clients()
-        core.serve.server.stop()
+        core.server.stop()
     assert core.step == 1 and core.failure is None
-    assert core.serve.server.registry.counters["trained"] >= 2
+    assert core.server.registry.counters["trained"] >= 2

@@ -45,8 +45,8 @@ def test_a_hung_client_is_reported_stalled_with_stacks_and_clears_when_it_moves(
         "trainer.group_size=2", f"trainer.checkpoint_dir={tmp_path / 'run' / 'checkpoints'}",
         "clients=[{agent: tests.core.hang_agent, isolate: false, concurrency: 2}]"])
     core = CoreRun(cfg)
-    core.serve.server.start()
-    url = core.serve.server.url
+    core.server.start()
+    url = core.server.url
     trainer = threading.Thread(target=core.train, daemon=True)
     caplog.set_level(logging.INFO, logger="core.run.watchdog")
     try:
@@ -79,8 +79,8 @@ def test_a_hung_client_is_reported_stalled_with_stacks_and_clears_when_it_moves(
         core.stop.set()
         trainer.join(timeout=30)
         core.stop_clients()
-        core.serve.server.stop()
-    assert core.serve.server.stalled is None  # a run that ended is not stalled
+        core.server.stop()
+    assert core.server.stalled is None  # a run that ended is not stalled
 
 
 def test_the_engine_reports_its_queue_admission_and_oldest_request():
