@@ -287,7 +287,7 @@ class Registry(Admission):
             started = self._started_groups()
             coming = {sandbox for sandbox, _ in started}
             coming |= {s for s in self._active_sandboxes() if self._no_room(s, started) is None}
-            groups, consumed, dropped = [], [], 0
+            groups, consumed, stale_whole, dropped = [], [], [], 0
             while candidates and len(groups) < self.batch_groups:
                 group = next_group(candidates, taken, self.mix, coming)
                 if group is None:
@@ -299,9 +299,17 @@ class Registry(Admission):
                 if fresh:  # a group dropped whole as stale fills no slot and counts for no quota
                     groups.append(fresh)
                     taken[group[0].sandbox] = taken.get(group[0].sandbox, 0) + 1
+                else:
+                    stale_whole.append(group)
+            if len(groups) < self.batch_groups:
+                # Stale groups left too few fresh ones: drop only the stale, keep the fresh ready for the
+                # next call, so that every step trains `batch_groups` groups and none is consumed short.
+                consumed, groups = stale_whole, []
+                dropped = sum(len(g) for g in stale_whole)
             gone = {id(g) for g in consumed}
             self._ready = deque(g for g in self._ready if id(g) not in gone)
-            self._trained_groups = taken
+            if groups:
+                self._trained_groups = taken
             self.counters["trained"] += sum(len(g) for g in groups)
             self.counters["stale"] += dropped
             self.counters["wasted"] += dropped

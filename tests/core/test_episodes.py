@@ -41,8 +41,11 @@ def test_stale_episodes_are_dropped_from_the_batch():
     reg = Registry(lease_s=60, default_group_size=2, batch_groups=2, clock=Clock())
     finish_group(reg, "s", "old", 2, version=0)
     finish_group(reg, "s", "new", 2, version=3)
+    assert reg.take_batch({"policy": 3}, max_staleness=1) is None  # the stale group goes; one fresh is no batch
+    assert reg.counters["stale"] == 2 and reg.ready_groups() == 1
+    finish_group(reg, "s", "newer", 2, version=3)
     batch = reg.take_batch({"policy": 3}, max_staleness=1)
-    assert [g[0].task_id for g in batch.groups] == ["new"] and batch.dropped_stale == 2
+    assert [g[0].task_id for g in batch.groups] == ["new", "newer"] and batch.dropped_stale == 0
 
 
 def test_expired_leases_free_their_key_with_a_409():

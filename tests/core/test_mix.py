@@ -121,6 +121,17 @@ def test_a_group_dropped_whole_as_stale_fills_no_slot_and_no_quota():
     assert reg.trained_groups() == {"a": 1, "b": 1} and reg.ready_groups() == 0
 
 
+def test_stale_groups_never_leave_a_step_short_the_fresh_ones_wait_for_a_full_batch():
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=2, clock=Clock())
+    finish_group(reg, "a", "old", version=0)
+    finish_group(reg, "a", "fresh", version=3)
+    assert reg.take_batch({"policy": 3}, max_staleness=1) is None  # one fresh group is not a batch of two
+    assert reg.ready_groups() == 1 and reg.counters["stale"] == 1 and reg.counters["trained"] == 0
+    finish_group(reg, "a", "next", version=3)
+    batch = reg.take_batch({"policy": 3}, max_staleness=1)
+    assert [g[0].task_id for g in batch.groups] == ["fresh", "next"] and batch.dropped_stale == 0
+
+
 def test_groups_of_a_sandbox_outside_the_mix_go_in_arrival_order():
     reg = Registry(lease_s=60, default_group_size=1, batch_groups=2, mix={"a": 3.0, "b": 1.0}, clock=Clock())
     finish_group(reg, "stranger", "s0")
