@@ -7,7 +7,9 @@ with a real model instead of a scripted one.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Set before torch or mlflow import anywhere. One intra-op thread: the machine has 2 cores and the
@@ -20,6 +22,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # environment the controller set up, so `setdefault` would hand every worker the same client pid
 # folder and Ray temp dir. Each worker gets its own MLflow store, client state and Ray state.
 _scratch = tempfile.mkdtemp(prefix="swarmrl-tests-")
+atexit.register(shutil.rmtree, _scratch, ignore_errors=True)  # each process removes its own when it ends
 os.environ["RAY_TMPDIR"] = os.path.join(_scratch, "ray")
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_scratch}/mlflow.db"
 os.environ["SWARMRL_STATE"] = os.path.join(_scratch, "clients")
