@@ -42,7 +42,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from core.clients.sdk import SwarmClient, SwarmError
-from core.clients.sandbox import load_agent, locate
+from core.clients.sandbox import load_agent, locate, safe_name
 from core.clients.venvs import client_python
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
     cmd = [python, "-m", "core.run.cli", "client", spec, "--server", url, "--client-id", client_id,
            "--concurrency", str(concurrency or old["concurrency"]), "--group-size", str(old["group_size"]),
            "--kind", old["kind"]]
-    log_path = pid_dir() / f"{client_id}.log"
+    log_path = pid_dir() / f"{safe_name(client_id)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
         proc = subprocess.Popen(cmd, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
@@ -291,7 +291,7 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
 
 def client_stem(name: str, url: str) -> str:
     """Pid files of one sandbox's clients against one server share this stem (name and port)."""
-    return f"{name}-{url.rstrip('/').rsplit(':', 1)[-1]}"
+    return safe_name(f"{name}-{url.rstrip('/').rsplit(':', 1)[-1]}")
 
 
 def cmdline(pid: int) -> list[str] | None:

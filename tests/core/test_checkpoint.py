@@ -169,3 +169,16 @@ def test_the_checkpoint_names_the_mlflow_run_and_older_checkpoints_name_none(tmp
     del manifest["mlflow"]  # as written before runs were recorded
     (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     assert load_latest(tmp_path / "old").mlflow is None
+
+
+def test_a_step_folder_that_is_a_symlink_is_refused(tmp_path: Path):
+    elsewhere = tmp_path / "elsewhere"
+    save(elsewhere, 7, {MODEL: fresh(kl_coef=0.0)}, [], {MODEL: 7}, CONFIG)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "step-00000009").symlink_to(elsewhere / "step-00000007")
+    with pytest.raises(CheckpointError, match=r"step-00000009 is a symlink .*refusing to load it"):
+        load_latest(run_dir)  # found as the newest step folder
+    (run_dir / "latest").write_text("step-00000009\n")
+    with pytest.raises(CheckpointError, match=r"is a symlink"):
+        load_latest(run_dir)  # named by `latest`
