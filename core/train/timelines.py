@@ -4,7 +4,9 @@ Every call of the episode is inserted into a token prefix tree (trie): a node is
 position of one context, so calls that share a token prefix share nodes, and a token that several
 calls re-present (token-in-token-out) is stored once. A node is *generated* when some call sampled
 that token there; it then carries the behaviour logprob, the sampling temperature that logprob is
-of, and the weight version of the first call that did. Three merge modes read the same trie:
+of, and the weight version of the first call that did, and how many calls sampled it (two choices
+of `n = 2` that share a prefix): the loss weighs it by that count, so every mode trains what
+``none`` trains. Three merge modes read the same trie:
 
 - ``none``: one sample per call, prompt + completion, loss on the completion (the baseline).
 - ``linear``: one sample per leaf path. A call whose sequence is a prefix of another's folds into
@@ -24,7 +26,7 @@ Deliberate choices:
 - Tokens after the last generated token of a path carry no gradient and are left out, as are calls
   that generated nothing.
 
-Across episodes, ``share_prompt`` packs the samples of one group (episodes of one task, so the
+Across episodes, ``share_prompt`` (``core.train.prompt_sharing``) packs the samples of one group (episodes of one task, so the
 same prompt) into tree samples that hold their common untrained prefix once: a GRPO group of 8
 re-presents the same prompt 8 times, and with short completions the prompt is most of the tokens.
 Only untrained tokens are shared; generated tokens never are, since two episodes' copies of a token
@@ -72,10 +74,15 @@ class Sample:
     # Temperature each token's behaviour logprob is of, so the trainer scores it the same way;
     # 1.0 off the mask. None means 1.0 everywhere.
     temperatures: list[float] | None = None
+    # How many of the episode's samples produced each token (n > 1 choices, retries that sample the
+    # same text): merged, such a token is held once but must weigh as often as mode "none" trains
+    # it, so that every merge mode gives the same loss and gradient. None means 1 everywhere.
+    counts: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
-        per_token = ("loss_mask", "logprobs", "position_ids", "parents", "advantages", "weights", "temperatures")
+        per_token = ("loss_mask", "logprobs", "position_ids", "parents", "advantages", "weights", "temperatures",
+                     "counts")
         lengths = {name: len(getattr(self, name)) for name in per_token if getattr(self, name) is not None}
         if self.temperatures is not None and any(not t > 0 for t in self.temperatures):
             raise ValueError("sample temperatures must be positive")
@@ -85,13 +92,19 @@ class Sample:
 
     @property
     def num_masked(self) -> int:
-        return sum(self.loss_mask)
+        """Trained tokens as mode "none" counts them: a token that several samples produced counts each time."""
+        if self.counts is None:
+            return sum(self.loss_mask)
+        return sum(c for c, m in zip(self.counts, self.loss_mask) if m)
 
     def token_advantages(self) -> list[float]:
         return self.advantages if self.advantages is not None else [self.advantage] * len(self.input_ids)
 
     def token_weights(self) -> list[float]:
-        return self.weights if self.weights is not None else [self.weight] * len(self.input_ids)
+        """Each token's loss weight: `weights` when set, else `weight` times the token's count."""
+        if self.weights is not None:
+            return self.weights
+        return [self.weight * c for c in self.counts] if self.counts is not None else [self.weight] * len(self.input_ids)
 
     def predictors(self) -> list[int]:
         """Index of the token whose context predicts each token: its parent in a tree, else the one before."""
@@ -123,6 +136,7 @@ class _Trie:
     logprob: list[float] = field(default_factory=lambda: [0.0])
     version: list[int] = field(default_factory=lambda: [_NO_VERSION])
     temperature: list[float] = field(default_factory=lambda: [1.0])
+    count: list[int] = field(default_factory=lambda: [0])  # calls that sampled this token here
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
     def insert(self, call: Call) -> None:
@@ -141,10 +155,13 @@ class _Trie:
                 self.logprob.append(0.0)
                 self.version.append(_NO_VERSION)
                 self.temperature.append(1.0)
+                self.count.append(0)
                 self.children.append({})
             # The first call to sample this token here owns its logprob; a prompt that merely
             # re-presents it (or a later identical sample) does not change it. Roots (depth 0)
             # have no context to score them with.
+            if k >= n_prompt and self.depth[child] > 0:
+                self.count[child] += 1
             if k >= n_prompt and not self.masked[child] and self.depth[child] > 0:
                 self.masked[child] = True
                 self.logprob[child] = call.completion_logprobs[k - n_prompt]
@@ -257,6 +274,7 @@ def _linear(trie: _Trie, episode_id: str) -> list[Sample]:
                 episode_id=episode_id,
                 min_version=_min_version(trie, [n for n, m in zip(path, mask) if m]),
                 temperatures=[trie.temperature[n] if m else 1.0 for n, m in zip(path, mask)],
+                counts=[trie.count[n] if m else 1 for n, m in zip(path, mask)],
             )
         )
     return samples
@@ -277,6 +295,7 @@ def _tree(trie: _Trie, episode_id: str) -> list[Sample]:
             episode_id=episode_id,
             min_version=_min_version(trie, order),
             temperatures=[trie.temperature[n] if trie.masked[n] else 1.0 for n in order],
+            counts=[trie.count[n] if trie.masked[n] else 1 for n in order],
         )
     ]
 
@@ -324,70 +343,3 @@ def merge_stats(calls: Sequence[Call]) -> MergeStats:
         tree_ratio=_ratio(unmerged, tree),
         linear_efficiency=_ratio(tree, linear),
     )
-
-
-def _untrained_chain(sample: Sample) -> int:
-    """Length of the sample's leading run of untrained tokens that form a plain line (0, 1, 2, ...)."""
-    predictors = sample.predictors()
-    n = 0
-    while (n < len(sample.input_ids) and not sample.loss_mask[n] and sample.position_ids[n] == n
-           and predictors[n] == n - 1):
-        n += 1
-    return n
-
-
-def _common_prefix(samples: Sequence[Sample]) -> int:
-    """Tokens every sample starts with that are untrained and in a line: the part that can be held once."""
-    n = min(_untrained_chain(s) for s in samples)
-    first = samples[0].input_ids
-    for s in samples[1:]:
-        n = next((i for i in range(n) if s.input_ids[i] != first[i]), n)
-    return n
-
-
-def _shared(samples: Sequence[Sample], prefix: int) -> Sample:
-    """One tree sample: `prefix` tokens once, then each sample's remaining tokens hanging off them."""
-    ids = list(samples[0].input_ids[:prefix])
-    mask, logprobs, positions = [False] * prefix, [0.0] * prefix, list(range(prefix))
-    parents, temperatures = list(range(-1, prefix - 1)), [1.0] * prefix
-    advantages, weights = [0.0] * prefix, [0.0] * prefix  # untrained tokens: never read by the loss
-    for s in samples:
-        offset = len(ids) - prefix  # where this sample's token `prefix` lands, less `prefix`
-        predictors = s.predictors()
-        ids += s.input_ids[prefix:]
-        mask += s.loss_mask[prefix:]
-        logprobs += s.logprobs[prefix:]
-        positions += s.position_ids[prefix:]
-        parents += [q if q < prefix else q + offset for q in predictors[prefix:]]
-        temperatures += (s.temperatures or [1.0] * len(s.input_ids))[prefix:]
-        advantages += s.token_advantages()[prefix:]
-        weights += s.token_weights()[prefix:]
-    versions = [s.min_version for s in samples if s.min_version is not None]
-    return Sample(input_ids=ids, loss_mask=mask, logprobs=logprobs, position_ids=positions, parents=parents,
-                  episode_id=",".join(dict.fromkeys(s.episode_id for s in samples)),
-                  min_version=min(versions) if versions else None, temperatures=temperatures,
-                  advantages=advantages, weights=weights)
-
-
-def share_prompt(samples: Sequence[Sample], max_tokens: int) -> list[Sample]:
-    """The samples of one group with their common untrained prefix held once, in tree samples.
-
-    Samples are taken in order into tree samples of at most `max_tokens` tokens each (a sample longer
-    than that stays as it is). Every token keeps its context, position, temperature, advantage and
-    weight, so the loss and its gradient are those of the unshared samples. Samples with no common
-    prefix come back unchanged.
-    """
-    if len(samples) < 2:
-        return list(samples)
-    prefix = _common_prefix(samples)
-    if prefix == 0:
-        return list(samples)
-    chunks: list[list[Sample]] = [[]]
-    size = prefix
-    for s in samples:
-        if chunks[-1] and size + len(s.input_ids) - prefix > max_tokens:
-            chunks.append([])
-            size = prefix
-        chunks[-1].append(s)
-        size += len(s.input_ids) - prefix
-    return [_shared(chunk, prefix) if len(chunk) > 1 else chunk[0] for chunk in chunks]

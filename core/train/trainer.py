@@ -10,7 +10,7 @@ keep the engine generating through `backward` and swap weights in between two de
    carrying their episode's advantage and, with ``episode_weighting``, a weight of 1 / the
    episode's trained tokens so that every episode counts the same however long it ran;
 4. micro-batches: with ``share_prompt``, each group's samples first become tree samples holding the
-   group's common prompt once (``core.train.timelines.share_prompt``); then samples are packed to
+   group's common prompt once (``core.train.prompt_sharing.share_prompt``); then samples are packed to
    ``micro_batch_tokens`` padded tokens (``core.train.packing``);
 5. loss: token-level PPO-clip (or, with ``tis_cap``, truncated importance sampling) on the behaviour
    logprobs the engine recorded, each token scored at its call's sampling temperature, plus an optional k3 KL
@@ -48,7 +48,8 @@ import numpy as np
 import torch
 from core.config import LoraConfig, TrainerConfig
 from core.records import Episode
-from core.train.timelines import Sample, merge_calls, merge_stats, share_prompt
+from core.train.prompt_sharing import share_prompt
+from core.train.timelines import Sample, merge_calls, merge_stats
 from core.train.advantages import group_advantages
 from core.train.loss import policy_loss
 from core.train.master import MasterWeights

@@ -13,7 +13,8 @@ from core.engine import SamplingParams
 from core.engine.hf import HFEngine
 from core.models import build_tiny
 from core.records import Call
-from core.train.timelines import merge_calls, share_prompt
+from core.train.prompt_sharing import share_prompt
+from core.train.timelines import merge_calls
 from core.train.packing import pack, token_logprobs
 
 

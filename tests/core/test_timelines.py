@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.records import Call
-from core.train.timelines import MERGE_MODES, Sample, merge_calls, merge_stats, share_prompt
+from core.train.prompt_sharing import share_prompt
+from core.train.timelines import MERGE_MODES, Sample, merge_calls, merge_stats
 
 
 def call(

@@ -211,6 +211,25 @@ def test_merge_modes_train_the_same_tokens_to_the_same_gradient():
     assert results["tree"]["train/tokens"] < results["linear"]["train/tokens"] < results["none"]["train/tokens"]
 
 
+def test_tokens_two_samples_both_produced_weigh_twice_in_every_merge_mode():
+    # n = 2: two choices of one request that begin with the same generated text. Merged, the shared
+    # tokens are held once; they must still weigh as in mode "none", which trains each choice apart.
+    results = {}
+    for mode in ("none", "linear", "tree"):
+        for share in (False, True):
+            trainer = tiny_trainer(merge=mode, share_prompt=share)
+            first = make_episode(trainer.policy, "n2", ["abcd"], reward=1.0, group_size=2)
+            first.calls.append(make_call(trainer.policy, first.calls[0].prompt_ids, encode("abxy") + [eos_id()]))
+            other = make_episode(trainer.policy, "n2", ["z"], reward=0.0, group_size=2)
+            results[mode, share] = trainer.step([[first, other]])
+    none = results["none", False]
+    assert none["train/trained_tokens"] == 12.0  # 5 + 5 + 2 tokens through the model
+    assert results["tree", False]["train/trained_tokens"] == 10.0  # the shared "ab" held once
+    for key, got in results.items():
+        assert got["train/loss"] == pytest.approx(none["train/loss"], abs=1e-6), key
+        assert got["train/grad_norm"] == pytest.approx(none["train/grad_norm"], rel=1e-4), key
+
+
 def test_a_groups_shared_prompt_trains_to_the_same_gradient_on_fewer_tokens():
     # Two groups of four one-call episodes, with episode weighting so advantages and weights both vary.
     results = {}
