@@ -243,8 +243,8 @@ def config_of(p: Proposal) -> dict[str, object]:
 
 
 def is_baseline(p: Proposal, base_values: dict[str, object]) -> bool:
-    """A proposal whose every override is the base config's own value (a code change never is)."""
-    return p.kind == "config" and not p.needs_code_change and all(base_values.get(k) == v for k, v in config_of(p).items())
+    """A proposal whose every override is the base config's own value, at the base commit (code never is)."""
+    return p.kind == "config" and not p.needs_code_change and p.commit is None and all(base_values.get(k) == v for k, v in config_of(p).items())
 
 
 def baseline_for(p: Proposal, proposals: list[Proposal], base_values: dict[str, object],

@@ -3,7 +3,8 @@
 `propose` stores a person's proposal (a unified diff and/or config overrides) in the study's
 inbox and prints its id as the last line; the study takes it up at its next plan (a `manual`
 study waits for exactly this). `show` prints one proposal whole (`--json` for scripts), `diff` its
-code change, `checkout` writes its code version to a folder. They read the study state and
+code change, `checkout` writes its code version to a folder (`--recommended DIR`: the code the study
+recommends, at the commit its confirmation ran). They read the study state and
 workspace and never drive the study; `cli.py` registers them next to the other sub-commands.
 """
 
@@ -20,11 +21,12 @@ import yaml
 from rich.console import Console
 from rich.syntax import Syntax
 
-from researcher import inbox
+from researcher import confirmation, inbox
 from researcher.brief import BriefError
 from researcher.lazy import lazy_module
 from researcher.snapshot import read_state as read_snapshot
 from researcher.store import StudyError, StudyMeta, StudyPaths, load_meta, study_brief, study_paths
+from researcher.records import ExperimentResult, Proposal
 from researcher.views import proposal_diff, proposal_view
 
 # LangGraph and MLflow load with the first command that reads a study's state (see researcher.cli).
@@ -172,21 +174,41 @@ def diff(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..., m
     print_diff(text)
 
 
-def checkout(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..., metavar="ID"),
-             folder: Path = typer.Argument(..., metavar="DIR", help="An empty or new folder.")) -> None:
+def checkout(ctx: typer.Context, name: str,
+             proposal_id: Optional[str] = typer.Argument(None, metavar="[ID]"),
+             folder: Optional[Path] = typer.Argument(None, metavar="[DIR]", help="An empty or new folder."),
+             recommended: Optional[Path] = typer.Option(None, "--recommended", metavar="DIR",
+                                                        help="Write the study's recommended code to DIR instead.")) -> None:
     """Write a proposal's code version (its commit; a config proposal's: the base) to DIR."""
     paths, meta, values = _state(ctx, name)
+    brief = study_brief(paths, meta)
+    if brief.code is None or not values.get("workspace_base"):
+        raise _fail(f"study {name} has no code workspace")
+    if recommended is not None:
+        if proposal_id is not None or folder is not None:
+            raise _fail("give either ID DIR or --recommended DIR, not both")
+        steps = brief.resolve_config(Path(meta.workdir)).trainer.steps
+        found = confirmation.recommended([Proposal.model_validate(p) for p in values.get("proposals", [])],
+                                         [ExperimentResult.model_validate(r) for r in values.get("results", [])],
+                                         steps, brief)
+        if found is None:
+            raise _fail(f"study {name} recommends nothing (yet): nothing was judged better and confirmed")
+        pick, commit = found
+        _write(paths, commit or values["workspace_base"], recommended, f"recommended {pick.id}")
+        return
+    if proposal_id is None or folder is None:
+        raise _fail("give ID DIR (a proposal's code) or --recommended DIR (the study's recommendation)")
     view = proposal_view(values, proposal_id)
     if view is None:
         raise _fail(f"study {name} has no proposal {proposal_id}")
     if view.kind == "code" and not view.commit:
         raise _fail(f"proposal {proposal_id} has no code version ({view.status})")
-    brief = study_brief(paths, meta)
-    if brief.code is None or not values.get("workspace_base"):
-        raise _fail(f"study {name} has no code workspace")
+    _write(paths, view.commit or values["workspace_base"], folder, proposal_id)
+
+
+def _write(paths: StudyPaths, commit: str, folder: Path, what: str) -> None:
     if folder.exists() and any(folder.iterdir()):
         raise _fail(f"{folder} is not empty")
-    commit = view.commit or values["workspace_base"]
     try:  # the archive streams straight into tar: no worktree is left registered in the workspace
         folder.mkdir(parents=True, exist_ok=True)
         archive = subprocess.run(["git", "-C", str(paths.workspace), "archive", "--format=tar", commit],
@@ -194,4 +216,4 @@ def checkout(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True, capture_output=True)
     except (subprocess.CalledProcessError, OSError) as e:
         raise _fail(f"could not write {commit[:12]} to {folder}: {e}") from None
-    console.print(f"{proposal_id} ({commit}) written to {folder}")
+    console.print(f"{what} ({commit}) written to {folder}")

@@ -85,6 +85,9 @@ class Proposal(ProposalDraft):
     proposed_by: str = ""  # the person behind a proposal from `propose`; "" for the planner's
     seeds: list[int] | None = None  # seeds to run instead of the brief's (confirmation: held-out seeds)
     confirms: str | None = None  # confirmation round: the recommended proposal this re-runs (or its baseline)
+    # The workspace commit this proposal's runs check out instead of the base: the confirmation of a code
+    # proposal runs the pick's own commit (with its overrides). None: its own code version, else the base.
+    commit: str | None = None
 
     @property
     def kind(self) -> Literal["config", "code"]:

@@ -4,13 +4,14 @@ Lineage reads hypothesis -> config diff -> code (a link to the proposal's diff a
 commit, or why it failed validation) -> decision -> runs -> metric for every proposal. The
 report also states the budget spent, why the study stopped, each planner's notes, the planner's
 overhead against the time spent in core runs, the best configuration with its interval over
-seeds, the log tails of failed and stalled runs, and edits of decided review tags that were
+seeds, the recommended code's diff against the base commit (when the recommendation is code), the log tails of failed and stalled runs, and edits of decided review tags that were
 ignored. It can be written at any time ("the study so far").
 It reads; it never changes the study.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,23 @@ def _code_cell(p: Proposal, version: CodeVersion | None, paths: StudyPaths) -> s
     return f"{link} (`{version.commit[:12]}`)"
 
 
+def _recommended_code(proposals: list[Proposal], results: list[ExperimentResult], steps: int, brief: Brief,
+                      base: str, paths: StudyPaths) -> list[str]:
+    """The recommended commit and its whole diff against the base commit (a chain's every edit)."""
+    found = confirmation.recommended(proposals, results, steps, brief)
+    if found is None or not found[1] or not base:
+        return []
+    pick, commit = found
+    try:
+        diff = subprocess.run(["git", "-C", str(paths.workspace), "diff", base, commit], capture_output=True,
+                              text=True, check=True).stdout
+    except (subprocess.CalledProcessError, OSError) as e:
+        diff = f"(the diff could not be read: {e})"
+    return ["## Recommended code", "", f"{pick.id} at commit `{commit}` "
+            f"(`researcher study checkout NAME --recommended DIR` writes it), against the base `{base[:12]}`:", "",
+            "```diff", diff.rstrip(), "```", ""]
+
+
 def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
            base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None) -> str:
     """`ignored`: edits of decided proposals' review tags (`ReviewBoard.ignored`), listed as such."""
@@ -143,6 +161,8 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     lines += ["## Decision", "", confirmation.conclusion(proposals, list(results.values()),
                                                           int(base_flat.get("trainer.steps", 0)), brief) + ".",
               "", DECISION_RULE, ""]
+    lines += _recommended_code(proposals, list(results.values()), int(base_flat.get("trainer.steps", 0)), brief,
+                               state.get("workspace_base", ""), paths)
     ranking = _ranking(proposals, results, brief)
     if ranking:
         lines += ["## Ranking by training length", "", *ranking, ""]

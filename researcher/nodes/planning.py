@@ -8,7 +8,8 @@ has a recommendation, the node plans the confirmation round instead of stopping:
 the baseline at full length on held-out seeds (`researcher.confirmation`). A planner that fails
 after spending LLM tokens ends the search the same way, its tokens counted against the budget; one
 that spent nothing (an unreachable endpoint) stops the study, to be resumed. Every stop reason ends
-with what the study may recommend. It plans; it does not validate, review or launch.
+with what the study may recommend. Whatever the planner, the round also gets the baselines its proposals need and no earlier
+round ran (`researcher.baselines`). It plans; it does not validate, review or launch.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from researcher import confirmation, inbox
+from researcher import baselines, confirmation, inbox
 from researcher.budget import Spent
 from researcher.nodes.base import NodeBase, StudyState, dump, models_of
 from researcher.planner.types import PlanContext, PlannerError, PlanResult
@@ -87,6 +88,9 @@ class PlanNode(NodeBase):
         fresh = [Proposal(**item.draft.model_dump(), id=f"r{number}-{i}", round=number, planner=ctx.planner.name,
                           arm=item.arm, rung=item.rung) for i, item in enumerate(planned, start=1)]
         fresh += [from_person(item, number) for item in people]
+        # The baseline rule: whoever planned the round, each proposal judged against runs has its baseline.
+        fresh += baselines.needed(fresh, models_of(state.get("proposals"), Proposal),
+                                  models_of(state.get("decisions"), Decision), self.base_values, self.base_steps, number)
         if not fresh:
             if owed is not None:
                 return {**update, **self._confirm({**state, **update}, owed, f"planner: {note}")}
@@ -99,7 +103,9 @@ class PlanNode(NodeBase):
         brief, number = self.ctx.brief, state.get("round", 0) + 1
         proposals = models_of(state.get("proposals"), Proposal)
         result = next(r for r in models_of(state.get("results"), ExperimentResult) if r.proposal_id == pick.id)
-        fresh = confirmation.proposals_for(pick, result, proposals, brief, self.base_values, self.base_steps, number)
+        code = {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
+        fresh = confirmation.proposals_for(pick, result, proposals, brief, self.base_values, self.base_steps, number,
+                                           code)
         runs_left, steps_left, _ = Spent.of(state, gpus=brief.launch.gpus).left(brief)
         runs = sum(len(p.seeds or []) for p in fresh)
         if runs > runs_left or runs * self.base_steps > steps_left:

@@ -1,7 +1,8 @@
 """The review node: publish the round's proposals on the review board and wait for decisions.
 
 Config proposals and validated code proposals wait for a person unless the brief's approval
-policy auto-approves them within budget (`approval.config_only`, `approval.code_change`). Code
+policy auto-approves them within budget (`approval.config_only`, `approval.code_change`); the
+baselines the study's rule adds (`researcher.baselines`) are approved by policy. Code
 proposals that failed validation are published as `invalid`, with their log, and are never put
 to a person. Waiting is a LangGraph `interrupt()`; the runner resumes it with the decisions.
 Edits of already decided proposals' tags are recorded as ignored (`ReviewBoard.audit`) each round.
@@ -13,6 +14,7 @@ from typing import Any
 
 from langgraph.types import interrupt
 
+from researcher import baselines
 from researcher.budget import Spent
 from researcher.nodes.base import NodeBase, StudyState, dump
 from researcher.nodes.code import versions
@@ -38,7 +40,9 @@ class ReviewNode(NodeBase):
         for p in undecided:
             runs, steps = len(brief.seeds), len(brief.seeds) * self._steps(p)
             fits = runs <= runs_left and steps <= steps_left
-            if p.kind == "code":
+            if baselines.is_rule_baseline(p):  # it changes nothing: no person is asked
+                auto, reason = fits, baselines.REASON
+            elif p.kind == "code":
                 auto, reason = brief.approval.code_change == "auto" and fits, AUTO_CODE_REASON
             else:
                 auto = brief.approval.config_only == "auto" and not p.needs_code_change and fits

@@ -74,7 +74,8 @@ class RunNodes(NodeBase):
                 results.append(ExperimentResult(proposal_id=p.id, status="failed", note=f"invalid run config: {e}"))
                 ctx.board.close(p.id, None, "FAILED", f"invalid run config: {e}")
                 continue
-            commit = code[p.id].commit if p.id in code else state.get("workspace_base", "")
+            # Its own code version, else the commit it was given (a code pick's confirmation), else the base.
+            commit = code[p.id].commit if p.id in code else p.commit or state.get("workspace_base", "")
             ctx.paths.configs.mkdir(parents=True, exist_ok=True)
             for seed in p.seeds or ctx.brief.seeds:  # a confirmation round runs held-out seeds
                 key = f"{p.id}-s{seed}"

@@ -6,9 +6,9 @@ The search (Jamieson & Talwalkar 2016, the core of Hyperband):
    arms are drawn from the space with a seeded generator: a shuffled grid when every parameter
    is a choice, log-uniform or uniform draws for ranges.
 2. Each next rung keeps the best 1/eta of the previous rung (mean over seeds; a failed or
-   diverged experiment ranks last) and gives them eta times as many steps. The baseline runs in
-   every rung, kept or not, so each survivor has a baseline of the same length to be judged
-   against (`researcher.decision`).
+   diverged experiment ranks last) and gives them eta times as many steps. Each survivor's
+   baseline of the same length is not this planner's doing: the study graph adds one for any
+   planner's proposals (`researcher.baselines`), and verdicts use it (`researcher.decision`).
 3. It ends when one configuration is left besides the baseline. Whether it is recommended is
    not the planner's call: only a `better` verdict that replicates on held-out seeds is.
 
@@ -123,18 +123,17 @@ class HeuristicPlanner:
             ranked = sorted(members, key=lambda p: self._score(ctx, p), reverse=True)
             if rung == last_rung or len(members) <= 1:
                 return PlanResult([], done=True, note=self._final_note(ctx, ranked, baseline, rung))
-            # The best 1/eta go on, and the baseline always runs alongside them at the same length:
-            # a verdict compares each survivor with the baseline trained as long, on the same seeds.
+            # The best 1/eta go on. Their baseline of the same length is the study graph's rule
+            # (`researcher.baselines`), not this planner's: every planner gets one.
             picks = [p.arm for p in ranked if p.arm not in vetoed][:sizes[rung + 1]]
             if not picks:
                 return PlanResult([], done=True, note=self._final_note(ctx, ranked, baseline, rung))
-            want = picks + ([baseline] if baseline not in picks and baseline not in vetoed else [])
             have = {p.arm for p in self._members(ctx, rung + 1)}
-            missing = [a for a in want if a not in have and a is not None]
+            missing = [a for a in picks if a not in have and a is not None]
             if missing:
                 return self._propose(ctx, [(arms.get(a) or json.loads(a), rung + 1) for a in missing], min_steps,
                                      f"rung {rung + 1}: promoting the best {len(picks)} of {len(members)} from "
-                                     f"rung {rung}, with the baseline as the reference")
+                                     f"rung {rung}")
         return PlanResult([], done=True, note=f"{PLAINLY}: search complete")
 
     @staticmethod

@@ -29,6 +29,7 @@ from typing import Any
 import openai
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from researcher.analysis import is_baseline
 from researcher.brief import ChoiceParam, RangeParam
 from researcher.planner.types import Planned, PlanContext, PlannerError, PlanResult
 from researcher.planner.code_context import describe_code, edit_problems
@@ -81,6 +82,8 @@ Rules:
   of means. parent: the id of the proposal this builds on, or null. ablation: true when it removes one part
   of its parent to test whether that part mattered.
 - Verdicts are tests against the baseline on the same seeds; only `better` counts as progress.
+- The study runs the baseline itself (base config at the base commit, same seeds and steps) for every
+  proposal: never propose it.
 - At most {n} proposals. Set "stop": true when nothing more is worth the budget."""
 
 
@@ -159,6 +162,23 @@ def _describe_history(ctx: PlanContext) -> str:
     return "\n".join(rows)
 
 
+def _describe_baseline(ctx: PlanContext) -> str:
+    """The baseline the study runs beside every proposal, and its scores so far."""
+    rows = ["The study runs the baseline (the base config at the base commit) on the same seeds and steps as "
+            "each proposal, once per (steps, seeds), and judges every proposal against it."]
+    for p in ctx.proposals:
+        r = ctx.result(p.id)
+        if not is_baseline(p, ctx.base_values) or r is None:
+            continue
+        seeds = ", ".join(f"{s}: {v:.4g}" for s, v in sorted(r.seed_scores.items())) or "none"
+        steps = p.overrides.get("trainer.steps", ctx.base_steps)
+        rows.append(f"- {p.id}, {steps} steps: {ctx.brief.objective.metric} = "
+                    f"{r.summary.fmt() if r.summary else r.status}; per seed {{{seeds}}}")
+    if len(rows) == 1:
+        rows.append("(no baseline scored yet: it runs with this round)")
+    return "\n".join(rows)
+
+
 def build_messages(ctx: PlanContext) -> list[dict[str, str]]:
     brief = ctx.brief
     system = SYSTEM.format(format=FORMAT, n=brief.planner.llm.proposals_per_round)
@@ -167,6 +187,7 @@ def build_messages(ctx: PlanContext) -> list[dict[str, str]]:
             f"# Search space\n{_describe_space(ctx)}\n\n"
             f"# Budget left\nruns {ctx.runs_left}, trainer steps {ctx.steps_left} "
             f"(an experiment runs {len(brief.seeds)} seed(s) of {ctx.base_steps} steps)\n\n"
+            f"# Baseline\n{_describe_baseline(ctx)}\n\n"
             f"# History\n{_describe_history(ctx)}\n\n"
             + (f"{code}\n\n" if (code := describe_code(ctx)) else "") +
             f"Plan round {ctx.round}. Reply with the JSON object only.")
