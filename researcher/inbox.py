@@ -3,7 +3,7 @@
 Each proposal is one JSON file `.study/inbox/p<N>.json`. Its id is claimed by creating the file
 exclusively (`O_EXCL`), so two people proposing at once get distinct ids, and a study that is
 running, waiting or stopped takes the proposal up at its next plan. This module stores and lists;
-it does not validate code or decide anything.
+it does not validate code or decide anything, beyond refusing a hot swap with no patch.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-from researcher.records import now_iso
+from researcher.records import HOT_SWAP_NEEDS_CODE, now_iso
 
 # Ids of people's proposals: p1, p2, ... (the planner's are r<round>-<i>, so they never collide).
 PREFIX = "p"
@@ -31,6 +31,12 @@ class PersonProposal(BaseModel):
     hot_swap: bool = False  # --hot-swap: swap the code into the study's live run instead of new runs
     by: str
     at: str = Field(default_factory=now_iso)
+
+    @model_validator(mode="after")
+    def _hot_swap_is_code(self):
+        if self.hot_swap and not self.patch:
+            raise ValueError(HOT_SWAP_NEEDS_CODE)
+        return self
 
 
 def add(folder: Path, proposal: dict[str, Any]) -> PersonProposal:

@@ -11,7 +11,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from researcher.decision import Confirmation, Verdict
 
@@ -49,6 +49,10 @@ class Prediction(BaseModel):
     effect: float  # expected difference of means against the baseline, in the metric's units
 
 
+HOT_SWAP_NEEDS_CODE = ("mode hot_swap swaps a code change into the live run, and this proposal has no code "
+                       "(no edits, no patch): a config-only change needs runs of its own (mode runs)")
+
+
 class ProposalDraft(BaseModel):
     """A planner's structured output for one experiment, before the study gives it an id."""
 
@@ -73,6 +77,13 @@ class ProposalDraft(BaseModel):
     @classmethod
     def _blank_is_none(cls, value: str | None) -> str | None:
         return value if value and value.strip() else None
+
+    @model_validator(mode="after")
+    def _hot_swap_is_code(self):
+        """A config-only hot swap would never run (nothing to swap) and stay approved forever: refused."""
+        if self.mode == "hot_swap" and not self.edits and not getattr(self, "patch", None):
+            raise ValueError(HOT_SWAP_NEEDS_CODE)
+        return self
 
 
 class Proposal(ProposalDraft):
