@@ -6,7 +6,7 @@ built from a micro-batch's ``predictor_index`` (each token's parent; -1 for root
 - ``dense_tree_mask``: [B, 1, T, T] bool, for the ``sdpa`` and ``eager`` attention of transformers.
   It costs T x T per row (a 25k-token episode is ~0.6 GB as bool, twice that once made additive).
 - ``flex_tree_mask``: a FlexAttention ``BlockMask`` (torch >= 2.5), used on a CUDA device (the
-  model's attention is switched to ``flex_attention`` for that forward pass) and for models loaded
+X
   with ``attn_implementation="flex_attention"``. Tree samples come in depth-first preorder
   (``core.train.timelines``), so each token's descendants are the positions right after it, up to the end
   of its subtree: j may be seen from i iff j <= i <= subtree_end[j]. The mask function reads one
@@ -23,8 +23,7 @@ This module builds masks and picks the attention; it does not score tokens (``co
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import copy
 
 import torch
 
@@ -117,20 +116,27 @@ def tree_attention_mask(predictor_index: torch.Tensor, implementation: str | Non
     return additive(dense_tree_mask(predictor_index), dtype), implementation
 
 
-@contextmanager
-def attention_implementation(model: torch.nn.Module, implementation: str | None) -> Iterator[None]:
-    """Run the model's forward passes with another attention implementation, then put it back.
+def attention_view(model: torch.nn.Module, implementation: str | None) -> torch.nn.Module:
+    """`model`, or a view of it that runs `implementation`: the same parameters and buffers, its own config.
 
-    transformers' attention layers look the implementation up in the shared config at every call, so
-    the autograd graph built inside keeps the kernel it ran with; the backward needs nothing here.
+    transformers' attention layers look the implementation up in the config at every call, and the
+    engine decodes with the same module while the trainer runs (`max_staleness` >= 1). Switching
+    the shared config for a tree forward (flex_attention on CUDA) would switch the engine's kernel
+    mid-decode, so the trainer runs on a view instead: a copy of the module tree that shares every
+    parameter and buffer (gradients land on the model's own parameters) and owns its config. Views
+    are made once per (model, implementation) and kept on the model; the model's config is never
+    written.
     """
     config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
-    if config is None or implementation is None or implementation == before:
-        yield
-        return
-    config._attn_implementation = implementation
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    if config is None or implementation is None or implementation == getattr(config, "_attn_implementation", None):
+        return model
+    views = model.__dict__.setdefault("_swarmrl_attention_views", {})
+    if implementation not in views:
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        shared[id(views)] = {}  # the view does not carry the model's cache of views
+        view = copy.deepcopy(model, memo=shared)
+        view.config._attn_implementation = implementation
+        views[implementation] = view
+    view = views[implementation]
+    view.train(model.training)
+    return view

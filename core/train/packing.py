@@ -31,7 +31,7 @@ import torch
 from core.train.timelines import Sample
 from core.train.attention import (
     TREE_ATTENTION_IMPLEMENTATIONS,
-    attention_implementation,
+    attention_view,
     flex_by_default,
     tree_attention_mask,
 )
@@ -199,13 +199,12 @@ def token_logprobs(
         )
     else:
         attention_mask = mb.attention_mask
-    with attention_implementation(model, implementation):
-        out = model(
-            input_ids=mb.input_ids,
-            attention_mask=attention_mask,
-            position_ids=mb.position_ids,
-            use_cache=False,
-        )
+    out = attention_view(model, implementation)(
+        input_ids=mb.input_ids,
+        attention_mask=attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
+    )
     logits = out.logits.float()  # [B, T, V]; float32 so log_softmax keeps precision under bf16
     has_predictor = mb.predictor_index >= 0
     source = mb.predictor_index.clamp(min=0)

@@ -7,6 +7,7 @@ Merged and packed scoring must give the same logprob for every token.
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.records import Call
 from core.train.timelines import Sample, merge_calls
-from core.train.attention import dense_tree_mask, flex_tree_mask, tree_attention_mask
+from core.train.attention import attention_view, dense_tree_mask, flex_tree_mask, tree_attention_mask
 from core.train.packing import MicroBatch, pack, token_logprobs
 
 VOCAB = 300
@@ -207,6 +208,60 @@ def test_flex_attention_gives_the_dense_masks_logprobs(monkeypatch: pytest.Monke
     with torch.no_grad():  # a block mask, not the dense fallback, on the preorder rows
         block_mask, implementation = tree_attention_mask(linear.predictor_index, "sdpa", torch.float32, flex=True)
     assert isinstance(block_mask, BlockMask) and implementation == "flex_attention"
+
+
+def test_a_tree_forward_under_flex_never_changes_the_kernel_the_engine_decodes_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer scores a tree batch with flex_attention while the engine decodes with the same module.
+
+    A hook holds the trainer inside its forward pass until the engine has run one of its own, so the
+    overlap is certain, not a matter of timing; the engine's attention must still see its own kernel.
+    """
+    monkeypatch.setattr(transformers.integrations.flex_attention, "is_torchdynamo_compiling", lambda: True)
+    model = tiny_llama("sdpa")
+    calls = scored_episode(model, EPISODE)
+    (mb,) = pack(merge_calls(calls, "tree"), token_budget=10_000)
+    seen: list[tuple[str, str]] = []
+    trainer_inside, engine_done = threading.Event(), threading.Event()
+
+    def hook(module: torch.nn.Module, args: tuple) -> None:
+        seen.append((threading.current_thread().name, module.config._attn_implementation))
+        if threading.current_thread().name == "trainer" and not engine_done.is_set():
+            trainer_inside.set()
+            engine_done.wait(30)
+
+    model.model.layers[0].self_attn.register_forward_pre_hook(hook)
+
+    def engine() -> None:
+        assert trainer_inside.wait(30)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([SYS_A + USER]))
+        engine_done.set()
+
+    def trainer() -> None:
+        with torch.no_grad():
+            token_logprobs(model, mb, flex=True)
+
+    threads = [threading.Thread(target=engine, name="engine"), threading.Thread(target=trainer, name="trainer")]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert engine_done.is_set()
+    assert {impl for who, impl in seen if who == "engine"} == {"sdpa"}
+    assert {impl for who, impl in seen if who == "trainer"} == {"flex_attention"}
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_the_trainers_attention_view_shares_the_models_parameters_and_gradients() -> None:
+    model = tiny_llama("sdpa")
+    view = attention_view(model, "eager")
+    assert view is attention_view(model, "eager") and attention_view(model, "sdpa") is model
+    assert all(a is b for a, b in zip(model.parameters(), view.parameters()))
+    ids = torch.tensor([SYS_A + USER])
+    torch.testing.assert_close(view(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
+    view(input_ids=ids).logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def linear_sample(n: int, *, advantage: float = 0.0, weight: float = 1.0) -> Sample:
