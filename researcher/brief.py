@@ -179,6 +179,9 @@ class HeuristicSettings(_Strict):
 class LlmSettings(_Strict):
     proposals_per_round: int = Field(3, ge=1)
     max_retries: int = Field(3, ge=0)  # re-asks after invalid output, each with the error fed back
+    # A round that still fails is retried after a doubling backoff; the search ends after this many in a row.
+    max_failed_rounds: int = Field(3, ge=1)
+    failed_round_backoff_s: float = Field(5.0, ge=0)  # the first wait; then 2x, 4x ... (researcher.planner.retry)
     temperature: float = Field(0.7, ge=0)
     max_tokens: int = Field(1500, ge=64)  # completion cap per call
     history_tokens: int = Field(1500, ge=100)  # the history in the prompt is cut to this, best and newest kept

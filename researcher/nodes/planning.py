@@ -5,9 +5,10 @@ next to the planner's. With the `manual` planner the study proposes nothing itse
 waits, polling the inbox, until someone proposes (days if need be) or the study is stopped.
 When the search is over (the planner has nothing more, or the rounds or budget ran out) and it
 has a recommendation, the node plans the confirmation round instead of stopping: the pick and
-the baseline at full length on held-out seeds (`researcher.confirmation`). A planner that fails
-after spending LLM tokens ends the search the same way, its tokens counted against the budget; one
-that spent nothing (an unreachable endpoint) stops the study, to be resumed. Every stop reason ends
+the baseline at full length on held-out seeds (`researcher.confirmation`). A failed planner round
+is retried with backoff (`researcher.planner.retry`); after `planner.llm.max_failed_rounds` in a row
+the search ends the same way, every failed round's tokens counted against the budget; a planner
+that never spent anything (an unreachable endpoint) stops the study, to be resumed. Every stop reason ends
 with what the study may recommend. Whatever the planner, the round also gets the baselines its proposals need and no earlier
 round ran (`researcher.baselines`). It plans; it does not validate, review or launch.
 """
@@ -20,7 +21,8 @@ from typing import Any
 from researcher import baselines, confirmation, inbox
 from researcher.budget import Spent
 from researcher.nodes.base import NodeBase, StudyState, dump, models_of
-from researcher.planner.types import PlanContext, PlannerError, PlanResult
+from researcher.planner.retry import plan_with_retries
+from researcher.planner.types import PlanContext
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
 
 MANUAL = "manual"
@@ -71,14 +73,12 @@ class PlanNode(NodeBase):
                                runs_left=runs_left, steps_left=steps_left, tokens_left=tokens_left,
                                code=models_of(state.get("code"), CodeVersion), code_files=self._code_files(state),
                                launches=models_of(state.get("launches"), Launch))
-            try:
-                result = ctx.planner.plan(pctx)
-            except PlannerError as e:
-                if not e.tokens:
-                    raise  # nothing was spent (say the endpoint is down): the study stops here and resumes later
-                # Tokens were spent on replies that never became a plan: they count, and the search ends
-                # as if the planner had nothing more (people's proposals and a confirmation still run).
-                result = PlanResult([], done=True, tokens=e.tokens, note=f"{ctx.planner.name} failed: {e}")
+            # A failed round is retried with backoff; after `max_failed_rounds` in a row the search ends as if
+            # the planner had nothing more (people's proposals and a confirmation still run), its tokens
+            # counted; one that never spent anything (the endpoint is down) stops the study, to be resumed.
+            settings = brief.planner.llm
+            result = plan_with_retries(ctx.planner, pctx, settings.max_failed_rounds, settings.failed_round_backoff_s,
+                                       ctx.emit)
             planned, note, tokens = result.planned, result.note, result.tokens
         info = {"round": number, "planner": ctx.planner.name, "note": note, "tokens": tokens,
                 "plan_s": time.monotonic() - started, "proposals": len(planned) + len(people)}
