@@ -103,6 +103,14 @@ def write_server_files(url: str, token: str, run_folder: Path | None) -> list[Pa
     return written
 
 
+def write_token_file(token: str) -> Path:
+    """A 0600 file holding the admin token of a server whose port is not known yet (`swarm serve --port 0`),
+    named by this process's pid. -> its path, for `remove_server_files`."""
+    path = pid_dir() / "servers" / f"pid-{os.getpid()}.token"
+    _write_private(path, token)
+    return path
+
+
 def remove_server_files(paths: list[Path]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)

@@ -4,8 +4,9 @@
 the MLflow run (the checkpoint's run again on resume, `core.run.telemetry`), turns Ctrl-C and SIGTERM
 into a stop after the current step, trains, checkpoints, and always ends the MLflow run with a
 status: FINISHED, KILLED (stopped early) or FAILED (an exception, or the local clients crashed).
-`serve` does the same around a foreground server with a trainer thread. Both print the admin token
-once at start, on stdout and never through logging (logs are kept and shared; see `announce_admin_token`).
+`serve` does the same around a foreground server with a trainer thread. Neither ever prints the admin
+token: they print the path of the 0600 file holding it (stdout and logs are kept in world-readable
+run logs; see `announce_admin_token`).
 `run` also writes `<run folder>/server.json` (the folder holding `trainer.checkpoint_dir`): the URL
 and the path of a 0600 admin-token file, for `swarm swap --server <run folder>` and the researcher;
 removed when the run ends (`core.clients.hotswap.write_server_files`).
@@ -31,7 +32,7 @@ from core.run.loop import CoreRun
 from core.run.placement import core_run
 from core.run.plan import PlacementError
 from core.serve.server import Server
-from core.clients.hotswap import remove_server_files, write_server_files
+from core.clients.hotswap import remove_server_files, write_server_files, write_token_file
 from core.run.telemetry import ResumePoint, RunStatus, Telemetry, TelemetryError
 from core.run.watchdog import run_folder
 
@@ -64,9 +65,9 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
     advertised: list[Path] = []
     try:
         core.server.start()
-        announce_admin_token(core.server)
         # <run folder>/server.json: where outside tools (`swarm swap`, the researcher) find the URL and token
         advertised = write_server_files(core.server.url, core.server.admin_token, run_folder(cfg.trainer.checkpoint_dir))
+        announce_admin_token(core.server, advertised[1])
         print(f"swarm server file: {advertised[0]}", flush=True)
         log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
         # Clients first, the MLflow run second: client processes take a second or two to import and
@@ -105,12 +106,11 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
     return EXIT_CODES[status]
 
 
-def announce_admin_token(server: Server) -> None:
-    """Print the admin token once: in full when it was generated (nobody else knows it), masked when the
-    config set it (the operator has it already). Printed, not logged, so log files never hold it."""
-    token = server.admin_token
-    shown = masked(token) + " (from server.admin_token)" if server.cfg.server.admin_token else token
-    print(f"swarm admin token: {shown}", file=sys.stdout, flush=True)
+def announce_admin_token(server: Server, token_file: Path) -> None:
+    """Say where the admin token is: the path of its 0600 file, never the token (a run's output is saved
+    to logs others can read); masked when the config set it (the operator has it already)."""
+    how = f" (from server.admin_token, {masked(server.admin_token)})" if server.cfg.server.admin_token else ""
+    print(f"swarm admin token: in {token_file}, readable only by you{how}", file=sys.stdout, flush=True)
 
 
 def _resume_point(saved: checkpoint.Checkpoint | None) -> ResumePoint | None:
@@ -139,10 +139,12 @@ def serve(cfg: RunConfig, train: bool) -> None:
     the trainer raised (the server then stops too).
     """
     server = Server(cfg)
-    announce_admin_token(server)
     # This machine's record of the server, so `swarm swap --server URL` here finds the admin token
-    # (port 0 is only known once serving: such a server is swapped with --admin-token).
-    advertised = write_server_files(server.url, server.admin_token, None) if server.port else []
+    # (port 0 is only known once serving: such a server gets a token file named by its pid, and is
+    # swapped with --admin-token read from it).
+    advertised = write_server_files(server.url, server.admin_token, None) if server.port else \
+        [write_token_file(server.admin_token)]
+    announce_admin_token(server, advertised[-1])
     try:
         _serve(cfg, server, train)
     finally:
@@ -151,7 +153,13 @@ def serve(cfg: RunConfig, train: bool) -> None:
 
 def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
     if not train:
-        server.serve_forever()
+        # Our handler, so uvicorn's re-raised SIGTERM ends `serve_forever` and the server files go (`serve`).
+        previous = {sig: signal.signal(sig, lambda *_: server.request_exit()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.serve_forever()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         return
     core = CoreRun(cfg, server)
     core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})

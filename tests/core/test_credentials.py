@@ -4,6 +4,14 @@ stays out of params, manifests and logs, and sandbox entries and `latest` pointe
 from __future__ import annotations
 
 import logging
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -89,15 +97,46 @@ def test_config_params_and_checkpoint_manifests_hold_no_admin_token(tmp_path):
     assert cfg.server.admin_token == ADMIN_TOKEN  # redaction copies; the running config keeps its token
 
 
-def test_a_generated_admin_token_is_printed_once_and_never_logged_in_full(capsys, caplog):
+def test_the_admin_token_is_never_printed_only_the_path_of_its_file(capsys, caplog, tmp_path):
     server = Server(load_config(overrides=["server.port=0"]), policies={})
     with caplog.at_level(logging.DEBUG):
-        announce_admin_token(server)
-    assert capsys.readouterr().out.count(server.admin_token) == 1
-    assert server.admin_token not in caplog.text
+        announce_admin_token(server, tmp_path / "admin_token")
+    out = capsys.readouterr().out
+    assert server.admin_token not in out and server.admin_token not in caplog.text
+    assert f"in {tmp_path / 'admin_token'}, readable only by you" in out
     configured = Server(load_config(overrides=[f"server.admin_token={ADMIN_TOKEN}"]), policies={})
-    announce_admin_token(configured)
+    announce_admin_token(configured, tmp_path / "admin_token")
     assert ADMIN_TOKEN not in capsys.readouterr().out  # the operator set it: shown masked only
+
+
+def test_swarm_serve_output_holds_no_admin_token_and_names_its_0600_file(tmp_path):
+    """The real command, as the researcher runs it for a smoke test (its output becomes *.serve.log)."""
+    env = {**os.environ, "SWARMRL_STATE": str(tmp_path / "state"), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "core.run.cli", "serve", "--model", "tiny", "--port", "0",
+                             "--no-train"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "serving tiny at" in line:
+                break
+        url = re.search(r"serving tiny at (\S+)", lines[-1]).group(1)
+        for _ in range(100):
+            try:
+                httpx.get(url + "/swarm/v1/status", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        token_file = Path(re.search(r"swarm admin token: in (\S+), readable only by you", "".join(lines)).group(1))
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 24
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+    output = "".join(lines) + rest
+    assert token not in output, output
+    assert not token_file.exists()  # removed when the server stops
 
 
 def test_a_sandbox_entry_outside_its_folder_is_refused_naming_the_path(tmp_path):
