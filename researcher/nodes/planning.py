@@ -72,6 +72,7 @@ class PlanNode(NodeBase):
                                results=models_of(state.get("results"), ExperimentResult),
                                runs_left=runs_left, steps_left=steps_left, tokens_left=tokens_left,
                                code=models_of(state.get("code"), CodeVersion), code_files=self._code_files(state),
+                               version_files=self._version_files(state),
                                launches=models_of(state.get("launches"), Launch))
             # A failed round is retried with backoff; after `max_failed_rounds` in a row the search ends as if
             # the planner had nothing more (people's proposals and a confirmation still run), its tokens
@@ -119,13 +120,16 @@ class PlanNode(NodeBase):
                 "proposals": [*state.get("proposals", []), *dump(fresh)]}
 
     def _code_files(self, state: StudyState) -> dict[str, str]:
-        """The editable files at the base commit, cut to the brief's budget (what the planner edits)."""
+        """The editable files at the base commit, whole (the prompt fits them to its budget, never cutting one)."""
         ws, spec = self.ctx.workspace, self.ctx.brief.code
         if ws is None or spec is None or not state.get("workspace_base"):
             return {}
-        out, left = {}, spec.context_chars
-        for name, text in sorted(ws.files(state["workspace_base"]).items()):
-            if left <= 0:
-                break
-            out[name], left = text[:left], left - len(text)
-        return out
+        return dict(sorted(ws.files(state["workspace_base"]).items()))
+
+    def _version_files(self, state: StudyState) -> dict[str, dict[str, str]]:
+        """Each valid code version's files at its commit, whole: what a proposal on that parent edits."""
+        ws = self.ctx.workspace
+        if ws is None or self.ctx.brief.code is None:
+            return {}
+        return {v.proposal_id: dict(sorted(ws.files(v.commit).items()))
+                for v in models_of(state.get("code"), CodeVersion) if v.passed and v.commit}

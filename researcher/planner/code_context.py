@@ -1,9 +1,12 @@
 """What the llm planner is told about code, and how its search/replace edits are checked.
 
-`describe_code` renders the editable files (already cut to the brief's `code.context_chars`),
-the reply format of an edit, and the earlier code proposals with their diffs, validation
-outcome and log tails, so the model learns from what failed. `edit_problems` checks each
-proposed block against the current text (exact, exactly once): a problem goes back to the model
+`describe_code` renders the editable files within the brief's `code.context_chars`, never cutting
+one: a file that does not fit is left out whole and named, so the model never edits text it was
+not shown. Then each valid earlier code proposal's files that differ from the base, at its commit
+(what a proposal with that `parent` edits), in the same budget; the reply format of an edit; and
+the earlier code proposals with their diffs, validation outcome and log tails, so the model learns
+from what failed. `edit_problems` checks each proposed block against the whole text of the file
+it applies to (the base's, or its parent's): exact, exactly once. A problem goes back to the model
 with the file's text for a bounded number of repairs, after which the proposal goes on and fails
 validation at `apply`. It reads; it changes no file.
 """
@@ -25,7 +28,13 @@ def describe_code(ctx: PlanContext) -> str:
     spec = ctx.brief.code
     if spec is None:
         return ""
-    files = "\n\n".join(f"## {name}\n```\n{text}\n```" for name, text in ctx.code_files.items())
+    left = [spec.context_chars]
+    files = _fit("", ctx.code_files, left)
+    for v in ctx.code:
+        changed = {n: t for n, t in ctx.version_files.get(v.proposal_id, {}).items() if ctx.code_files.get(n) != t}
+        if changed:
+            files += f"\n\n# Files of {v.proposal_id} at {v.commit[:12]} (edit these when parent is {v.proposal_id})\n"
+            files += _fit(f"{v.proposal_id}: ", changed, left)
     history = []
     for v in ctx.code:
         outcome = f"valid, commit {v.commit[:12]}" if v.passed else f"INVALID at {v.failed_step}"
@@ -39,22 +48,38 @@ def describe_code(ctx: PlanContext) -> str:
                           if ctx.brief.run.live else "") + "\n\n" + files + ("\n\n# Earlier code proposals\n" + "\n".join(history) if history else ""))
 
 
+def _fit(label: str, files: dict[str, str], left: list[int]) -> str:
+    """Whole files while `left[0]` characters last; the rest named as left out (never cut)."""
+    shown, out = [], []
+    for name, text in files.items():
+        if len(text) <= left[0]:
+            shown.append(f"## {label}{name}\n```\n{text}\n```")
+            left[0] -= len(text)
+        else:
+            out.append(f"{name} ({len(text)} chars)")
+    if out:
+        shown.append(f"(left out whole to fit code.context_chars, not shown: {', '.join(out)})")
+    return "\n\n".join(shown)
+
+
 def edit_problems(drafts: list[ProposalDraft], ctx: PlanContext) -> str | None:
     """Why some search block does not match the current text exactly once, with that text; or None."""
     problems = []
     for i, draft in enumerate(drafts):
-        if draft.parent:
-            continue  # edits on another proposal's version are checked when they are validated
+        files = ctx.files_for(draft.parent)
+        if files is None:
+            continue  # a parent with no valid version: validation refuses it at `apply`
         for edit in draft.edits:
-            text = ctx.code_files.get(edit.file)
+            text = files.get(edit.file)
             if text is None:
                 if edit.search:
                     problems.append(f"proposals[{i}]: {edit.file} is not an editable file "
-                                    f"(files: {sorted(ctx.code_files)})")
+                                    f"(files: {sorted(files)})")
                 continue
             count = text.count(edit.search)
             if count != 1:
                 how = "does not match" if count == 0 else f"matches {count} times"
-                problems.append(f"proposals[{i}]: the search block for {edit.file} {how}; it must match exactly "
+                at = f" at {draft.parent}" if draft.parent else ""
+                problems.append(f"proposals[{i}]: the search block for {edit.file}{at} {how}; it must match exactly "
                                 f"once. The file's current text:\n```\n{text}\n```")
     return "\n".join(problems) or None

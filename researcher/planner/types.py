@@ -39,12 +39,18 @@ class PlanContext:
     steps_left: int = 0
     tokens_left: int = 0
     code: list[CodeVersion] = field(default_factory=list)  # earlier code proposals: diffs, validation, commits
-    code_files: dict[str, str] = field(default_factory=dict)  # workspace path -> text of the editable files
+    code_files: dict[str, str] = field(default_factory=dict)  # workspace path -> whole text, at the base commit
+    # Valid code proposal id -> its files' whole text at its commit: what an edit on that parent applies to.
+    version_files: dict[str, dict[str, str]] = field(default_factory=dict)
     launches: list[Launch] = field(default_factory=list)  # every core run so far: failures and their log tails
 
     def code_version(self, proposal_id: str) -> CodeVersion | None:
         found = [v for v in self.code if v.proposal_id == proposal_id]
         return found[-1] if found else None
+
+    def files_for(self, parent: str | None) -> dict[str, str] | None:
+        """The files an edit applies to: the base's, a valid parent's, or None for a parent unknown here."""
+        return self.code_files if parent is None else self.version_files.get(parent)
 
     def verdict(self, proposal_id: str) -> Decision | None:
         found = [d for d in self.decisions if d.proposal_id == proposal_id]
