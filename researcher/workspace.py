@@ -1,7 +1,8 @@
 """A study's code workspace: a git repository of its own holding copies of the editable paths.
 
 `studies/<name>/workspace/` starts as one commit (the base) with copies of the brief's
-`code.editable` paths from the project. Every code proposal becomes a commit on top of its parent
+`code.editable` paths from the project (a file-level entry also brings the rest of its sandbox
+folder, which stays read-only). Every code proposal becomes a commit on top of its parent
 proposal's commit, kept alive by a ref `refs/proposals/<id>`, so the study holds a lineage tree of
 code versions. Edits are applied in a throw-away worktree of that repository (`trial`), checked
 against the path rules, and committed only when validation passed; a run checks its commit out
@@ -62,6 +63,18 @@ def _git(cwd: Path, *args: str, input_text: str | None = None, check: bool = Tru
     return done.stdout
 
 
+def sandbox_folders(editable: list[str], project: Path) -> list[str]:
+    """The sandbox folders (`sandboxes/<name>`) of file-level editable entries that no entry covers whole."""
+    out: list[str] = []
+    for rel in editable:
+        parts = PurePosixPath(rel).parts
+        if len(parts) >= 3 and parts[0] == "sandboxes" and (project / rel).is_file():
+            folder = "/".join(parts[:2])
+            if not _inside(folder, editable) and folder not in out:
+                out.append(folder)
+    return out
+
+
 def _inside(rel: str, roots: list[str]) -> bool:
     return any(rel == r or rel.startswith(r + "/") for r in roots)
 
@@ -81,12 +94,14 @@ class Workspace:
         self.root.parent.mkdir(parents=True, exist_ok=True)
         self._refuse_escaping_links()
         tmp = Path(tempfile.mkdtemp(prefix=".workspace-", dir=self.root.parent))
-        for rel in self.spec.editable:
+        # A file-level entry brings its sandbox folder's other files too (read-only: not editable), or
+        # the runs' checkouts would hold a sandbox of one file.
+        for rel in [*self.spec.editable, *sandbox_folders(self.spec.editable, self.project)]:
             src, dst = self.project / rel, tmp / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if src.is_dir():
-                shutil.copytree(src, dst, ignore=_IGNORED, symlinks=True)
-            else:
+                shutil.copytree(src, dst, ignore=_IGNORED, symlinks=True, dirs_exist_ok=True)
+            elif not dst.exists():
                 shutil.copy2(src, dst)
         _git(tmp, "init", "-q", "-b", "base")
         _git(tmp, "add", "-A")

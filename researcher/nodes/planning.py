@@ -124,12 +124,20 @@ class PlanNode(NodeBase):
         ws, spec = self.ctx.workspace, self.ctx.brief.code
         if ws is None or spec is None or not state.get("workspace_base"):
             return {}
-        return dict(sorted(ws.files(state["workspace_base"]).items()))
+        return self._editable(ws.files(state["workspace_base"]))
+
+    def _editable(self, files: dict[str, str]) -> dict[str, str]:
+        """Only what the brief lets the planner edit (a file-level entry's folder mates are read-only)."""
+        spec = self.ctx.brief.code
+        assert spec is not None
+        return {n: t for n, t in sorted(files.items())
+                if any(n == e or n.startswith(e + "/") for e in spec.editable)
+                and not any(n == r or n.startswith(r + "/") for r in spec.readonly)}
 
     def _version_files(self, state: StudyState) -> dict[str, dict[str, str]]:
         """Each valid code version's files at its commit, whole: what a proposal on that parent edits."""
         ws = self.ctx.workspace
         if ws is None or self.ctx.brief.code is None:
             return {}
-        return {v.proposal_id: dict(sorted(ws.files(v.commit).items()))
+        return {v.proposal_id: self._editable(ws.files(v.commit))
                 for v in models_of(state.get("code"), CodeVersion) if v.passed and v.commit}
