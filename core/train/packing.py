@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from core.train.timelines import Sample
 from core.train.attention import (
@@ -181,13 +182,22 @@ def _attention_implementation(model: torch.nn.Module) -> str | None:
 
 
 def token_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, flex: bool | None = None
+    model: torch.nn.Module, mb: MicroBatch, flex: bool | None = None, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprob [B, T] (with grad) and predictive entropy [B, T] (detached, for telemetry).
 
     Token t is scored by the logits at its predictor (t - 1 in a line, its parent in a tree), divided
-    by its temperature. Tokens without a predictor (roots, padding) get 0 in both. The micro-batch is
-    moved to the model's device. `flex`: score tree batches with FlexAttention; None picks it on CUDA.
+    by its temperature. Only `positions` ([B, T] bool; default every token with a predictor) are
+    scored; the rest, and tokens without a predictor (roots, padding), get 0 in both. The trainer
+    passes the loss mask. The micro-batch is moved to the model's device. `flex`: score tree batches
+    with FlexAttention; None picks it on CUDA.
+
+    Memory: the decoder's hidden states are projected to the vocabulary only at the scored
+    positions, `LOGIT_CHUNK` rows at a time, each chunk recomputed in the backward pass instead of
+    kept, so no [B, T, V] tensor exists (at 4k tokens x 152k vocabulary a full fp32 one is 2.5 GB,
+    and the softmax for entropy another). This needs a causal LM whose logits are its output
+    embedding applied to the decoder's last hidden state (Llama, Qwen2, Mistral, SmolLM2: no logit
+    soft-capping or scaling), which `_decoder_and_head` checks.
     """
     device = next(model.parameters()).device
     mb = mb.to(device)
@@ -199,26 +209,50 @@ def token_logprobs(
         )
     else:
         attention_mask = mb.attention_mask
-    out = attention_view(model, implementation)(
+    decoder, head = _decoder_and_head(attention_view(model, implementation))
+    hidden = decoder(
         input_ids=mb.input_ids,
         attention_mask=attention_mask,
         position_ids=mb.position_ids,
         use_cache=False,
-    )
-    logits = out.logits.float()  # [B, T, V]; float32 so log_softmax keeps precision under bf16
-    has_predictor = mb.predictor_index >= 0
-    source = mb.predictor_index.clamp(min=0)
-    rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
-    if bool((mb.temperatures != 1.0).any()):
-        # Gather each token's predicting logits and temper them by the token's own temperature.
-        # This costs one more [B, T, V] tensor, so temperature-1 batches take the path below.
-        logits = logits[rows, source] / mb.temperatures[..., None]
-        source = torch.arange(logits.shape[1], device=logits.device).expand_as(source)
-    log_norm = torch.logsumexp(logits, dim=-1)  # [B, T]
-    token_logit = logits[rows, source, mb.input_ids]  # logit of token t at its predictor
-    logprobs = torch.where(has_predictor, token_logit - log_norm[rows, source], torch.zeros_like(token_logit))
-    with torch.no_grad():
-        probs = torch.softmax(logits, dim=-1)
-        entropy_at = log_norm - (probs * logits).sum(dim=-1)  # entropy of the distribution at each position
-        entropy = torch.where(has_predictor, entropy_at[rows, source], torch.zeros_like(entropy_at))
+    ).last_hidden_state  # [B, T, H]
+    scored = mb.predictor_index >= 0
+    if positions is not None:
+        scored = scored & positions.to(device)
+    rows, cols = scored.nonzero(as_tuple=True)
+    states = hidden[rows, mb.predictor_index[rows, cols]]  # [N, H]: each scored token's predicting state
+    tokens, temperatures = mb.input_ids[rows, cols], mb.temperatures[rows, cols]
+    pieces = [checkpoint(_score_chunk, head, states[k : k + LOGIT_CHUNK], tokens[k : k + LOGIT_CHUNK],
+                         temperatures[k : k + LOGIT_CHUNK], use_reentrant=False)
+              for k in range(0, len(tokens), LOGIT_CHUNK)]
+    logprobs = torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=device)
+    entropy = torch.zeros_like(logprobs)
+    if pieces:
+        logprobs = logprobs.index_put((rows, cols), torch.cat([lp for lp, _ in pieces]))
+        entropy = entropy.index_put((rows, cols), torch.cat([e for _, e in pieces]))
     return logprobs, entropy
+
+
+# Scored tokens projected to the vocabulary at once: 512 x 152k fp32 logits is ~0.3 GB, and a chunk
+# big enough that the matmul stays efficient on a GPU.
+LOGIT_CHUNK = 512
+
+
+def _score_chunk(head: torch.nn.Module, states: torch.Tensor, tokens: torch.Tensor,
+                 temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of each token, entropy of its distribution) for one chunk of predicting states."""
+    logits = head(states).float() / temperatures[:, None]  # float32 so log_softmax keeps precision under bf16
+    log_norm = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(1, tokens[:, None])[:, 0] - log_norm
+    with torch.no_grad():
+        entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return logprobs, entropy
+
+
+def _decoder_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+        if getattr(config, name, None) not in (None, 1.0):
+            raise ValueError(f"the trainer scores the output embedding of the last hidden state; a model with "
+                             f"{name}={getattr(config, name)} changes its logits after it, which is not supported")
+    return model.get_decoder(), model.get_output_embeddings()

@@ -261,7 +261,7 @@ class Trainer:
         device = next(self.policy.parameters()).device
         for mb in pack(samples, self.cfg.micro_batch_tokens):
             mb = mb.to(device)
-            logp, entropy = token_logprobs(self.policy, mb)
+            logp, entropy = token_logprobs(self.policy, mb, positions=mb.loss_mask)
             ref_logp = self._reference_logprobs(mb) if self.cfg.kl_coef > 0 else None
             terms = policy_loss(
                 logp,
@@ -291,7 +291,7 @@ class Trainer:
 
     def _reference_logprobs(self, mb: Any) -> torch.Tensor:
         with torch.no_grad(), self._reference() as ref:
-            return token_logprobs(ref, mb)[0]
+            return token_logprobs(ref, mb, positions=mb.loss_mask)[0]
 
     @contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
