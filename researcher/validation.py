@@ -10,6 +10,11 @@
    brief's `code.smoke_model`); every episode must finish, which the server allows only with a
    finite reward. Debug episodes never train, and the server runs with `--no-train`.
 
+Steps 3-5 execute the proposal's code, and each such process runs contained (researcher/contain.py):
+an environment allowlist without the study's secrets, resource limits, its own process group killed
+at the timeout, and bubblewrap (only the trial worktree writable) when `bwrap` is on PATH. The
+`swarm serve` of the smoke run is the core's own code and runs as the study does.
+
 Each step's result and log is recorded; the first failure stops the rest. Only when every step
 passed is the trial committed (researcher/workspace.py); otherwise the trial is thrown away and
 nothing is committed. This module runs processes and reads their output; it does not review,
@@ -25,13 +30,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import yaml
 
 from researcher.brief import Brief
+from researcher.contain import Limits, run_contained
 from researcher.records import CodeVersion, Proposal, StepResult
 from researcher.workspace import EditError, Workspace, WorkspaceError
 
@@ -91,6 +97,7 @@ class Validator:
     workdir: Path  # the project folder: the brief's base config resolves here
     trials: Path  # where trial worktrees and smoke logs live (under the study's state)
     swarm: Path  # the `swarm` executable
+    limits: Limits = field(default_factory=Limits)  # for every process that runs the proposal's code
 
     def validate(self, p: Proposal, parent_commit: str, emit: Callable[..., None]) -> CodeVersion:
         """Run every step; commit when all pass. A trial left by a killed attempt is started over."""
@@ -162,7 +169,7 @@ class Validator:
         logs = []
         for folder in self.sandboxes(tree):
             logs.append(self._run([sys.executable, "-c", _IMPORT_CHECK, str(folder)], folder, IMPORT_TIMEOUT_S,
-                                  f"importing {folder.relative_to(tree)}"))
+                                  f"importing {folder.relative_to(tree)}", tree))
         return "\n".join(logs) or "no sandbox in the workspace"
 
     def _tests(self, p: Proposal, tree: Path) -> str:
@@ -171,21 +178,21 @@ class Validator:
             if (folder / "tests").is_dir():
                 logs.append(self._run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
                                        "addopts=", str(folder / "tests")], tree, self.brief.code.test_timeout_s,  # type: ignore[union-attr]
-                                      f"tests of {folder.relative_to(tree)}"))
+                                      f"tests of {folder.relative_to(tree)}", tree))
             else:
                 logs.append(f"{folder.relative_to(tree)}: no tests/ folder")
         return "\n".join(logs)
 
-    def _run(self, argv: list[str], cwd: Path, timeout: float, what: str) -> str:
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-        try:
-            done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            raise StepFailed(f"{what}: timed out after {timeout:.0f} s\n{out}") from None
-        output = (done.stdout + done.stderr).strip()
-        if done.returncode != 0:
-            raise StepFailed(f"{what}: failed (exit code {done.returncode})\n{output}")
+    def _run(self, argv: list[str], cwd: Path, timeout: float, what: str, tree: Path) -> str:
+        """Run a step that executes the proposal's code, contained (researcher/contain.py): only `tree`
+        (the trial worktree) is writable, and the environment holds none of the study's secrets."""
+        code, output = run_contained(argv, cwd, timeout_s=timeout, writable=[tree], limits=self.limits)
+        output = output.strip()
+        if code is None:
+            raise StepFailed(f"{what}: timed out after {timeout:.0f} s (its processes were killed)\n{output}")
+        if code != 0:
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            raise StepFailed(f"{what}: failed ({how})\n{output}")
         return f"{what}: ok\n{tail(output, 5)}"
 
     def _smoke(self, p: Proposal, tree: Path) -> str:
@@ -239,7 +246,7 @@ class Validator:
         argv = [str(self.swarm), "client", str(folder), "--server", url, "--kind", "debug", "--episodes", str(n),
                 "--group-size", "1", "--concurrency", str(n)]
         what = f"smoke episodes of {folder.relative_to(tree)}"
-        return self._run(argv, self.trials, max(1.0, deadline - time.monotonic()), what)
+        return self._run(argv, tree, max(1.0, deadline - time.monotonic()), what, tree)
 
 
 def _free_port() -> int:

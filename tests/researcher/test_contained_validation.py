@@ -1,0 +1,52 @@
+"""Validation runs a proposal's code contained: the import step of an edit that prints its environment
+shows no secret, and one that hogs memory or forks without end fails at its step while the next
+proposal still validates (the study goes on). Real git, real contained subprocesses."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from researcher.contain import Limits
+from researcher.records import Edit
+from tests.researcher.test_contain import SECRETS
+from tests.researcher.test_workspace import _proposal, _validator, project, ws  # noqa: F401 (fixtures)
+
+HOOK = "MAX_TOKENS = 12"
+
+
+def _edit(code: str) -> list[Edit]:
+    return [Edit(file="sandboxes/letters/agent.py", search=HOOK, replace=f"{HOOK}\n{code}")]
+
+
+def test_proposal_code_that_prints_its_environment_shows_no_secret(ws, project, tmp_path, monkeypatch) -> None:
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "trials").mkdir()
+    version = _validator(ws, project, tmp_path).validate(
+        _proposal("env", _edit("import os\nraise SystemExit('ENV ' + repr(sorted(os.environ.items())))")),
+        ws.base(), lambda *a, **k: None)
+    assert (version.passed, version.failed_step) == (False, "import")
+    assert "ENV [" in version.log() and "PATH" in version.log()
+    for value in SECRETS.values():
+        assert value not in version.log()
+
+
+@pytest.mark.parametrize("name, code", [
+    ("hog", "x = bytearray(6 * 1024 ** 3)"),
+    ("bomb", "import os, time\nfor _ in range(3000):\n    if os.fork() == 0:\n        time.sleep(2)\n        os._exit(0)"),
+])
+def test_a_memory_hog_or_fork_bomb_fails_its_step_and_the_next_proposal_still_validates(
+        ws, project, tmp_path, name, code) -> None:
+    (tmp_path / "trials").mkdir()
+    validator = _validator(ws, project, tmp_path)
+    validator.limits = Limits(address_space=2 * 1024 ** 3, processes=64)
+    base = ws.base()
+    version = validator.validate(_proposal(name, _edit(code)), base, lambda *a, **k: None)
+    assert (version.passed, version.failed_step) == (False, "import"), version.log()
+    assert ("MemoryError" if name == "hog" else "BlockingIOError") in version.log()
+    after = validator.validate(_proposal("next", _edit("raise SystemExit('next one ran')")), base, lambda *a, **k: None)
+    assert after.failed_step == "import" and "next one ran" in after.log()
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ws.root, capture_output=True, text=True).stdout
+    assert len(worktrees.splitlines()) == 1
