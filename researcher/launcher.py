@@ -9,7 +9,9 @@ session, so they outlive a killed study and are adopted on resume.
 
 A launch with a `commit` runs the sandbox code of the study's workspace at that commit: the
 launcher checks it out into `runs/<key>/code/` (a folder of the run's own, so runs of different
-code never collide) before spawning, and tags the run `swarmrl.sandbox_version=<commit>`.
+code never collide) before spawning, and tags the run `swarmrl.sandbox_version=<commit>`. Such a run's
+environment holds none of the study's secrets (LLM API keys, the admin token, cloud credentials;
+`run_env`) but the MLflow tracking ones its telemetry needs, since its client processes run that code.
 
 A finished run is judged by its exit code when it is our child, else by its MLflow run status.
 A stop records its reason in the intent before it signals, so a stop cut short by a crash is
@@ -35,6 +37,7 @@ import yaml
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
+from researcher.contain import is_secret
 from researcher.records import TERMINAL, Launch
 from researcher.workspace import Workspace, WorkspaceError
 
@@ -97,6 +100,15 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def run_env(commit: str | None, tracking_uri: str) -> dict[str, str]:
+    """The environment of a core run. A run of a proposal's code (a `commit`) gets none of the study's
+    secrets but the MLflow tracking ones its telemetry needs: its clients inherit it and run that code."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri}
+    if commit:
+        env = {k: v for k, v in env.items() if not is_secret(k) or k.startswith("MLFLOW_TRACKING_")}
+    return env
 
 
 class Launcher:
@@ -188,7 +200,7 @@ class Launcher:
         if isinstance(prepared, Launch):
             return prepared
         argv, started = prepared
-        env = {**os.environ, "MLFLOW_TRACKING_URI": self.target.tracking_uri}
+        env = run_env(launch.commit, self.target.tracking_uri)
         with open(rd / "run.log", "ab") as logfile:
             try:
                 proc = subprocess.Popen(argv, cwd=self.target.workdir, stdout=logfile, stderr=subprocess.STDOUT,

@@ -12,6 +12,7 @@ import pytest
 
 from researcher import contain
 from researcher.contain import Limits, contained_env, run_contained
+from researcher.launcher import run_env
 
 SECRETS = {"OPENAI_API_KEY": "sk-secret-openai", "MLFLOW_TRACKING_TOKEN": "mlflow-secret",
            "MLFLOW_TRACKING_PASSWORD": "mlflow-password", "SWARMRL_ADMIN_TOKEN": "admin-secret",
@@ -97,3 +98,13 @@ time.sleep(600)
     assert code is None and time.monotonic() - started < 30
     time.sleep(4)
     assert not (tmp_path / "survived").exists()
+
+
+def test_a_core_run_of_proposal_code_gets_no_secret_but_its_mlflow_credentials(monkeypatch) -> None:
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    code_run = run_env("abc123", "sqlite:///x.db")
+    assert code_run["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"
+    assert code_run["MLFLOW_TRACKING_TOKEN"] == "mlflow-secret"  # the run's own telemetry needs it
+    assert not {"OPENAI_API_KEY", "SWARMRL_ADMIN_TOKEN", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"} & set(code_run)
+    assert run_env(None, "sqlite:///x.db")["OPENAI_API_KEY"] == "sk-secret-openai"  # a config run: unchanged
