@@ -114,7 +114,10 @@ class TrainerConfig(Strict):
     # min(pi_theta / pi_behaviour, tis_cap), so off-policy (stale) tokens count by how likely they
     # still are instead of being clipped out. None: plain PPO-clip.
     tis_cap: float | None = Field(None, gt=0)
-    checkpoint_every: int = Field(0, ge=0)  # 0: only on clean shutdown
+    checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints; 0: by time only (below)
+    # Seconds between checkpoints, whatever the steps: a crash loses at most about this much of a run
+    # (a step that runs longer is checkpointed when it ends). 0: by steps only, or on clean shutdown.
+    checkpoint_every_s: float = Field(600.0, ge=0)
     checkpoint_dir: str = "checkpoints"
     keep_checkpoints: int | None = Field(3, ge=1)  # oldest removed first; None keeps all (SmolLM2 is ~0.5 GB each)
     seed: int = 0

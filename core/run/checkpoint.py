@@ -150,7 +150,9 @@ def save(
             torch.save(dict(samplers), tmp / SAMPLERS)
         # The manifest goes last: a folder with a manifest is complete.
         (tmp / MANIFEST).write_text(manifest_text)
+        _fsync_tree(tmp)  # on disk before the rename makes it the checkpoint: a power cut cannot leave it half-written
         _move_into_place(tmp, final)
+        _fsync(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -192,7 +194,26 @@ def _move_into_place(tmp: Path, final: Path) -> None:
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f".{LATEST}-{uuid.uuid4().hex[:8]}"
     tmp.write_text(name + "\n")
+    _fsync(tmp)
     os.replace(tmp, root / LATEST)
+    _fsync(root)
+
+
+def _fsync(path: Path) -> None:
+    """Flush one file or folder (its entries) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Flush every file under `folder`, then each folder's entries, deepest first."""
+    for sub, _, files in sorted(os.walk(folder), key=lambda w: -len(Path(w[0]).parts)):
+        for f in files:
+            _fsync(Path(sub) / f)
+        _fsync(Path(sub))
 
 
 def _complete(root: Path) -> list[Path]:

@@ -64,6 +64,7 @@ class CoreRun:
         self.step = 0
         self.stop = threading.Event()
         self._step_lock = threading.RLock()  # a checkpoint (also `/admin/checkpoint`) never interleaves with a step
+        self._checkpointed_at = time.monotonic()  # for `trainer.checkpoint_every_s`
         if self.trainers:
             self.server.registry.admit_within(cfg.trainer.max_staleness)
             self.server.allow_anonymous = False  # during training every generation belongs to an episode: 401
@@ -106,6 +107,7 @@ class CoreRun:
                 mlflow=checkpoint.MlflowRun(run_id=t.run_id, tracking_uri=t.store_uri) if t is not None else None,
                 samplers=checkpoint.samplers_of({n: p.engine for n, p in self.server.policies.items()}),
             )
+        self._checkpointed_at = time.monotonic()
         log.info("checkpoint written to %s", path)
         return str(path)
 
@@ -201,21 +203,25 @@ class CoreRun:
         registry = self.server.registry
         idle_since = time.perf_counter()  # the trainer waits for groups from here
         while self.step < self.cfg.trainer.steps and not self.stop.is_set():
-            batch = registry.take_batch(self.server.versions(), self.cfg.trainer.max_staleness)
+            # Taken under the step lock: a checkpoint sees the batch either still buffered or trained,
+            # never taken out of the registry and not yet in the weights.
+            with self._step_lock:
+                batch = registry.take_batch(self.server.versions(), self.cfg.trainer.max_staleness)
+                if batch is not None:
+                    taken = time.perf_counter()
+                    metrics = self._train_batch(batch)
+                    self.step += 1
             if batch is None:
                 self.stop.wait(BATCH_POLL_S)
                 continue
-            taken = time.perf_counter()
-            with self._step_lock:
-                metrics = self._train_batch(batch)
-                self.step += 1
             metrics["time/wait_groups_s"] = taken - idle_since
             metrics["time/step_s"] = time.perf_counter() - idle_since
             metrics.update(self._rollout_metrics(batch))
             if self.telemetry is not None:
                 self.telemetry.log(self.step, metrics)
                 self.telemetry.log_trajectories(self.step, batch.episodes)
-            if self.cfg.trainer.checkpoint_every and self.step % self.cfg.trainer.checkpoint_every == 0:
+            every, every_s = self.cfg.trainer.checkpoint_every, self.cfg.trainer.checkpoint_every_s
+            if (every and self.step % every == 0) or (every_s and time.monotonic() - self._checkpointed_at >= every_s):
                 self.checkpoint()
             if on_step is not None:
                 on_step(self.step, metrics)

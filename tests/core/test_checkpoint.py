@@ -94,6 +94,21 @@ def test_latest_names_the_newest_and_keep_prunes_the_oldest(tmp_path: Path):
     assert not list(tmp_path.glob(".tmp-*"))
 
 
+def test_every_file_of_a_checkpoint_is_on_disk_before_it_is_renamed_into_place(tmp_path: Path, monkeypatch):
+    events: list[tuple[str, Path]] = []
+    real_fsync, real_move = checkpoint._fsync, checkpoint._move_into_place
+    monkeypatch.setattr(checkpoint, "_fsync", lambda p: (events.append(("fsync", Path(p))), real_fsync(p)))
+    monkeypatch.setattr(checkpoint, "_move_into_place",
+                        lambda tmp, final: (events.append(("rename", tmp)), real_move(tmp, final)))
+    final = save(tmp_path, 1, {MODEL: fresh(kl_coef=0.0)}, [], {MODEL: 1}, CONFIG)
+    (rename_at,) = [i for i, (what, _) in enumerate(events) if what == "rename"]
+    tmp = events[rename_at][1]
+    synced = {p.relative_to(tmp) for what, p in events[:rename_at] if what == "fsync" and p.is_relative_to(tmp)}
+    written = {p.relative_to(final) for p in final.rglob("*")} | {Path(".")}
+    assert written <= synced
+    assert ("fsync", tmp_path) in events[rename_at:]  # the rename itself is flushed too
+
+
 def test_saving_the_same_step_again_replaces_it(tmp_path: Path):
     trainer = fresh(kl_coef=0.0)
     groups = x_groups(trainer.policy)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import httpx
 import pytest
 import torch
 
+from core.run import checkpoint
 from core.run.checkpoint import step_dir_name
 from core.config import load_config
 from core.engine import SamplingParams
@@ -130,6 +132,37 @@ def test_a_checkpoint_waits_for_the_step_in_progress(core):
         assert saving.is_alive() and not paths  # held back by the step
     saving.join(60)
     assert paths and paths[0].endswith(step_dir_name(1))  # written after the step, with its step number
+
+
+def test_a_checkpoint_asked_for_right_after_the_batch_is_taken_includes_that_batch(core):
+    finish_group(core, [1.0, 0.0])
+    registry, paths = core.server.registry, []
+    take = registry.take_batch
+
+    def take_then_checkpoint(*args, **kwargs):  # /admin/checkpoint arriving the moment the batch leaves the buffer
+        batch = take(*args, **kwargs)
+        if batch is not None:
+            saving = threading.Thread(target=lambda: paths.append(core.checkpoint()))
+            saving.start()
+            saving.join(0.5)
+        return batch
+
+    registry.take_batch = take_then_checkpoint
+    train_one(core)
+    deadline = time.monotonic() + 60
+    while not paths and time.monotonic() < deadline:
+        time.sleep(0.05)
+    saved = checkpoint.load(paths[0])
+    # Either still buffered (step 0) or trained (step 1); never taken and lost in between.
+    assert saved.step == 1 and saved.buffered == []
+
+
+def test_a_run_checkpoints_by_time_whatever_its_step_count(core):
+    core.cfg.trainer.checkpoint_every, core.cfg.trainer.checkpoint_every_s = 0, 1e-6
+    finish_group(core, [1.0, 0.0])
+    train_one(core)
+    assert checkpoint.load_latest(core.cfg.trainer.checkpoint_dir).step == 1
+    assert load_config().trainer.checkpoint_every_s == 600  # the default loses at most ~10 minutes
 
 
 class _StepInBackward:
