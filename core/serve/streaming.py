@@ -12,11 +12,36 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from core.episodes.registry import EpisodeError
 from core.serve.state import Policy
 from core.serve.openai_wire import ChatRequest
+
+
+class IncrementalText:
+    """The text of a growing list of token ids, decoding a short window per token instead of the whole list.
+
+    Decoding token by token is not enough (a token's text can depend on the one before it, and a
+    UTF-8 character may span tokens), so each new token is decoded together with the tokens since
+    the last stable point, and the difference against the window without it is the new text. Text
+    is only taken once it does not end in half a character. O(n) over a completion, where decoding
+    the whole completion at every token was O(n^2) on the event loop (the vLLM/TGI scheme).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode, self.ids, self.text = decode, [], ""
+        self._prefix = self._read = 0  # window start; end of what is already in `text`
+
+    def add(self, token: int) -> str:
+        """Append one token; returns the stable text so far."""
+        self.ids.append(token)
+        before = self.decode(self.ids[self._prefix : self._read])
+        now = self.decode(self.ids[self._prefix :])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
+        return self.text
 
 
 def sse(data: dict | str) -> bytes:
@@ -36,8 +61,9 @@ async def stream_chat(gw, policy: Policy, body: ChatRequest, messages, rendered,
                     "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]})
 
     events: asyncio.Queue = asyncio.Queue()
-    tokens: list[list[int]] = [[] for _ in params]
+    texts = [IncrementalText(policy.renderer.completion_text) for _ in params]
     sent = [""] * len(params)
+    longest_stop = max((len(s) for s in body.stop or ()), default=0)
 
     async def run(i: int):
         try:
@@ -54,14 +80,13 @@ async def stream_chat(gw, policy: Policy, body: ChatRequest, messages, rendered,
         while done < len(params):
             i, item = await events.get()
             if isinstance(item, int):
-                tokens[i].append(item)
                 if tools_offered:
                     continue
-                text = policy.renderer.completion_text(tokens[i])
+                text = texts[i].add(item)
                 safe = text[: len(text) - hold] if hold else text
-                if safe.endswith("\ufffd"):
-                    continue  # half a UTF-8 character: wait for the rest
-                if len(safe) > len(sent[i]) and not any(s in safe for s in body.stop or ()):
+                # What was sent held no stop string, so a new one overlaps the new text: search only there.
+                fresh = safe[max(0, len(sent[i]) - longest_stop + 1) :]
+                if len(safe) > len(sent[i]) and not any(s in fresh for s in body.stop or ()):
                     yield chunk(i, {"content": safe[len(sent[i]) :]})
                     sent[i] = safe
                 continue
