@@ -23,19 +23,34 @@ FinishReason = Literal["stop", "length"]
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_BELOW (0 included) means greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded completion text
     seed: int | None = None  # a seeded request samples the same tokens every time, batched or not
+
+
+# Temperatures below this sample greedily. Dividing logits by a smaller one overflows float32 (a
+# logit of 10 over 1e-39 is inf, and softmax of inf is NaN), and at 1e-4 a logit gap of 0.01 is
+# already e^100 apart: the sample is the argmax either way, so greedy is what such a request means.
+GREEDY_BELOW = 1e-4
+
+
+class GenerationError(RuntimeError):
+    """One request could not be generated (its logits were NaN, its sampling failed); the others go on."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a request at this temperature decodes greedily (0, or below `GREEDY_BELOW`)."""
+    return temperature < GREEDY_BELOW
 
 
 def scoring_temperature(temperature: float) -> float:
     """The temperature at which a call's logprobs are computed, and at which the trainer scores them.
 
     Sampling at T > 0 draws from softmax(logits / T), so that is the behaviour policy. Greedy
-    decoding (T = 0) is a point mass with no useful logprob; its tokens are scored at T = 1.
+    decoding (T = 0, or below `GREEDY_BELOW`) is a point mass with no useful logprob; its tokens are scored at T = 1.
     """
-    return temperature if temperature > 0 else 1.0
+    return 1.0 if is_greedy(temperature) else temperature
 
 
 @dataclass

@@ -7,8 +7,10 @@ calling at once therefore share forward passes instead of running one after anot
 
 Sampling is per row (temperature, top_p, stop strings, seed). Logprobs are those of the tempered
 distribution the row sampled from (`scoring_temperature`), so the trainer can score the same policy.
-A request whose prefill fails gets its own error and the rows already decoding go on; at most
-`max_batch` rows are active. A trainer may change the weights between two decode steps
+A request whose prefill or sampling fails (a NaN row of logits from a diverged model, say) gets its
+own `GenerationError` and the rows already decoding go on; at most `max_batch` rows are active.
+A temperature below `GREEDY_BELOW` decodes greedily, and a top_p so small that it rounds to zero
+keeps the most likely token, so no sampling parameter can divide by zero. A trainer may change the weights between two decode steps
 (`swap_weights`) or after draining (`pause`/`resume`). This is not a paged-attention server:
 padding columns are kept until every row that needs them leaves, which is fine at CPU batch sizes.
 The queue, admission events and weight-swap plumbing it shares with the vLLM engine are
@@ -26,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from core.config import EngineConfig
-from core.engine import Generation, scoring_temperature
+from core.engine import Generation, GenerationError, is_greedy, scoring_temperature
 from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class _Row:
     text: str = ""
     finish: str | None = None
     stop_string: str | None = None
+    error: BaseException | None = None  # set with finish: the row failed alone and is resolved with this
 
 
 class HFEngine(WorkerEngine):
@@ -70,6 +73,7 @@ class HFEngine(WorkerEngine):
                     self._drained.set()
                     self._admitting.wait(IDLE_POLL_S)
                     continue
+                new = []  # bound before _take, so a failure below knows which requests it held
                 new = self._take(block=not rows, room=self.cfg.max_batch - len(rows))
                 if new:
                     rows, cache, mask = self._admit(new, rows, cache, mask)
@@ -82,25 +86,27 @@ class HFEngine(WorkerEngine):
                     rows, cache, mask = self._retire(rows, cache, mask)
             except Exception as e:  # a broken decode step fails its rows, never the worker
                 log.exception("engine batch failed")
-                for row in rows:
-                    resolve(row.req, exc=e)
+                for req in [row.req for row in rows] + new:  # resolve() settles each at most once
+                    resolve(req, exc=e)
                 rows, cache, mask = [], None, None
         self._run_swaps()  # a trainer waiting on a swap must not hang on a closed engine
 
     def _admit(self, reqs: list[Request], rows, cache, mask):
-        """Prefill `reqs` and join them to the running batch. A prefill that raises is retried one
-        request at a time, so only the request that cannot be prefilled fails; running rows are untouched."""
+        """Prefill `reqs`, sample their first tokens and join them to the running batch. A prefill or
+        first sample that raises is retried one request at a time, so only the request that cannot be
+        admitted fails; running rows are untouched (nothing of theirs changes before `_merge`)."""
         try:
             new_rows, new_cache, new_mask, last_logits = self._prefill(reqs)
+            self._sample(new_rows, last_logits)
         except Exception as e:
             if len(reqs) == 1:
-                log.warning("prefill of a %d-token prompt failed: %s: %s", len(reqs[0].prompt_ids), type(e).__name__, e)
-                resolve(reqs[0], exc=e)
+                log.warning("admitting a %d-token prompt failed: %s: %s", len(reqs[0].prompt_ids), type(e).__name__, e)
+                resolve(reqs[0], exc=e if isinstance(e, GenerationError) else
+                        GenerationError(f"the request could not be admitted: {type(e).__name__}: {e}"))
                 return rows, cache, mask
             for r in reqs:
                 rows, cache, mask = self._admit([r], rows, cache, mask)
             return rows, cache, mask
-        self._sample(new_rows, last_logits)
         return _merge(rows, cache, mask, new_rows, new_cache, new_mask)
 
     def _take(self, block: bool, room: int) -> list[Request]:
@@ -171,19 +177,30 @@ class HFEngine(WorkerEngine):
         self._sample(rows, out.logits[:, -1, :])
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """One token for every row. A row whose logits are not usable (NaN) or whose draw raises is
+        marked failed (`error`, retired with it at the next `_retire`); the other rows are sampled."""
         logits = logits.float().cpu()  # seeded per-row generators are CPU generators; a no-op on CPU
         temperatures = torch.tensor([[scoring_temperature(r.req.params.temperature)] for r in rows])
         # The behaviour logprob is of the tempered distribution the token is drawn from.
         logp = torch.log_softmax(logits / temperatures, dim=-1)
+        broken = torch.isnan(logits).any(-1) | ~torch.isfinite(logp.max(-1).values)
         for i, row in enumerate(rows):
             p = row.req.params
-            if p.temperature <= 0:
-                token = int(torch.argmax(logits[i]))
-            else:
-                probs = logp[i].exp()
-                if p.top_p < 1.0:
-                    probs = _top_p(probs, p.top_p)
-                token = int(torch.multinomial(probs, 1, generator=row.generator or self._rng))
+            if broken[i]:
+                row.finish, row.error = "error", GenerationError(
+                    "the model's logits for this request are not finite (NaN): its weights may have diverged")
+                continue
+            try:
+                if is_greedy(p.temperature):
+                    token = int(torch.argmax(logits[i]))
+                else:
+                    probs = logp[i].exp()
+                    if p.top_p < 1.0:
+                        probs = _top_p(probs, p.top_p)
+                    token = int(torch.multinomial(probs, 1, generator=row.generator or self._rng))
+            except Exception as e:  # noqa: BLE001 - this row's draw alone: its caller gets the reason
+                row.finish, row.error = "error", GenerationError(f"sampling failed: {type(e).__name__}: {e}")
+                continue
             row.token_ids.append(token)
             row.logprobs.append(float(logp[i, token]))
             self.stats["tokens"] += 1
@@ -213,6 +230,9 @@ class HFEngine(WorkerEngine):
         if not done:
             return rows, cache, mask
         for r in done:
+            if r.error is not None:
+                resolve(r.req, exc=r.error)
+                continue
             gen = Generation(
                 token_ids=r.token_ids,
                 logprobs=r.logprobs,
@@ -262,7 +282,9 @@ def _merge(rows, cache, mask, new_rows, new_cache, new_mask):
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_probs, order = torch.sort(probs, descending=True)
-    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the most likely token
+    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p
+    # The most likely token always stays: a top_p that rounds to 0 in float32 (1e-300) would keep none.
+    keep[0] = True
     filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
     return filtered / filtered.sum()
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from core.config import EngineConfig
-from core.engine import SamplingParams
+from core.engine import GenerationError, SamplingParams
 from core.engine.hf import HFEngine
 from core.models import build_tiny
 
@@ -181,3 +182,64 @@ def test_a_failing_weight_change_reaches_the_trainer_and_leaves_the_version(make
     assert not eng.swap_weights(lambda: False)  # a step that changed nothing keeps the version
     assert eng.version == version
     assert asyncio.run(eng.generate(prompt(eng, 2), SamplingParams(max_tokens=3))).token_ids
+
+
+def test_a_top_p_or_temperature_that_rounds_to_zero_samples_the_top_token_and_running_rows_go_on(make_engine):
+    eng = make_engine()
+    long = SamplingParams(max_tokens=20, temperature=1.0, seed=3)
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+
+    async def go():
+        alone = await eng.generate(prompt(eng, 0), long)
+        expected = await eng.generate(prompt(eng, 1), greedy)
+        running = await after_tokens(eng, prompt(eng, 0), long, 3)
+        tiny_p, tiny_t = await asyncio.wait_for(asyncio.gather(  # bounded: before the fix these hung
+            eng.generate(prompt(eng, 1), SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-300, seed=1)),
+            eng.generate(prompt(eng, 1), SamplingParams(max_tokens=6, temperature=1e-39))), 60)
+        return alone, expected, await running, tiny_p, tiny_t
+
+    alone, expected, running, tiny_p, tiny_t = asyncio.run(go())
+    assert tiny_p.token_ids == expected.token_ids and tiny_t.token_ids == expected.token_ids
+    assert tiny_t.temperature == 1.0  # greedy: scored at T = 1, like T = 0
+    assert all(lp == lp for lp in tiny_p.logprobs + tiny_t.logprobs)  # no NaN recorded
+    assert running.token_ids == alone.token_ids
+
+
+class _NaNOnMarker(torch.nn.Module):
+    """The tiny model, except that any forward pass whose row holds `marker` returns NaN logits for that
+    row: a diverged model as one request sees it."""
+
+    def __init__(self, model, marker: int):
+        super().__init__()
+        self.inner, self.marker = model, marker
+        self.config, self.generation_config = model.config, model.generation_config
+
+    def forward(self, input_ids, **kw):
+        out = self.inner(input_ids=input_ids, **kw)
+        bad = (input_ids == self.marker).any(-1)
+        out.logits[bad] = float("nan")
+        return out
+
+
+def test_nan_logits_fail_only_their_own_request_with_a_clear_error(tiny):
+    model, tok = tiny
+    marker = tok("zebra", add_special_tokens=False)["input_ids"][0]
+    eng = HFEngine(_NaNOnMarker(model, marker), tok, EngineConfig(), max_context=2048)
+    long = SamplingParams(max_tokens=20, temperature=1.0, seed=7)
+    short = SamplingParams(max_tokens=6, temperature=0)
+    try:
+        async def go():
+            alone = await eng.generate(prompt(eng, 0), long)
+            running = await after_tokens(eng, prompt(eng, 0), long, 3)
+            results = await asyncio.wait_for(asyncio.gather(eng.generate(prompt(eng, 1) + [marker], short),
+                                                            eng.generate(prompt(eng, 2), short),
+                                                            return_exceptions=True), 60)
+            return alone, await running, results
+
+        alone, running, (bad, good) = asyncio.run(go())
+        assert isinstance(bad, GenerationError) and "not finite" in str(bad)
+        assert not isinstance(good, BaseException) and good.token_ids
+        assert running.token_ids == alone.token_ids
+        assert asyncio.run(eng.generate(prompt(eng, 3), short)).token_ids  # the worker lives on
+    finally:
+        eng.close()
