@@ -100,5 +100,14 @@ demo: $(STAMP)
 core-demo: $(STAMP)
 	$(BIN)/swarm run configs/tiny.yaml
 
+# The wheels bench/gpu_check.sh carries to the lent GPU image (Python 3.12, no package index): pydantic
+# and its own needs, at the versions this venv runs, for x86-64 manylinux. .whl/ is git-ignored.
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$(foreach w,$(GPU_WHEELS),$(w)==$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('$(w)'))"))
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache mlflow.db mlruns
