@@ -33,7 +33,7 @@ from researcher.code_cli import checkout, diff, print_diff, propose, show
 from researcher.console import StudyConsole, budget_table, decisions_table, proposals_table, verdicts_table
 from researcher.lazy import lazy_module
 from researcher.planner.types import PlannerError, choose_planner
-from researcher.records import Decision
+from researcher.records import CodeVersion, Decision
 from researcher.store import StudyError, StudyMeta, StudyPaths, list_studies, load_meta, owner_pid, study_brief, study_paths
 from researcher.snapshot import read_state as read_snapshot
 from researcher.views import best_result, proposal_view, status_json
@@ -247,6 +247,8 @@ def review(ctx: typer.Context, name: str, all_: bool = typer.Option(False, "--al
     values, _, _ = runner.read_state(_paths(ctx, name), name)
     code = {v["proposal_id"]: v for v in values.get("code", [])}
     for r in rows:
+        if r["id"] in code:
+            console.print(f"[bold]{r['id']}[/bold] {CodeVersion.model_validate(code[r['id']]).checks()}")
         if code.get(r["id"], {}).get("diff"):
             console.print(f"[bold]{r['id']}[/bold] code diff (commit {code[r['id']]['commit'][:12] or '-'}):")
             print_diff(code[r["id"]]["diff"])

@@ -1,6 +1,6 @@
 """The study graph: LangGraph nodes and edges from brief to report, looping over rounds.
 
-    load_brief -> workspace -> start_live -> plan -> validate ⟲ -> review ⟲ -> prepare -> live -> launch
+    load_brief -> workspace -> start_live -> plan -> validate ⟲ -> review ⟲ -> execute ⟲ -> prepare -> live -> launch
                                               ^                                                    |
                                             decide <- analyze <- monitor ⟲ (to launch while runs are queued) <-
                                               | stop    (analyze -> launch while re-runs of failed seeds are queued)
@@ -8,7 +8,9 @@
 
 `workspace` sets up the study's code workspace (when the brief has a `code:` section);
 `validate` loops over the round's code proposals one at a time, so each validation is
-checkpointed; review sees only proposals that validated. `start_live` starts the brief's live run
+checkpointed; review sees only proposals that validated. With human approval of code, validate runs
+only the static checks, and `execute` runs an approved proposal's code (import, tests, smoke), one
+proposal per visit, before `prepare` turns anything into a core run. `start_live` starts the brief's live run
 (if any) before the first plan, and `live` keeps it going and swaps approved `hot_swap` proposals
 into it (researcher/nodes/live.py). State is plain JSON; every node is idempotent: it recomputes
 its answer from the state and looks up what it already did outside (proposal runs on MLflow,
@@ -26,7 +28,7 @@ from langgraph.graph import END, START, StateGraph
 
 from researcher.nodes import StudyNodes
 from researcher.nodes.base import StudyContext, StudyState, typed_values
-from researcher.nodes.code import unvalidated, versions
+from researcher.nodes.code import unexecuted, unvalidated, versions
 
 __all__ = ["NODES", "StudyContext", "StudyState", "build_graph", "typed_values"]
 
@@ -43,7 +45,11 @@ def _after_review(state: StudyState) -> str:
     decided = {d["proposal_id"] for d in state.get("decisions", [])}
     invalid = {pid for pid, v in versions(state).items() if not v.passed}
     current = [p for p in state.get("proposals", []) if p["round"] == state.get("round", 0)]
-    return "review" if any(p["id"] not in decided | invalid for p in current) else "prepare"
+    return "review" if any(p["id"] not in decided | invalid for p in current) else "execute"
+
+
+def _after_execute(state: StudyState) -> str:
+    return "execute" if unexecuted(state) else "prepare"
 
 
 def _after_monitor(state: StudyState) -> str:
@@ -62,8 +68,8 @@ def _after_decide(state: StudyState) -> str:
     return "report" if state.get("stop_reason") else "plan"
 
 
-NODES = ("load_brief", "workspace", "start_live", "plan", "validate", "review", "prepare", "live", "launch", "monitor",
-         "analyze", "decide", "report")
+NODES = ("load_brief", "workspace", "start_live", "plan", "validate", "review", "execute", "prepare", "live", "launch",
+         "monitor", "analyze", "decide", "report")
 
 
 def _read_only(state: StudyState) -> dict[str, Any]:
@@ -82,7 +88,8 @@ def build_graph(ctx: StudyContext | None) -> StateGraph:
     g.add_edge("start_live", "plan")
     g.add_conditional_edges("plan", _after_plan, ["validate", "report"])
     g.add_conditional_edges("validate", _after_validate, ["validate", "review"])
-    g.add_conditional_edges("review", _after_review, ["review", "prepare"])
+    g.add_conditional_edges("review", _after_review, ["review", "execute"])
+    g.add_conditional_edges("execute", _after_execute, ["execute", "prepare"])
     g.add_edge("prepare", "live")
     g.add_edge("live", "launch")
     g.add_edge("launch", "monitor")

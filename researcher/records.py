@@ -16,8 +16,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from researcher.decision import Confirmation, Verdict
 
 Ruling = Literal["approved", "vetoed"]  # a person's review decision (a statistical verdict is decision.Verdict)
-# Validation steps of a code proposal, in the order they run (see researcher/validation.py).
-VALIDATION_STEPS = ("apply", "compile", "import", "tests", "smoke")
+# Validation steps of a code proposal, in the order they run (see researcher/validation.py): the static
+# ones read the code, the executing ones run it (after approval when a person must approve it).
+STATIC_STEPS = ("apply", "compile", "contract")
+EXECUTING_STEPS = ("import", "tests", "smoke")
+VALIDATION_STEPS = STATIC_STEPS + EXECUTING_STEPS
 DecisionSource = Literal["cli", "mlflow", "policy"]
 # `stalled`: stopped by the study because it logged no new metric for `monitor.stall_s` (a hang);
 # `stopped`: stopped for any other reason (collapse, timeout, budget, a person).
@@ -238,8 +241,15 @@ class CodeVersion(BaseModel):
     failed_step: str | None = None
     steps: list[StepResult] = Field(default_factory=list)
     diff: str = ""  # `git diff` of the change against its parent (empty when it did not apply)
+    pending: list[str] = Field(default_factory=list)  # executing steps still to run, after approval
 
     def log(self) -> str:
-        return "\n".join(f"== {s.step}: {'passed' if s.passed else 'FAILED'} ({s.seconds:.1f} s)\n{s.log}".rstrip()
+        done = "\n".join(f"== {s.step}: {'passed' if s.passed else 'FAILED'} ({s.seconds:.1f} s)\n{s.log}".rstrip()
                          for s in self.steps)
+        return done + (f"\n== to come after approval: {', '.join(self.pending)}" if self.pending else "")
+
+    def checks(self) -> str:
+        """Which checks ran and which are still to come, in one line (review surfaces)."""
+        ran = ", ".join(f"{s.step} {'ok' if s.passed else 'FAILED'}" for s in self.steps) or "none"
+        return f"checks run: {ran}" + (f"; to come after approval: {', '.join(self.pending)}" if self.pending else "")
 

@@ -55,7 +55,7 @@ def _note(p: Proposal, diff: str, code: CodeVersion | None = None) -> str:
     code_part = ""
     if code is not None:
         state = f"validated, commit {code.commit[:12]}" if code.passed else f"INVALID at step {code.failed_step}"
-        code_part = f"**Code ({state}):**\n```diff\n{code.diff}\n```\n\n"
+        code_part = f"**Code ({state}; {code.checks()}):**\n```diff\n{code.diff}\n```\n\n"
     return _clip(f"### Proposal {p.id} (round {p.round}, {p.planner})\n\n**Hypothesis:** {p.hypothesis}\n\n"
                  f"**Rationale:** {p.rationale}\n\n**Expected effect:** {p.expected_effect}\n\n"
                  f"**Config diff:**\n```\n{diff}\n```\n\n{code_part}Approve or veto with "
@@ -103,7 +103,9 @@ class ReviewBoard:
                     "review.planner": p.planner, "mlflow.note.content": _note(p, diff, code)}
             if code is not None:
                 tags.update({"swarmrl.sandbox_version": code.commit, "validation.passed": str(code.passed).lower(),
-                             "validation.step": code.failed_step or ""})
+                             "validation.step": code.failed_step or "",
+                             "validation.ran": ",".join(s.step for s in code.steps),
+                             "validation.pending": ",".join(code.pending)})
                 if invalid:
                     tags["review.outcome"] = _clip(f"invalid: failed validation at step {code.failed_step}")
             run = self.client.create_run(self.experiment_id, tags=tags, run_name=f"proposal {p.id}")
@@ -219,6 +221,21 @@ class ReviewBoard:
             self.client.log_batch(run_id, metrics=metrics + [Metric("study/seeds", float(summary.n), stamp, 0)])
         if self.client.get_run(run_id).info.status in ("SCHEDULED", "RUNNING"):
             self.client.set_terminated(run_id, status=status)
+
+    def invalidate(self, proposal_id: str, code: CodeVersion) -> None:
+        """An approved code proposal whose code failed a step run after approval: it ends FAILED, with its
+        log; the decision stands (its tags stay), the outcome says why nothing runs."""
+        run = self.find(proposal_id)
+        if run is None:
+            return
+        run_id = run.info.run_id
+        self.client.log_batch(run_id, tags=[
+            RunTag("validation.passed", "false"), RunTag("validation.step", code.failed_step or ""),
+            RunTag("validation.ran", ",".join(s.step for s in code.steps)), RunTag("validation.pending", ""),
+            RunTag("review.outcome", _clip(f"invalid: failed validation at step {code.failed_step} after approval"))])
+        self.client.log_text(run_id, code.log(), "validation.log")
+        if self.client.get_run(run_id).info.status in ("SCHEDULED", "RUNNING"):
+            self.client.set_terminated(run_id, status="FAILED")
 
     def mark_running(self, proposal_id: str) -> None:
         run = self.find(proposal_id)

@@ -1,34 +1,44 @@
-"""Validation of a code proposal, in order, before anyone reviews it.
+"""Validation of a code proposal, in order: static steps, then the steps that run its code.
 
+Static (they read the code, nothing of it runs):
 1. apply: the edits (or patch) apply cleanly in a trial worktree, and only to allowed paths;
 2. compile: every changed Python file compiles;
-3. import: each edited sandbox imports in a fresh subprocess and defines `tasks(split)` and
+3. contract: an AST check that each edited sandbox's entry still defines `tasks` and
+   `async def rollout(task, llm)`;
+Executing (they run the proposal's code):
+4. import: each edited sandbox imports in a fresh subprocess and defines `tasks(split)` and
    `async rollout(task, llm)`;
-4. tests: the sandbox's own tests (`<sandbox>/tests/`) pass under a timeout;
-5. smoke: a few `debug` episodes of the edited sandbox run through the real client
+5. tests: the sandbox's own tests (`<sandbox>/tests/`) pass under a timeout;
+6. smoke: a few `debug` episodes of the edited sandbox run through the real client
    (`swarm client ... --kind debug`) against a live `swarm serve` of the study's model (or the
    brief's `code.smoke_model`); every episode must finish, which the server allows only with a
    finite reward. Debug episodes never train, and the server runs with `--no-train`.
 
-Steps 3-5 execute the proposal's code, and each such process runs contained (researcher/contain.py):
-an environment allowlist without the study's secrets, resource limits, its own process group killed
-at the timeout, and bubblewrap (only the trial worktree writable) when `bwrap` is on PATH. The
-`swarm serve` of the smoke run is the core's own code and runs as the study does.
+`validate` runs the static steps, and the executing ones too unless told not to: when a person must
+approve code (`approval.code_change: human`, unless the brief sets `code.execute_before_review`),
+nothing of a proposal runs before approval, and `execute` runs its pending steps afterwards; a
+failure there drops its commit. Each process of an executing step runs contained
+(researcher/contain.py): an environment allowlist without the study's secrets, resource limits,
+its own process group killed at the timeout, and bubblewrap (only the trial worktree writable)
+when `bwrap` is on PATH. The `swarm serve` of the smoke run is the core's own code and runs as the
+study does.
 
-Each step's result and log is recorded; the first failure stops the rest. Only when every step
-passed is the trial committed (researcher/workspace.py); otherwise the trial is thrown away and
+Each step's result and log is recorded; the first failure stops the rest. Only when every step that
+ran passed is the trial committed (researcher/workspace.py); otherwise the trial is thrown away and
 nothing is committed. This module runs processes and reads their output; it does not review,
 launch runs or write to MLflow.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +48,7 @@ import yaml
 
 from researcher.brief import Brief
 from researcher.contain import Limits, run_contained
-from researcher.records import CodeVersion, Proposal, StepResult
+from researcher.records import EXECUTING_STEPS, STATIC_STEPS, CodeVersion, Proposal, StepResult
 from researcher.workspace import EditError, Workspace, WorkspaceError
 
 # Lines of a step's output kept in the record (and shown to the planner and the reviewer).
@@ -98,35 +108,62 @@ class Validator:
     trials: Path  # where trial worktrees and smoke logs live (under the study's state)
     swarm: Path  # the `swarm` executable
     limits: Limits = field(default_factory=Limits)  # for every process that runs the proposal's code
+    _against: list[str] = field(default_factory=lambda: ["--cached"], init=False, repr=False)  # what `_changed` diffs
 
-    def validate(self, p: Proposal, parent_commit: str, emit: Callable[..., None]) -> CodeVersion:
-        """Run every step; commit when all pass. A trial left by a killed attempt is started over."""
+    def validate(self, p: Proposal, parent_commit: str, emit: Callable[..., None],
+                 execute: bool = True) -> CodeVersion:
+        """Run the static steps, and the executing ones too with `execute`; commit when all that ran
+        passed (the executing steps left are `pending`, for `execute`). A trial left by a killed
+        attempt is started over."""
         tree = self.trials / p.id
         self.workspace.remove(tree)
         self.workspace.checkout(parent_commit, tree)
+        self._against = ["--cached"]
         steps: list[StepResult] = []
         diff = ""
         try:
-            for name, step in (("apply", self._apply), ("compile", self._compile), ("import", self._import),
-                               ("tests", self._tests), ("smoke", self._smoke)):
-                emit("validation.step", proposal_id=p.id, step=name)
-                started = time.monotonic()
-                try:
-                    log = step(p, tree)
-                except StepFailed as e:
-                    steps.append(StepResult(step=name, passed=False, log=tail(e.log),
-                                            seconds=time.monotonic() - started))
+            for name in STATIC_STEPS + (EXECUTING_STEPS if execute else ()):
+                if not self._step(p, tree, name, steps, emit):
                     return CodeVersion(proposal_id=p.id, parent_commit=parent_commit, passed=False,
                                        failed_step=name, steps=steps, diff=diff)
-                steps.append(StepResult(step=name, passed=True, log=tail(log), seconds=time.monotonic() - started))
                 if name == "apply":
                     diff = subprocess.run(["git", "diff", "--cached", "--no-color", "--no-renames"], cwd=tree,
                                           capture_output=True, text=True).stdout
             commit = self.workspace.commit_trial(tree, p.id, f"{p.id}: {p.hypothesis}")
             return CodeVersion(proposal_id=p.id, parent_commit=parent_commit, passed=True, commit=commit,
-                               steps=steps, diff=diff)
+                               steps=steps, diff=diff, pending=[] if execute else list(EXECUTING_STEPS))
         finally:
             self.workspace.remove(tree)
+
+    def execute(self, p: Proposal, version: CodeVersion, emit: Callable[..., None]) -> CodeVersion:
+        """Run a statically validated version's pending (executing) steps on its commit. A failure makes
+        it invalid: its commit is dropped, so nothing runs it or builds on it."""
+        tree = self.trials / p.id
+        self.workspace.remove(tree)
+        self.workspace.checkout(version.commit, tree)
+        self._against = [version.parent_commit, "HEAD"]
+        steps = list(version.steps)
+        try:
+            for name in version.pending:
+                if not self._step(p, tree, name, steps, emit):
+                    self.workspace.drop_proposal(p.id)
+                    return version.model_copy(update={"passed": False, "failed_step": name, "steps": steps,
+                                                      "pending": [], "commit": ""})
+            return version.model_copy(update={"steps": steps, "pending": []})
+        finally:
+            self.workspace.remove(tree)
+
+    def _step(self, p: Proposal, tree: Path, name: str, steps: list[StepResult], emit: Callable[..., None]) -> bool:
+        """Run one step and record it in `steps`. -> whether it passed."""
+        emit("validation.step", proposal_id=p.id, step=name)
+        started = time.monotonic()
+        try:
+            log = getattr(self, f"_{name}")(p, tree)
+        except StepFailed as e:
+            steps.append(StepResult(step=name, passed=False, log=tail(e.log), seconds=time.monotonic() - started))
+            return False
+        steps.append(StepResult(step=name, passed=True, log=tail(log), seconds=time.monotonic() - started))
+        return True
 
     # -- steps ------------------------------------------------------------------------------
     def _apply(self, p: Proposal, tree: Path) -> str:
@@ -142,9 +179,34 @@ class Validator:
         return "\n".join(f"{status} {rel}" for status, rel in changes)
 
     def _changed(self, tree: Path) -> list[str]:
-        out = subprocess.run(["git", "diff", "--cached", "--name-only", "--no-renames", "--diff-filter=AM"],
+        out = subprocess.run(["git", "diff", *self._against, "--name-only", "--no-renames", "--diff-filter=AM"],
                              cwd=tree, capture_output=True, text=True).stdout
         return [line for line in out.splitlines() if line]
+
+    def _contract(self, p: Proposal, tree: Path) -> str:
+        """Without running anything: each edited sandbox's entry still defines `tasks` and `async def
+        rollout(task, llm)` at its top level (an import of either is accepted; the import step checks it)."""
+        logs = []
+        for folder in self.sandboxes(tree):
+            entry = folder / _entry_name(folder)
+            rel = entry.relative_to(tree)
+            try:
+                module = ast.parse(entry.read_text(), str(rel))
+            except (OSError, SyntaxError, ValueError) as e:
+                raise StepFailed(f"{rel}: cannot be read as Python: {type(e).__name__}: {e}") from None
+            found = _top_level(module)
+            problems = []
+            if "tasks" not in found:
+                problems.append("it defines no tasks(split)")
+            rollout = found.get("rollout")
+            if rollout is None or isinstance(rollout, ast.FunctionDef):
+                problems.append("it defines no `async def rollout(task, llm)`")
+            elif isinstance(rollout, ast.AsyncFunctionDef) and len(rollout.args.args) + len(rollout.args.posonlyargs) != 2:
+                problems.append("rollout must take (task, llm)")
+            if problems:
+                raise StepFailed(f"{rel}: " + "; ".join(problems))
+            logs.append(f"{rel}: defines tasks and async rollout(task, llm) (read, not run)")
+        return "\n".join(logs) or "no sandbox in the workspace"
 
     def _compile(self, p: Proposal, tree: Path) -> str:
         done = []
@@ -247,6 +309,31 @@ class Validator:
                 "--group-size", "1", "--concurrency", str(n)]
         what = f"smoke episodes of {folder.relative_to(tree)}"
         return self._run(argv, tree, max(1.0, deadline - time.monotonic()), what, tree)
+
+
+def _entry_name(folder: Path) -> str:
+    try:
+        meta = tomllib.loads((folder / "sandbox.toml").read_text()) if (folder / "sandbox.toml").is_file() else {}
+    except tomllib.TOMLDecodeError as e:
+        raise StepFailed(f"{folder.name}/sandbox.toml: {e}") from None
+    return str(meta.get("entry", "agent.py"))
+
+
+def _top_level(module: ast.Module) -> dict[str, ast.AST]:
+    """Names bound at a module's top level -> the statement binding them (last one wins)."""
+    found: dict[str, ast.AST] = {}
+    for node in module.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                found[(alias.asname or alias.name).split(".")[0]] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    found[t.id] = node
+    return found
 
 
 def _free_port() -> int:

@@ -271,6 +271,11 @@ class Workspace:
         return commit
 
 
+    def drop_proposal(self, proposal_id: str) -> None:
+        """Forget a proposal's commit (it failed a step after it was committed): nothing runs or builds on it."""
+        _git(self.root, "update-ref", "-d", f"refs/proposals/{proposal_id}", check=False)
+
+
 def patch_paths(patch: str) -> list[str]:
     """Every path a unified diff names, without its a/ or b/ prefix."""
     out = []

@@ -46,8 +46,9 @@ code:
   readonly: [sandboxes/letters/reward.py]
   smoke_model: tiny
   smoke_episodes: 2
+  execute_before_review: {execute}
 seeds: [0]
-planner: {{llm: {{proposals_per_round: 2, max_retries: 1}}}}
+planner: {{llm: {{proposals_per_round: 3, max_retries: 1}}}}
 monitor: {{poll_s: 0.5, collapse_drop: null}}
 review: {{poll_s: 0.5}}
 ---
@@ -132,9 +133,11 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
     require_swarm()
     before = _checkout_hash()
     brief = project.tmp / "code.md"
-    brief.write_text(BRIEF.format(rounds=1))
+    brief.write_text(BRIEF.format(rounds=1, execute="false"))
+    # r1-3 imports a module that does not exist: only running it shows that, after approval.
     plan = json.dumps({"proposals": [_edit("MAX_TOKENS = 12", "MAX_TOKENS = 16", 1),
-                                     _edit("MAX_TOKENS = 99", "MAX_TOKENS = 7", 2)]})
+                                     _edit("MAX_TOKENS = 99", "MAX_TOKENS = 7", 2),
+                                     _edit("MAX_TOKENS = 12", "MAX_TOKENS = 12\nimport no_such_module_anywhere", 3)]})
     llm = ScriptedLLM([plan, plan])  # the repair request gets the same unmatched block back
     with serve(llm) as url:
         project.cli("start", str(brief), "--name", "llm", "--planner", "llm", "--llm-base-url", url,
@@ -142,6 +145,13 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
         good = _wait_status(project, "llm", "r1-1", {"pending", "invalid"})
         bad = _wait_status(project, "llm", "r1-2", {"invalid"})
         assert good["status"] == "pending", good["validation"]["log"]
+        # Human approval: before review only the static checks ran; nothing of the proposal executed.
+        assert "== contract: passed" in good["validation"]["log"] and "== import" not in good["validation"]["log"]
+        assert "to come after approval: import, tests, smoke" in good["validation"]["log"]
+        late = _wait_status(project, "llm", "r1-3", {"pending", "invalid"})
+        assert late["status"] == "pending", late["validation"]["log"]
+        assert "checks run: apply ok, compile ok, contract ok; to come after approval: import, tests, smoke" in \
+            project.cli("review", "llm").stdout.replace("\n", " ")
         assert [good["validation"]["passed"], bad["validation"]["step"]] == [True, "apply"]
         assert "does not match" in bad["validation"]["log"] and bad["commit"] is None
         assert len(llm.requests) == 2
@@ -154,7 +164,11 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
         artifacts = {a.path for a in MlflowClient(project.tracking_uri).list_artifacts(proposal_run.info.run_id)}
         assert {"proposal.diff", "validation.log"} <= artifacts
         _approve_by_tag(project, "llm", "r1-1")
+        _approve_by_tag(project, "llm", "r1-3")
         values = project.wait_done("llm")
+    late = _show(project, "llm", "r1-3")  # approved, then its import failed: invalid, before any core run
+    assert (late["status"], late["validation"]["step"], late["commit"]) == ("invalid", "import", None), late
+    assert "no_such_module_anywhere" in late["validation"]["log"] and _core_run_tags(project, "llm", "r1-3") == []
     done = _show(project, "llm", "r1-1")
     assert done["status"] == "done" and done["score"] is not None
     assert [t["swarmrl.sandbox_version"] for t in _core_run_tags(project, "llm", "r1-1")] == [done["commit"]]
@@ -174,7 +188,7 @@ def test_manual_study_runs_peoples_proposals_survives_kill_9_and_refuses_bad_pat
     before = _checkout_hash()
     tmp = project.tmp
     brief = tmp / "manual.md"
-    brief.write_text(BRIEF.format(rounds=5))
+    brief.write_text(BRIEF.format(rounds=5, execute="true"))  # opted in: the executing steps run before review
     paths = study_paths(project.studies, "man")
     good = _patch(tmp, "good", AGENT, "MAX_TOKENS = 12", "MAX_TOKENS = 16")
     project.cli("start", str(brief), "--name", "man", "--planner", "manual", "--detach")

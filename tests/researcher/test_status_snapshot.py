@@ -86,5 +86,5 @@ def test_status_answers_without_mlflow_or_the_graph(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", probe, "study", "--studies-dir", str(tmp_path), "status", "s"],
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr
-    assert "phase prepare, round 1; not running" in out.stdout and "trainer steps" in out.stdout
+    assert "phase execute, round 1; not running" in out.stdout and "trainer steps" in out.stdout
     assert "pending reviews" not in out.stdout and out.stdout.strip().endswith("loaded []")

@@ -128,7 +128,7 @@ BAD_EDITS = [
     ("import", [Edit(file="sandboxes/letters/agent.py", search="MAX_TOKENS = 12",
                      replace="MAX_TOKENS = 12\nimport no_such_module_anywhere")], "import"),
     ("contract", [Edit(file="sandboxes/letters/agent.py", search="async def rollout(task, llm)",
-                       replace="async def roll_out(task, llm)")], "import"),
+                       replace="async def roll_out(task, llm)")], "contract"),  # caught by reading, not running
     # the sandbox's own tests require task ids that name their split
     ("test", [Edit(file="sandboxes/letters/agent.py", search='f"{split}-{i}"', replace='f"task-{i}"')], "tests"),
 ]
