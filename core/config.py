@@ -77,7 +77,7 @@ class ServerConfig(Strict):
     # Serve requests without an episode key (never recorded) when nothing trains (`swarm serve` without
     # training); a run that trains (`swarm run`, `swarm serve` with a trainer) answers them 401 regardless.
     allow_anonymous: bool = True
-    admin_token: str | None = None  # None: a random token, printed once at start (never logged in full)
+    admin_token: str | None = None  # None: a random token, kept in a 0600 file whose path is printed (never the token)
     lease_s: float = Field(60.0, gt=0)
     max_open_episodes: int = Field(512, ge=1)
     # The hang watchdog (`core.run.watchdog`): no finished episode and no train step for this long while a
