@@ -1,8 +1,11 @@
 """Budget accounting: what a study has spent against its brief, and whether it may spend more.
 
 Runs and trainer steps are counted when a run is launched, at the steps it was asked for, so the
-count is the same whether or not the study was interrupted. Wall-clock counts the time between a
-round's first launch and its last run ending: time spent waiting for a person is free. Tokens are
+count is the same whether or not the study was interrupted. Compute time (`wall_s`) is the time
+some run was running: the union of the runs' [start, end] intervals, the study's live run
+included (its steps count as it logs them). Time waiting for a person, and a downtime in which
+nothing ran (the machine rebooted), are free; a run's end is its last sign of life
+(`researcher.launcher`), not the moment a resumed study noticed it was gone. Tokens are
 what the llm planner's endpoint reported. GPU-hours are each launched run's wall time times the
 GPUs the brief says a run requests (`launch.gpus`; 0 on CPU). This module computes; it stops nothing itself.
 """
@@ -32,14 +35,14 @@ class Spent:
         """What `state` has spent; `gpus` is the brief's `launch.gpus` (GPUs per run)."""
         launches = [Launch.model_validate(x) for x in state.get("launches", [])]
         launched = [x for x in launches if x.status in LAUNCHED]
-        wall = float(state.get("compute_s", 0.0))
-        if state.get("round_started"):
-            wall += (now or time.time()) - float(state["round_started"])
+        live = Launch.model_validate(state["live"]) if state.get("live") else None
         clock = now or time.time()
-        run_s = sum((x.ended_at or clock) - x.started_at for x in launched if x.started_at)
-        return cls(runs=len(launched), steps=sum(x.steps for x in launched),
-                   tokens=int(state.get("tokens_used", 0)), wall_s=wall,
-                   gpu_hours=run_s * gpus / 3600.0)
+        timed = launched + ([live] if live is not None and live.status in LAUNCHED else [])
+        intervals = [(x.started_at, max(x.started_at, x.ended_at or clock)) for x in timed if x.started_at is not None]
+        run_s = sum(end - start for start, end in intervals)
+        steps = sum(x.steps for x in launched) + (live.steps_done if live is not None else 0)
+        return cls(runs=len(launched), steps=steps, tokens=int(state.get("tokens_used", 0)),
+                   wall_s=_union(intervals), gpu_hours=run_s * gpus / 3600.0)
 
     def left(self, brief: Brief) -> tuple[int, int, int]:
         """(runs, steps, tokens) still available."""
@@ -69,3 +72,13 @@ class Spent:
                 ("wall-clock (s)", f"{self.wall_s:.0f}", f"{b.wall_clock:.0f}"),
                 ("LLM tokens", str(self.tokens), str(b.llm_tokens)),
                 ("GPU-hours", f"{self.gpu_hours:.2f}", "-" if b.gpu_hours is None else f"{b.gpu_hours:g}")]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by the intervals: runs side by side count once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total

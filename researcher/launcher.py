@@ -235,7 +235,7 @@ class Launcher:
             return launch.model_copy(update=update)
         intent = self._intent(launch.key) or {}
         mlflow_status = client.get_run(run_id).info.status if run_id else None
-        update["ended_at"] = time.time()
+        update["ended_at"] = last_alive(launch, Path(update["log_path"]))
         if intent.get("stop_reason"):
             update.update(status=intent.get("stop_status", "stopped"), reason=intent["stop_reason"],
                           log_tail=log_tail(update["log_path"]))
@@ -294,3 +294,13 @@ def stop_local(path: Path, intent: dict[str, Any], reason: str, grace_s: float) 
     if marker in _cmdline(pid):
         Launcher._signal(pid, signal.SIGKILL)
     return True
+
+
+def last_alive(launch: Launch, log: Path) -> float:
+    """When a run that is gone was last known to run: its log's last write (a run logs as it goes),
+    so a run that died in a reboot does not bill the downtime before the study resumed and noticed."""
+    try:
+        seen = log.stat().st_mtime
+    except OSError:
+        seen = time.time()
+    return max(launch.started_at if launch.started_at is not None else seen, min(seen, time.time()))
