@@ -84,6 +84,12 @@ class ServerConfig(Strict):
     # trainer waits means the run is stalled: one diagnostic line, thread stacks dumped, status `stalled`.
     # Ten minutes is far beyond a CPU step of the shipped models, so a slow step is never taken for a hang. 0: off.
     stall_s: float = Field(600.0, ge=0)
+    # The longest the gateway waits for an engine to answer one request before a 504: no request is
+    # awaited without a bound. Ten minutes is far beyond a CPU completion of default_max_tokens.
+    request_timeout_s: float = Field(600.0, gt=0)
+    # Request bodies larger than this are refused with 413 before they are parsed. 8 MiB holds a
+    # 64k-token context as JSON many times over; a 12 MB message only costs memory and event-loop time.
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
 
 class TrainerConfig(Strict):
@@ -121,6 +127,12 @@ class TrainerConfig(Strict):
     checkpoint_dir: str = "checkpoints"
     keep_checkpoints: int | None = Field(3, ge=1)  # oldest removed first; None keeps all (SmolLM2 is ~0.5 GB each)
     seed: int = 0
+    # Rewards beyond +-this are refused at finish (400): RL rewards are O(1), and 1e308 overflows a
+    # group's mean. A million leaves room for any reward scale in use while keeping sums exact in float64.
+    max_abs_reward: float = Field(1e6, gt=0)
+    # This many failed train steps in a row end the run as FAILED (non-zero exit): one bad step is
+    # logged and skipped, but a run whose every step fails must not report FINISHED.
+    max_failed_steps: int = Field(3, ge=1)
 
 
 class ClientConfig(Strict):

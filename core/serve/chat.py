@@ -28,6 +28,14 @@ class TemplateError(ValueError):
     """The messages or tools cannot be rendered by the model's chat template."""
 
 
+class PromptTooLong(ValueError):
+    """The rendered text's byte length alone proves the prompt longer than the context: not tokenized."""
+
+    def __init__(self, at_least: int, max_context: int):
+        super().__init__(f"prompt is at least {at_least} tokens; the model's context is {max_context}")
+        self.at_least, self.max_context = at_least, max_context
+
+
 @dataclass
 class Rendered:
     prompt_ids: list[int]
@@ -42,6 +50,11 @@ class ChatRenderer:
         self.eos_text = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         self.turn_close = self._turn_close()
         self._end_ids = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
+        # No token stands for more UTF-8 bytes than its own vocabulary string takes (byte-level BPE
+        # writes a byte as one or two characters, sentencepiece a space as the 3-byte "▁"), so a text
+        # of B bytes is at least B / this many tokens: what `at_least_tokens` proves before tokenizing.
+        # It assumes the tokenizer's normaliser does not delete text (none of the causal LMs' do).
+        self.max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()), default=1) or 1
 
     def _template(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         try:
@@ -65,8 +78,21 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
-    def render(self, messages: list[dict], tools: list[dict] | None, history: list[Call] = ()) -> Rendered:
+    def at_least_tokens(self, text: str) -> int:
+        """A lower bound on the tokens `text` encodes to, from its byte length alone (no tokenizing)."""
+        return -(-len(text.encode("utf-8", "replace")) // self.max_token_bytes)
+
+    def check_length(self, text: str, max_context: int | None, already: int = 0) -> None:
+        """Raise `PromptTooLong` when `already` ids plus `text` cannot fit `max_context`, before tokenizing it."""
+        if max_context is not None and (at_least := already + self.at_least_tokens(text)) > max_context:
+            raise PromptTooLong(at_least, max_context)
+
+    def render(self, messages: list[dict], tools: list[dict] | None, history: list[Call] = (),
+               max_context: int | None = None) -> Rendered:
+        """Prompt ids for `messages`; with `max_context`, a prompt whose text alone proves it longer is
+        refused (`PromptTooLong`) before any tokenization."""
         full_text = self._template(messages, tools, True)
+        self.check_length(full_text, max_context)
         fresh: list[int] | None = None
         earlier, edited = _find_extended_call(messages, history)
         if earlier is not None:
@@ -77,7 +103,9 @@ class ChatRenderer:
                 if earlier.completion_ids and earlier.completion_ids[-1] == self.tok.eos_token_id:
                     close = close[len(self.eos_text) :] if close.startswith(self.eos_text) else close
                 reused = earlier.prompt_ids + earlier.completion_ids
-                ids = reused + self.encode(close + full_text[len(prefix_text) :])
+                suffix = close + full_text[len(prefix_text) :]
+                self.check_length(suffix, max_context, already=len(reused))
+                ids = reused + self.encode(suffix)
                 fresh = self.encode(full_text)
                 return Rendered(ids, len(reused), drift=fresh != ids, broken=False)
             edited = True  # same messages, different rendering (tools changed): not append-only

@@ -5,7 +5,11 @@ A request belongs to an episode through its bearer key (or the path form
 never the bare episode id, see `core.auth`); its tokens are then recorded on that
 episode. Requests without a key are served, unrecorded, only when the server allows anonymous use.
 No input a client can send reaches a bare 500: validation, template, context and episode errors all
-map to OpenAI-style JSON. The gateway renders and records; engines generate, the registry keeps books.
+map to OpenAI-style JSON. Bodies over `server.max_request_bytes` get 413 (`core.serve.body_limit`);
+rendering and tokenizing run off the event loop, after a byte-length check that refuses a prompt
+its text alone proves too long; every engine await is bounded by `server.request_timeout_s` (504);
+a request the engine could not generate (`GenerationError`) gets its own 500 naming why.
+The gateway renders and records; engines generate, the registry keeps books.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.auth import bearer
-from core.serve.chat import TemplateError
-from core.engine import Generation, SamplingParams
+from core.serve.body_limit import BodyLimit
+from core.serve.chat import PromptTooLong, TemplateError
+from core.engine import Generation, GenerationError, SamplingParams, is_greedy
 from core.episodes.registry import KEY_PREFIX, EpisodeError
 from core.records import Call, Episode
 from core.serve.state import Policy, ServerState
@@ -36,7 +41,8 @@ log = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-               422: "invalid_request_error", 503: "service_unavailable"}
+               422: "invalid_request_error", 500: "server_error", 503: "service_unavailable",
+               504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -59,6 +65,7 @@ def build_app(server: ServerState) -> FastAPI:
         sweeper.cancel()
 
     app = FastAPI(title="swarmrl", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=server.cfg.server.max_request_bytes)
     gw = _Gateway(server)
 
     @app.exception_handler(APIError)
@@ -151,11 +158,40 @@ class _Gateway:
         max_tokens = min(requested or self.server.cfg.engine.default_max_tokens, room)
         stop = tuple(body.stop or ())
         temperature = self.server.cfg.engine.default_temperature if body.temperature is None else body.temperature
+        temperature = 0.0 if is_greedy(temperature) else temperature  # every engine sees greedy as 0
         return [
             SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, stop=stop,
                            seed=None if body.seed is None else body.seed + i)
             for i in range(body.n)
         ]
+
+    async def generate(self, policy: Policy, prompt_ids: list[int], params: list[SamplingParams]) -> list[Generation]:
+        """One generation per params, awaited for at most `server.request_timeout_s` (504 after)."""
+        timeout = self.server.cfg.server.request_timeout_s
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(*(policy.engine.generate(prompt_ids, p) for p in params)), timeout)
+        except TimeoutError:
+            raise APIError(504, f"the engine did not answer within server.request_timeout_s ({timeout:g} s)",
+                           "timeout") from None
+        except GenerationError as e:
+            raise APIError(500, f"generation failed: {e}", "generation_failed") from None
+
+    async def render(self, policy: Policy, messages, tools, history):
+        """Render and tokenize on a worker thread: a long prompt never stalls the event loop."""
+        try:
+            return await asyncio.to_thread(policy.renderer.render, messages, tools, history, policy.engine.max_context)
+        except TemplateError as e:
+            raise APIError(400, str(e), "invalid_messages") from None
+        except PromptTooLong as e:
+            raise APIError(400, str(e), "context_length_exceeded") from None
+
+    async def encode(self, policy: Policy, text: str) -> list[int]:
+        try:
+            policy.renderer.check_length(text, policy.engine.max_context)
+        except PromptTooLong as e:
+            raise APIError(400, str(e), "context_length_exceeded") from None
+        return await asyncio.to_thread(policy.renderer.encode, text)
 
     def text_of(self, policy: Policy, gen: Generation) -> str:
         text = policy.renderer.completion_text(gen.token_ids)
@@ -175,10 +211,7 @@ class _Gateway:
         tools_offered = bool(body.tools) and body.tool_choice != "none"
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_offered else None
         history = episode.calls_of(policy.name) if episode is not None else []
-        try:
-            rendered = policy.renderer.render(messages, tools, history)
-        except TemplateError as e:
-            raise APIError(400, str(e), "invalid_messages") from None
+        rendered = await self.render(policy, messages, tools, history)
         tp = self.server.throughput
         tp.tito_reused += rendered.reused_prefix > 0
         tp.tito_drift += rendered.drift
@@ -189,7 +222,7 @@ class _Gateway:
                 stream_chat(self, policy, body, messages, rendered, params, tools_offered, episode),
                 media_type="text/event-stream",
             )
-        gens = await asyncio.gather(*(policy.engine.generate(rendered.prompt_ids, p) for p in params))
+        gens = await self.generate(policy, rendered.prompt_ids, params)
         choices, completion_tokens = [], 0
         for i, gen in enumerate(gens):
             reply = policy.renderer.parse_reply(self.text_of(policy, gen), tools_offered)
@@ -215,14 +248,14 @@ class _Gateway:
         if body.stream:
             raise APIError(400, "streaming is offered on /v1/chat/completions only", "unsupported")
         if isinstance(body.prompt, str):
-            prompt_ids = policy.renderer.encode(body.prompt)
+            prompt_ids = await self.encode(policy, body.prompt)
         else:
             vocab = len(policy.tokenizer)
             if any(t < 0 or t >= vocab for t in body.prompt):
                 raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_prompt")
             prompt_ids = list(body.prompt)
         params = self.sampling(body, policy, len(prompt_ids), body.max_tokens)
-        gens = await asyncio.gather(*(policy.engine.generate(prompt_ids, p) for p in params))
+        gens = await self.generate(policy, prompt_ids, params)
         choices, completion_tokens = [], 0
         for i, gen in enumerate(gens):
             text = self.text_of(policy, gen)

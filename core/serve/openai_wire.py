@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16  # completions per request: more is a batch job, not an agent call
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
+# Seeds are int64, as OpenAI documents them and torch takes them: 2**64 would fail in the engine.
+# The n choices of one request use seed, seed + 1, ...: still in range for torch (it takes < 2**64).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class _Open(BaseModel):
@@ -74,17 +77,45 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+def _unencodable(value: Any, where: str = "") -> str | None:
+    """The path of the first string in `value` that is not valid UTF-8 text (a lone surrogate such as
+    "\\ud800", which JSON can carry and no tokenizer can encode), else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _unencodable(item, f"{where}.{key}" if where else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 class SamplingFields(_Open):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)  # None: the server's engine.default_temperature
+    # None: the server's engine.default_temperature. Below core.engine.GREEDY_BELOW (1e-4) decodes
+    # greedily, exactly as 0 does (and is scored at T = 1): a smaller divisor only overflows float32.
+    temperature: float | None = Field(None, ge=0, le=2)
+    # Nucleus mass; however small (1e-300 rounds to 0 in float32), the most likely token is kept.
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # int64
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        where = _unencodable(data)
+        if where is not None:
+            raise ValueError(f"{where} holds text that cannot be encoded as UTF-8 (a lone surrogate?)")
+        return data
 
     @field_validator("stop")
     @classmethod

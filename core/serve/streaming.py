@@ -3,7 +3,8 @@
 Text streams token by token as the engine samples it, held back only where a stop string might still
 be forming or a UTF-8 character is incomplete. When tools are offered, the reply is sent whole at the
 end, because a tool call is only known once its closing tag has arrived. Recording happens exactly as
-for non-streamed calls, once a choice is complete.
+for non-streamed calls, once a choice is complete. Each choice's engine await is bounded by
+`server.request_timeout_s`; a choice that fails or times out is reported in-stream.
 """
 
 from __future__ import annotations
@@ -65,10 +66,15 @@ async def stream_chat(gw, policy: Policy, body: ChatRequest, messages, rendered,
     sent = [""] * len(params)
     longest_stop = max((len(s) for s in body.stop or ()), default=0)
 
+    timeout = gw.server.cfg.server.request_timeout_s
+
     async def run(i: int):
         try:
-            gen = await policy.engine.generate(rendered.prompt_ids, params[i], on_token=lambda t: events.put_nowait((i, t)))
+            gen = await asyncio.wait_for(policy.engine.generate(
+                rendered.prompt_ids, params[i], on_token=lambda t: events.put_nowait((i, t))), timeout)
             events.put_nowait((i, gen))
+        except TimeoutError:
+            events.put_nowait((i, TimeoutError(f"no answer within server.request_timeout_s ({timeout:g} s)")))
         except Exception as e:  # reported in-stream: the HTTP status is already sent
             events.put_nowait((i, e))
 
