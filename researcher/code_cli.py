@@ -21,7 +21,7 @@ import yaml
 from rich.console import Console
 from rich.syntax import Syntax
 
-from researcher import confirmation, inbox
+from researcher import inbox
 from researcher.brief import BriefError
 from researcher.lazy import lazy_module
 from researcher.snapshot import read_state as read_snapshot
@@ -31,6 +31,8 @@ from researcher.views import proposal_diff, proposal_view
 
 # LangGraph and MLflow load with the first command that reads a study's state (see researcher.cli).
 runner = lazy_module("researcher.runner")
+# Only `checkout --recommended` needs it, and it loads MLflow and scipy (through analysis): not at start-up.
+confirmation = lazy_module("researcher.confirmation")
 
 console = Console()
 # Longest patch `propose` accepts: a study edits small sandboxes, and the diff goes into tags and prompts.
