@@ -14,6 +14,12 @@ may run on another machine and nothing local about it is needed:
         heartbeat, opens nothing new, finishes its in-flight episodes and exits
     wait (bounded) until the old clients have left the table
 
+`swap(..., ab=True)` (`swarm swap --ab`) is an A/B inside the live run: the new client starts with the
+old clients' kind and group size and, by default, their summed concurrency, so open episodes split
+about 50/50 between the versions; the server records the swap (`SwapRecord.ab`) and drains nobody.
+`drain_version` (`swarm swap SANDBOX --drain-version V`) ends it: the clients of version V drain, a
+serving client of another version named as their successor (nothing of V left: nothing to do, exit 0).
+
 `swap` signals only the client it started itself, and only when the swap fails after starting it.
 
 Server files: `swarm run` writes `<run folder>/server.json` (the run folder is the parent of
@@ -157,9 +163,9 @@ class _Admin:
     def clients(self, sandbox: str) -> list[dict]:
         return [c for c in self.http.status().get("clients", []) if c["sandbox"] == sandbox]
 
-    def drain(self, sandbox: str, ids: list[str], successor: str = "") -> dict | None:
+    def drain(self, sandbox: str, ids: list[str], successor: str = "", ab: bool = False) -> dict | None:
         try:
-            order = {"sandbox": sandbox, "client_ids": ids, "successor": successor}
+            order = {"sandbox": sandbox, "client_ids": ids, "successor": successor, "ab": ab}
             return self.http.call("POST", "/admin/drain", order, key=self.token)
         except SwarmError as e:
             if e.status == 401:
@@ -247,8 +253,9 @@ def _proven(clients: list[dict], client_id: str) -> bool:
 
 def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token: str | None = None,
          settle_s: float = SWAP_SETTLE_S, register_timeout_s: float = REGISTER_TIMEOUT_S,
-         drain_wait_s: float = DRAIN_WAIT_S) -> int:
-    """Hot swap; -> the exit code (0 swapped, 1 the new client failed, 2 refused before starting anything)."""
+         drain_wait_s: float = DRAIN_WAIT_S, ab: bool = False) -> int:
+    """Hot swap (with `ab`, an A/B start that drains nobody); -> the exit code (0 swapped, 1 the new client
+    failed, 2 refused before starting anything)."""
     try:
         url, token = resolve_server(server, admin_token)
         spec = locate(spec)  # sandbox:NAME -> its folder, so the new client runs the same code wherever it starts
@@ -268,6 +275,8 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
             log.warning("the clients of %s differ in kind or group size; the new one takes %s's", name,
                         old[0]["client_id"])
         admin.drain(name, [])  # checks the token: a wrong one must not leave two clients running
+        if ab and concurrency is None:  # as many episodes in flight as all the old clients: a 50/50 split
+            concurrency = sum(c["concurrency"] for c in old)
         new = _start(spec, python, url, name, old[0], concurrency)
         log.info("started the new client %s (pid %d, version %s); waiting for it to register", new.client_id,
                  new.proc.pid, version)
@@ -276,7 +285,7 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
         _until(lambda: False, settle_s, new)  # it must survive the settle time too
         ids = [c["client_id"] for c in old]
         record = admin.drain(name, [c["client_id"] for c in admin.clients(name) if c["client_id"] in ids],
-                             new.client_id)
+                             new.client_id, ab=ab)
     except (SwapError, SwarmError) as e:
         if new is not None:
             new.stop()
@@ -285,12 +294,45 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
         log.error("swap failed: %s", e)
         return EXIT_REFUSED if new is None else EXIT_FAILED
     drained = record["drained"] if record else []
+    if ab:
+        print(f"A/B in {name}: {', '.join(record['from_versions']) if record else '-'} keep serving beside {version}; "
+              f"new client {new.client_id} (pid {new.proc.pid}, log {new.log_path}); swap {record['n'] if record else '-'}",
+              flush=True)
+        return 0
     print(f"swapped {name}: {', '.join(record['from_versions']) if record else '-'} -> {version}; new "
           f"client {new.client_id} (pid {new.proc.pid}, log {new.log_path}); draining {len(drained)} old client(s)",
           flush=True)
     left = _until(lambda: not {c["client_id"] for c in admin.clients(name)} & set(drained), drain_wait_s)
     if not left:
         log.warning("old client(s) still draining after %.0fs: %s", drain_wait_s, drained)
+    return 0
+
+
+def drain_version(sandbox: str, server: str, version: str, *, admin_token: str | None = None,
+                  drain_wait_s: float = DRAIN_WAIT_S) -> int:
+    """End an A/B: drain `sandbox`'s clients of `version`, a serving client of another version their
+    successor; -> the exit code (0 drained or nothing left of it, 2 refused)."""
+    try:
+        url, token = resolve_server(server, admin_token)
+        name = load_agent(locate(sandbox)).name if Path(sandbox).is_dir() else sandbox
+        admin = _Admin(url, token)
+        clients = admin.clients(name)
+        losers = [c["client_id"] for c in clients if c["version"] == version]
+        if not losers:
+            print(f"nothing to drain: no client of {name} runs version {version}", flush=True)
+            return 0
+        winners = [c for c in clients if c["version"] != version and c["state"] == "serving"]
+        if not winners:
+            raise SwapError(f"no serving client of {name} runs another version than {version}: draining it would "
+                            "leave the sandbox without clients")
+        record = admin.drain(name, losers, winners[0]["client_id"])
+    except (SwapError, SwarmError, ValueError, OSError) as e:
+        log.error("drain refused: %s", e)
+        return EXIT_REFUSED
+    print(f"drained {name} version {version} ({len(losers)} client(s)); {winners[0]['version']} serves on; swap "
+          f"{record['n'] if record else '-'}", flush=True)
+    if not _until(lambda: not {c["client_id"] for c in admin.clients(name)} & set(losers), drain_wait_s):
+        log.warning("client(s) still draining after %.0fs: %s", drain_wait_s, losers)
     return 0
 
 

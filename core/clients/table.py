@@ -7,7 +7,9 @@ and the moment its successor has registered) and drains the old clients through
 `/swarm/v1/admin/drain`, so a swap needs nothing local about the old client: it may run on another
 machine. A drain order sticks to the client id until the client leaves or falls silent for
 `CLIENT_TTL_S`. Each drain that names a successor is one `SwapRecord`; the run loop tags it on
-its MLflow run (`on_swap`).
+its MLflow run (`on_swap`). An A/B order (`DrainClients.ab`, `swarm swap --ab`) is recorded the same
+way (`SwapRecord.ab`) but drains nobody: the old clients keep serving beside their successor, and
+the loser drains later by an ordinary order naming the winner.
 
 This module keeps the books only: it never signals a process and does not run episodes.
 """
@@ -90,7 +92,8 @@ class ClientTable:
         """Mark the named clients of `order.sandbox` draining; a swap record when a successor is named.
 
         Every named id must be a registered client of that sandbox (404 otherwise, nothing marked), and
-        the successor a registered, serving one: a swap never drains the only client for nothing."""
+        the successor a registered, serving one: a swap never drains the only client for nothing. With
+        `order.ab` nobody is marked: the record starts an A/B, the named clients serving beside the successor."""
         with self._lock:
             now = self.clock()
             self._forget_silent(now)
@@ -109,13 +112,15 @@ class ClientTable:
                                        f"sandbox {order.sandbox!r}; nothing was drained", "no_successor")
             if successor in targets:
                 raise ClientError(409, "a client cannot succeed itself", "no_successor")
+            if any(reg.draining for reg in targets) and order.ab:
+                raise ClientError(409, "an A/B needs its old clients serving; some are draining", "draining")
             for reg in targets:
-                reg.draining = True
+                reg.draining = reg.draining or not order.ab
             record = SwapRecord(n=len(self.swaps) + 1, sandbox=order.sandbox,
                                 from_versions=sorted({r.info.version for r in targets}),
                                 to_version=successor.info.version, successor=order.successor,
-                                to_spec=successor.info.spec,
-                                drained=[r.info.client_id for r in targets], at=now)
+                                to_spec=successor.info.spec, ab=order.ab,
+                                drained=[] if order.ab else [r.info.client_id for r in targets], at=now)
             self.swaps.append(record)
         if self.on_swap is not None:
             self.on_swap(record)  # outside the lock: it may write to MLflow

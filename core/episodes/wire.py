@@ -33,7 +33,9 @@ class EpisodeOpened(BaseModel):
 
 class FinishEpisode(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: float | dict[str, float]  # one reward, or one per model for multi-model episodes
+    # One reward, or one per model for multi-model episodes; finite, and within +-trainer.max_abs_reward
+    # (1e6 by default; the registry refuses a finish beyond it with 400, the episode staying open).
+    reward: float | dict[str, float]
     metrics: dict[str, float] | None = None
 
     @field_validator("reward")
@@ -86,12 +88,16 @@ class ClientOrders(BaseModel):
 
 
 class DrainClients(BaseModel):
-    """An admin's order (`swarm swap`) to drain named clients of one sandbox, naming their successor."""
+    """An admin's order (`swarm swap`) to drain named clients of one sandbox, naming their successor.
+
+    With `ab` nobody drains: the named clients keep serving beside the successor (an A/B inside the
+    live run, `swarm swap --ab`) and the order only records the swap; the loser drains by a later order."""
 
     model_config = ConfigDict(extra="forbid")
     sandbox: str = Field(min_length=1, max_length=128)
     client_ids: list[str] = Field(default_factory=list, max_length=1024)  # [] drains nothing (checks the token)
     successor: str = Field("", max_length=256)  # the registered client that takes over ("" with no ids)
+    ab: bool = False  # record the swap, drain nobody: old and new serve side by side
 
 
 class SwapRecord(BaseModel):
@@ -103,6 +109,7 @@ class SwapRecord(BaseModel):
     to_version: str  # the successor's version
     successor: str  # the successor's client id
     to_spec: str = ""  # how the successor was started (its sandbox folder): tools find their swap by it
-    drained: list[str]  # client ids told to drain
+    drained: list[str]  # client ids told to drain ([] for an A/B: they keep serving beside the successor)
     at: float  # unix seconds
+    ab: bool = False  # an A/B start: from_versions keep serving beside to_version until the loser drains
     step: int | None = None  # the trainer step when it happened (set by the run; None without a trainer)

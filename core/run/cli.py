@@ -191,13 +191,20 @@ def swap(
                                     "the server file, or this machine's record of the server)"),
     timeout: float = typer.Option(180.0, help="seconds the new client gets to register and finish its first episode "
                                   "(180: core.clients.hotswap.REGISTER_TIMEOUT_S); past them it is stopped and the old one keeps serving"),
+    ab: bool = typer.Option(False, "--ab", help="A/B: the old clients keep serving beside the new one (which gets their "
+                            "summed concurrency: a 50/50 split); the swap is recorded, nobody drains"),
+    drain_version: str = typer.Option(None, "--drain-version", help="end an A/B: drain SANDBOX's (a name or folder) "
+                                      "clients of this version, a client of another version their successor"),
 ):
     """Hot-swap a sandbox's clients through the server: start the new code with the old one's kind and group size,
     wait until it has registered, then have the server drain the old clients (they may run anywhere)."""
     _setup_logging(False)
-    from core.clients.hotswap import swap as swap_client
+    from core.clients.hotswap import drain_version as drain_clients, swap as swap_client
 
-    sys.exit(swap_client(sandbox, server, concurrency=concurrency, admin_token=admin_token, register_timeout_s=timeout))
+    if drain_version is not None:
+        sys.exit(drain_clients(sandbox, server, drain_version, admin_token=admin_token))
+    sys.exit(swap_client(sandbox, server, concurrency=concurrency, admin_token=admin_token, register_timeout_s=timeout,
+                         ab=ab))
 
 
 @app.command()
