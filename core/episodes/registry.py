@@ -79,8 +79,10 @@ class Registry(Admission):
         max_open: int = 512,
         mix: dict[str, float] | None = None,
         clock: Callable[[], float] = time.time,
+        max_abs_reward: float | None = None,  # `trainer.max_abs_reward`; None: any finite reward
     ):
         self.lease_s = lease_s
+        self.max_abs_reward = max_abs_reward
         self.default_group_size = default_group_size
         self.batch_groups = batch_groups
         self.max_open = max_open
@@ -88,6 +90,7 @@ class Registry(Admission):
         self.clock = clock
         self._lock = threading.RLock()
         self._open: dict[str, Episode] = {}
+        self._lease_of: dict[str, float] = {}  # open episode id -> the lease_s it was opened with
         self._keys: dict[str, str] = {}  # api key -> episode id
         self._key_of: dict[str, str] = {}  # episode id -> api key
         self._path_key = secrets.token_bytes(32)  # per server: path secrets cannot be precomputed
@@ -143,6 +146,7 @@ class Registry(Admission):
                 lease_expires_at=now + (req.lease_s or self.lease_s),
                 opened_versions=dict(versions),
             )
+            self._lease_of[ep.id] = req.lease_s or self.lease_s
             key = KEY_PREFIX + secrets.token_urlsafe(24)
             self._open[ep.id] = ep
             self._keys[key] = ep.id
@@ -201,9 +205,10 @@ class Registry(Admission):
             self.counters["calls"] += 1
 
     def heartbeat(self, episode_id: str, lease_s: float | None = None) -> Episode:
+        """Extend the lease by `lease_s`, by default the episode's own (the one it was opened with)."""
         with self._lock:
             ep = self.get_open(episode_id)
-            ep.lease_expires_at = self.clock() + (lease_s or self.lease_s)
+            ep.lease_expires_at = self.clock() + (lease_s or self._lease_of.get(ep.id, self.lease_s))
             return ep
 
     def finish(self, episode_id: str, reward: dict[str, float], body: dict) -> Episode:
@@ -214,6 +219,10 @@ class Registry(Admission):
                     return ended
                 raise EpisodeError(409, f"episode {episode_id} was finished with a different body", "conflict")
             ep = self.get_open(episode_id)
+            too_big = {m: r for m, r in reward.items() if self.max_abs_reward is not None and abs(r) > self.max_abs_reward}
+            if too_big:  # refused, the episode still open: a 1e308 reward would overflow its group's mean
+                raise EpisodeError(400, f"reward {too_big} is beyond trainer.max_abs_reward ({self.max_abs_reward:g}); "
+                                   "scale rewards to O(1)", "invalid_reward")
             ep.state, ep.reward, ep.finish_body = "finished", reward, body
             ep.metrics = dict(body.get("metrics") or {})
             self._close(ep)
@@ -244,6 +253,7 @@ class Registry(Admission):
 
     def _close(self, ep: Episode) -> None:
         del self._open[ep.id]
+        self._lease_of.pop(ep.id, None)
         ep.ended_at = self.clock()
         if ep.kind == "train" and ep.calls:
             self.counters["generated"] += 1

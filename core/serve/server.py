@@ -45,6 +45,7 @@ class Server:
             batch_groups=cfg.trainer.batch_groups,
             max_open=cfg.server.max_open_episodes,
             mix={c.sandbox_name: c.mix for c in cfg.clients if c.kind == "train"},
+            max_abs_reward=cfg.trainer.max_abs_reward,
         )
         self.clients = ClientTable()  # registered client processes: `swarm swap` drains through it
         self.admin_token = cfg.server.admin_token or secrets.token_urlsafe(24)

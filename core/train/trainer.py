@@ -164,7 +164,7 @@ class Trainer:
         """Rewards, advantages and merged samples; touches no model. Raises ValueError on a malformed episode."""
         started = time.perf_counter()
         rewards = [[_reward(e, self.model_name) for e in group] for group in groups]
-        advantages = group_advantages(rewards, self.cfg.advantage)
+        advantages = group_advantages(rewards, self.cfg.advantage, self.cfg.max_abs_reward)
         grouped, unmerged, linear = self._samples(groups, advantages)
         samples = [s for group in grouped for s in group]
         active: list[Sample] = []

@@ -70,3 +70,20 @@ def test_unknown_estimator_and_empty_group_are_refused():
         group_advantages([[1.0]], "ppo")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="group 0 is empty"):
         group_advantages([[]], "grpo")
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("bad", [1e308, -2e6, math.nan, math.inf])
+def test_a_group_beyond_max_abs_reward_gets_zeros_and_the_others_still_train(kind, bad):
+    healthy = [0.0, 1.0, 0.5]
+    alone = group_advantages([healthy], kind, max_abs_reward=1e6)[0]
+    out = group_advantages([healthy, [bad, 0.0, 1.0]], kind, max_abs_reward=1e6)
+    assert out[1] == [0.0, 0.0, 0.0]
+    assert out[0] == pytest.approx(alone) and any(a != 0 for a in out[0])
+    assert all(math.isfinite(a) for g in out for a in g)
+
+
+def test_group_sums_are_exact_in_float64():
+    # Naive left-to-right summing loses the 1.0 against 1e16 (its ulp is 2): the baseline comes out wrong.
+    out = group_advantages([[1e16, 1.0, -1e16, 0.0]], "rloo")[0]
+    assert out[1] == 1.0  # 1 minus the mean of the others (exactly 0)

@@ -169,3 +169,22 @@ def test_wasted_counts_stale_drops_and_episodes_that_generated_then_ended_untrai
     finish_group(reg, "s", "new", 1, version=2)
     assert reg.take_batch({"policy": 2}, max_staleness=1) is not None
     assert reg.counters["generated"] == 3 and reg.counters["wasted"] == 2 and reg.counters["stale"] == 1
+
+
+@pytest.mark.parametrize("lease_s", [5.0, 86400.0])
+def test_a_heartbeat_extends_the_episodes_own_lease_not_the_servers_default(lease_s):
+    clock = Clock()
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=clock)
+    ep, _ = reg.open(OpenEpisode(task_id="t", lease_s=lease_s), {"policy": 0})
+    clock.now += 2
+    assert reg.heartbeat(ep.id).lease_expires_at == clock.now + lease_s
+
+
+def test_a_finish_with_a_reward_beyond_max_abs_reward_is_a_400_and_the_episode_stays_open():
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=Clock(), max_abs_reward=1e6)
+    ep, _ = reg.open(OpenEpisode(task_id="t"), {"policy": 0})
+    with pytest.raises(EpisodeError) as e:
+        reg.finish(ep.id, {"policy": 1e308}, {"reward": 1e308})
+    assert e.value.status == 400 and e.value.code == "invalid_reward" and "max_abs_reward" in str(e.value)
+    assert reg.get_open(ep.id).state == "open" and reg.ready_groups() == 0
+    assert reg.finish(ep.id, {"policy": -1e6}, {"reward": -1e6}).state == "finished"  # the bound itself is fine

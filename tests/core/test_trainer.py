@@ -324,3 +324,13 @@ def test_truncated_importance_sampling_trains_stale_tokens_the_clip_would_drop()
     # Every token's ratio (e) is above the cap, so every one is weighted by the cap and none is dropped.
     assert seen["tis"]["train/clip_frac"] == pytest.approx(1.0)
     assert seen["tis"]["train/updated"] == 1.0 and seen["tis"]["train/grad_norm"] > 0.0
+
+
+def test_one_group_with_a_reward_beyond_max_abs_reward_never_voids_the_step():
+    trainer = tiny_trainer()
+    before = weights(trainer.policy)
+    groups = x_groups(trainer.policy, n_groups=2)
+    groups[1][0].reward = {MODEL: 1e308}  # arrived past the finish check (an old checkpoint's buffer, say)
+    metrics = trainer.step(groups)
+    assert metrics["train/skipped"] == 0.0 and metrics["train/updated"] == 1.0
+    assert changed(before, trainer.policy)  # the healthy group trained
