@@ -17,7 +17,8 @@ This is the one file that holds the whole RL loop:
 
 Colocated weight sync is just the pause or the swap: engine and trainer share the same module, so
 the new weights are live at the next decode step. Any exception in a step is logged with the step;
-the engine always resumes and the run goes on. A checkpoint never interleaves with a step.
+the engine always resumes and the run goes on, unless `trainer.max_failed_steps` steps in a row
+failed: then the run ends FAILED (`failure` set), rather than reporting FINISHED having learnt nothing. A checkpoint never interleaves with a step.
 `/admin/shutdown` (and Ctrl-C or SIGTERM, through `core.run.processes`) stops after the current step.
 The processes around this loop (`swarm run`, `swarm serve`: resume, signals, the MLflow run's final
 status) live in `core.run.processes`.
@@ -70,6 +71,7 @@ class CoreRun:
             self.server.allow_anonymous = False  # during training every generation belongs to an episode: 401
         self.telemetry: Telemetry | None = None
         self.failure: BaseException | None = None  # what ended the run early (local clients crashed), if anything
+        self._failed_in_a_row = 0  # train steps that failed since the last one that did not
         self.server.on_checkpoint = self.checkpoint
         self.server.on_shutdown = self.stop.set
         self.server.clients.on_swap = self._on_swap  # `swarm swap` drained old clients: tag it on the run
@@ -225,7 +227,22 @@ class CoreRun:
                 self.checkpoint()
             if on_step is not None:
                 on_step(self.step, metrics)
+            if self._too_many_failures(metrics):
+                return
             idle_since = time.perf_counter()
+
+    def _too_many_failures(self, metrics: dict[str, float]) -> bool:
+        """Count a step in which some policy's step failed; `trainer.max_failed_steps` in a row fail the run."""
+        failed = any(k == "train/failed" or k.endswith("/train/failed") for k in metrics)
+        self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+        limit = self.cfg.trainer.max_failed_steps
+        if self._failed_in_a_row < limit:
+            return False
+        self.failure = RuntimeError(f"{limit} train steps in a row failed, the last at step {self.step} "
+                                    "(trainer.max_failed_steps); their errors are logged above")
+        log.error("%s", self.failure)
+        self.stop.set()
+        return True
 
     def _train_batch(self, batch: Batch) -> dict[str, float]:
         """One step of every trainable policy that served the batch; the weight-sync mode per policy."""

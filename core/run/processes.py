@@ -171,7 +171,9 @@ def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
     def train_until_stopped() -> None:
         try:
             core.train()
-            if not core.stop.is_set():  # every step done: the server serves on, but trains nothing more
+            if core.failure is not None:  # too many failed steps in a row: the run is over, FAILED
+                server.request_exit()
+            elif not core.stop.is_set():  # every step done: the server serves on, but trains nothing more
                 server.registry.end_training(f"its trainer finished all {cfg.trainer.steps} steps")
                 log.info("trainer done after %d steps; serving on (train episodes are refused from now)", core.step)
         except Exception as e:

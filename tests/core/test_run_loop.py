@@ -18,6 +18,7 @@ from core.config import load_config
 from core.engine import SamplingParams
 from core.records import Call
 from core.run.loop import CoreRun
+from core.run.processes import EXIT_CODES, _outcome
 from core.episodes.wire import OpenEpisode
 
 GROUP = 2
@@ -243,3 +244,23 @@ def test_an_open_waiting_for_room_is_admitted_as_soon_as_the_trainer_takes_its_b
         core.server.stop()
     assert waiting[0].status_code == 200
     assert core.server.registry.counters["refused"] == 0
+
+
+def test_max_failed_steps_in_a_row_fail_the_run_and_a_good_step_resets_the_count(core):
+    core.cfg.trainer.max_failed_steps = 2
+    trainer = core.trainers["policy"]
+    real = trainer.backward
+
+    def broken(*_):
+        raise RuntimeError("injected failure")
+
+    for failing in (True, False, True):
+        trainer.backward = broken if failing else real
+        finish_group(core, [1.0, 0.0])
+        train_one(core)
+    assert core.failure is None and not core.stop.is_set()  # fail, train, fail: never two in a row
+    trainer.backward = broken
+    finish_group(core, [1.0, 0.0])
+    train_one(core)
+    assert "max_failed_steps" in str(core.failure) and core.stop.is_set()
+    assert _outcome(core) == "FAILED" and EXIT_CODES["FAILED"] != 0  # the MLflow status and the exit code
