@@ -12,6 +12,8 @@ import time
 import httpx
 import pytest
 
+from core.clients.sdk import SwarmClient, SwarmError
+from core.engine import GenerationError
 from core.engine.null import NullEngine
 from core.models import build_tiny
 from core.serve.chat import ChatRenderer
@@ -162,3 +164,30 @@ def test_bad_requests_mixed_into_a_healthy_batch_fail_only_themselves(live_serve
             assert r.status_code < 500, r.text  # refused (4xx) or made harmless and served (200)
             assert r.status_code == 200 or set(r.json()["error"]) >= {"message", "type", "code"}
     assert sum(r.status_code == 200 for ok, r in results if not ok) == 3  # the clamped ones are served
+
+
+class _Diverged(NullEngine):
+    """An engine whose model diverged: every generation fails with the engine's own error."""
+
+    async def generate(self, prompt_ids, params, on_token=None):
+        raise GenerationError("the model's logits for this request are not finite (NaN)")
+
+
+def test_a_request_the_engine_cannot_generate_gets_its_own_500_naming_why(live_server):
+    model, tok = build_tiny()
+    policy = Policy("policy", model, tok, ChatRenderer(tok), _Diverged(tok, 2048))
+    server = live_server(policies={"policy": policy})
+    r = post(server, chat())
+    assert r.status_code == 500 and r.json()["error"]["code"] == "generation_failed"
+    assert "not finite" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/models").status_code == 200
+
+
+def test_a_finish_with_a_reward_beyond_max_abs_reward_is_a_400_over_http(live_server):
+    server = live_server()
+    with SwarmClient(server.url).episode(task_id="t") as ep:
+        with pytest.raises(SwarmError) as e:
+            ep.finish(1e308)
+        assert e.value.status == 400 and "max_abs_reward" in str(e.value)
+        ep.finish(0.5)  # still open: a sane reward finishes it
+    assert server.status()["episodes"]["finished"] == 1
