@@ -76,7 +76,11 @@ class HFEngine(WorkerEngine):
                 new = []  # bound before _take, so a failure below knows which requests it held
                 new = self._take(block=not rows, room=self.cfg.max_batch - len(rows))
                 if new:
-                    rows, cache, mask = self._admit(new, rows, cache, mask)
+                    def admit(reqs: list[Request]) -> None:
+                        nonlocal rows, cache, mask
+                        rows, cache, mask = self._admit(reqs, rows, cache, mask)
+                    if not self._admitted(new, admit):
+                        new = []  # held back until resume; not this batch's to fail
                     self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
                 if rows:
                     rows, cache, mask = self._retire(rows, cache, mask)
@@ -115,7 +119,7 @@ class HFEngine(WorkerEngine):
         taken: list[Request] = []
         if block:
             try:
-                first = self._queue.get(timeout=IDLE_POLL_S)
+                first = self._dequeue(IDLE_POLL_S)
             except queue.Empty:
                 return []
             if first is None:  # a wake-up for a pending swap
@@ -124,12 +128,12 @@ class HFEngine(WorkerEngine):
             deadline = time.perf_counter() + self.cfg.batch_window_ms / 1000
             while len(taken) < room and (left := deadline - time.perf_counter()) > 0:
                 try:
-                    taken.append(self._queue.get(timeout=left))
+                    taken.append(self._dequeue(left))
                 except queue.Empty:
                     break
         while len(taken) < room:
             try:
-                taken.append(self._queue.get_nowait())
+                taken.append(self._dequeue(None))
             except queue.Empty:
                 break
         return [r for r in taken if r is not None and not r.future.cancelled()]

@@ -225,28 +225,32 @@ class VLLMEngine(WorkerEngine):
         if self._asleep:  # a resume without a swap (the worker slept while held): wake with weights
             self._sync_weights()
         try:
-            first = self._queue.get(timeout=IDLE_POLL_S) if block else self._queue.get_nowait()
+            first = self._dequeue(IDLE_POLL_S if block else None)
         except queue.Empty:
             return
         batch = [first]
         while True:
             try:
-                batch.append(self._queue.get_nowait())
+                batch.append(self._dequeue(None))
             except queue.Empty:
                 break
-        for req in batch:
-            if req is None or req.future.cancelled():
-                continue
-            rid = str(next(self._ids))
-            try:
-                prompt = {"prompt_token_ids": req.prompt_ids, "cache_salt": f"weights-{self._syncs}"}
-                self._llm.add_request(rid, prompt, self._sampling(req), lora_request=self._current_lora)
-            except Exception as e:  # this request's own error (bad ids, too long); the others go on
-                log.warning("vLLM refused a %d-token prompt: %s: %s", len(req.prompt_ids), type(e).__name__, e)
-                resolve(req, exc=e if isinstance(e, ValueError) else ValueError(str(e)))
-                continue
-            lora_id = self._current_lora.lora_int_id if self._current_lora else None
-            self._live[rid] = _Live(req, self.version, lora_id)
+
+        def add(reqs: list[Request]) -> None:
+            for req in reqs:
+                if req is None or req.future.cancelled():
+                    continue
+                rid = str(next(self._ids))
+                try:
+                    prompt = {"prompt_token_ids": req.prompt_ids, "cache_salt": f"weights-{self._syncs}"}
+                    self._llm.add_request(rid, prompt, self._sampling(req), lora_request=self._current_lora)
+                except Exception as e:  # this request's own error (bad ids, too long); the others go on
+                    log.warning("vLLM refused a %d-token prompt: %s: %s", len(req.prompt_ids), type(e).__name__, e)
+                    resolve(req, exc=e if isinstance(e, ValueError) else ValueError(str(e)))
+                    continue
+                lora_id = self._current_lora.lora_int_id if self._current_lora else None
+                self._live[rid] = _Live(req, self.version, lora_id)
+
+        self._admitted(batch, add)  # held back, not added, if hold() came meanwhile
         self.stats["max_rows"] = max(self.stats["max_rows"], len(self._live))
 
     def _sampling(self, req: Request) -> vllm.SamplingParams:

@@ -17,6 +17,7 @@ import asyncio
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,6 +89,11 @@ class WorkerEngine:
         self._swaps: queue.Queue[Swap] = queue.Queue()
         self._admitting = threading.Event()
         self._admitting.set()
+        # Admission (the check that the engine admits, then joining requests to the batch) runs under
+        # this lock, and hold/pause clear `_admitting` under it: once hold() returns, nothing is
+        # admitted until resume, even a request the worker was already waiting for.
+        self._admit_lock = threading.Lock()
+        self._held_back: deque[Request | None] = deque()  # dequeued while held: admitted first after resume
         self._drained = threading.Event()
         self._closed = threading.Event()
         # Requests not yet answered (queued or decoding) -> when they were submitted: the watchdog's view.
@@ -145,23 +151,25 @@ class WorkerEngine:
     def load(self) -> EngineLoad:
         with self._inflight_lock:
             inflight = list(self._inflight.values())
-        queued = min(self._queue.qsize(), len(inflight))  # the queue may also hold wake-ups (None)
+        queued = min(self._queue.qsize() + len(self._held_back), len(inflight))  # the queue may also hold wake-ups (None)
         oldest = time.perf_counter() - min(inflight) if inflight else None
         return EngineLoad(queued=queued, active=len(inflight) - queued, admitting=self._admitting.is_set(),
                           oldest_s=oldest)
 
     async def pause(self) -> None:
         self._drained.clear()
-        self._admitting.clear()  # at once, before the await: nothing new is admitted from here
+        self.hold()  # at once, before the await: nothing new is admitted from here
         await asyncio.to_thread(self._drained.wait)
 
     def pause_blocking(self) -> None:
         self._drained.clear()
-        self._admitting.clear()
+        self.hold()
         self._drained.wait()
 
     def hold(self) -> None:
-        self._admitting.clear()
+        """Admit nothing until `resume`; returns once an admission under way (if any) has finished."""
+        with self._admit_lock:
+            self._admitting.clear()
 
     def resume(self, new_version: int | None = None) -> None:
         if new_version is not None:
@@ -187,6 +195,22 @@ class WorkerEngine:
         self._thread.join(timeout=self.close_join_s)
 
     # -- worker ---------------------------------------------------------------------------------
+    def _dequeue(self, timeout: float | None) -> Request | None:
+        """The next request, held-back ones first; `timeout` None does not wait. Raises queue.Empty."""
+        if self._held_back:
+            return self._held_back.popleft()
+        return self._queue.get_nowait() if timeout is None else self._queue.get(timeout=timeout)
+
+    def _admitted(self, reqs: list[Request], admit: Callable[[list[Request]], None]) -> bool:
+        """Run `admit(reqs)` if the engine admits now, under the admission lock; else keep `reqs` for
+        after resume (in order, ahead of the queue). The worker calls it for every batch it dequeued."""
+        with self._admit_lock:
+            if not self._admitting.is_set():
+                self._held_back.extendleft(reversed(reqs))
+                return False
+            admit(reqs)
+            return True
+
     def _run(self) -> None:
         raise NotImplementedError
 

@@ -4,6 +4,9 @@ and weights swapped between decode steps leave running rows going."""
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
+import time
 
 import pytest
 import torch
@@ -243,3 +246,35 @@ def test_nan_logits_fail_only_their_own_request_with_a_clear_error(tiny):
         assert asyncio.run(eng.generate(prompt(eng, 3), short)).token_ids  # the worker lives on
     finally:
         eng.close()
+
+
+def test_after_hold_returns_nothing_is_admitted_until_resume_even_a_request_already_dequeued(make_engine):
+    # The worker has just taken a request off the queue when the trainer holds the engine: a barrier
+    # stops it right there, so the race is certain instead of a matter of timing.
+    eng = make_engine()
+    dequeued, go = threading.Event(), threading.Event()
+
+    class BarrierQueue(queue.Queue):
+        def get(self, *args, **kwargs):
+            req = super().get(*args, **kwargs)
+            if req is not None and not go.is_set():
+                dequeued.set()
+                go.wait(30)
+            return req
+
+    eng._queue = BarrierQueue()  # the next request reaches the worker through the barrier
+
+    async def scenario():
+        task = asyncio.ensure_future(eng.generate(prompt(eng, 0), SamplingParams(max_tokens=3, seed=0)))
+        assert await asyncio.to_thread(dequeued.wait, 30)
+        eng.hold()  # returns at once: no admission is under way, the worker is between dequeue and admit
+        go.set()
+        deadline = time.monotonic() + 30
+        while not eng._held_back and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert eng._held_back and not task.done()  # held back, not decoding on the old weights
+        eng.resume(new_version=7)
+        return await asyncio.wait_for(task, 30)
+
+    gen = asyncio.run(scenario())
+    assert gen.version == 7 and len(gen.token_ids) >= 1
