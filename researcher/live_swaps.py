@@ -1,24 +1,26 @@
-"""A study's live core run and the hot swaps into it, through `swarm swap`, HTTP and MLflow only.
+"""A study's live core run and the A/B swaps into it, through `swarm swap`, HTTP and MLflow only.
 
 A brief with `run.live: true` keeps one long core run going: launch key `live`, started by the
 launcher like any run (its workspace sandboxes as isolated clients at the base commit), so it
 outlives a killed study and is adopted on resume. Its run folder holds the core's `server.json`
 (URL and admin-token file). A `hot_swap` proposal's commit is checked out into a folder of its own
-(`runs/live/swaps/<proposal>/`) and each edited sandbox is swapped in with
-`swarm swap <folder>/sandboxes/<name> --server <live run folder>`; the core drains the old client,
-records the swap (its `to_spec` is our folder) and tags `swarmrl.sandbox_swap.<n>`. We then tag
-the live MLflow run `swarmrl.swap.<n>` = JSON {step, from_version, to_version, proposal}.
+(`runs/live/swaps/<proposal>/`) and each edited sandbox is swapped in as an A/B with
+`swarm swap <folder>/sandboxes/<name> --server <live run folder> --ab`: the new client serves beside
+the old ones (open episodes split about 50/50), the core records the swap (`ab`, its `to_spec` our
+folder; tag `swarmrl.sandbox_swap.<n>`) and drains nobody. We tag the live MLflow run
+`swarmrl.swap.<n>` = JSON {step, from_version, to_version, proposal}. `ab_steps` reads both
+versions' per-step rewards (`reward/<sandbox>/version/<v>`) over the steps after the swap where both
+logged; `drain` ends the A/B with `swarm swap <sandbox> --drain-version <loser>` (idempotent: a
+version with no clients left is nothing to do). `before` reads the old version's steps up to the
+swap: a picture for the report, never evidence.
 
 Intent before act: `.study/swaps/<proposal>.json` is written (fsynced) before `swarm swap` starts,
 and its pid right after. On resume after a kill -9, `swap` finds the intent, waits for a `swarm
 swap` still running, then asks the live server (its swap records, else the run's
-`swarmrl.sandbox_swap.*` tags) whether a swap to our folder happened. If it did, it is recorded and
-not repeated; if not (killed before the drain), `swarm swap` runs again, and it replaces whatever
-serves the sandbox then, an orphaned new client included, so the server still sees one swap.
+`swarmrl.sandbox_swap.*` tags) whether an A/B to our folder started. If it did, it is recorded and
+not repeated; if not, `swarm swap --ab` runs again (an orphaned new client serves on beside it).
 
-`windows` reads the per-version reward metrics (`reward/<sandbox>/version/<v>`) for the equal
-before/after windows the study judges. This module does not decide anything or touch the workspace's
-history (checkouts are detached worktrees).
+This module does not decide anything or touch the workspace's history (checkouts are detached worktrees).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class LiveRun:
 
     def _run_swap(self, path: Path, intent: dict, spec: str, run_id: str | None) -> dict:
         log_path = path.with_name(f"{intent['proposal_id']}.log")
-        argv = [str(self.swarm), "swap", spec, "--server", str(self.folder)]
+        argv = [str(self.swarm), "swap", spec, "--server", str(self.folder), "--ab"]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)  # a killed study must not take a half-done swap along
@@ -148,13 +150,14 @@ class LiveRun:
         return record
 
     def find(self, spec: str, run_id: str | None) -> dict | None:
-        """The core's record of a swap to `spec`: from the live server, else from the run's tags."""
+        """The core's record of the A/B start to `spec`: from the live server, else from the run's tags
+        (a later drain naming `spec`'s client as successor is a record too, but not an A/B)."""
         status = self.status()
         records = status.get("swaps", []) if status else []
         if not records and run_id:
             tags = self.client.get_run(run_id).data.tags
             records = [json.loads(v) for k, v in tags.items() if k.startswith(CORE_SWAP_TAG)]
-        found = [r for r in records if r.get("to_spec") == spec]
+        found = [r for r in records if r.get("to_spec") == spec and r.get("ab")]
         return found[-1] if found else None
 
     def tag(self, run_id: str, record: dict, proposal_id: str) -> None:
@@ -163,25 +166,45 @@ class LiveRun:
                  "to_version": record["to_version"], "proposal": proposal_id}
         self.client.set_tag(run_id, SWAP_TAG.format(n=record["n"]), json.dumps(value))
 
+    def drain(self, sandbox: str, version: str, proposal_id: str) -> None:
+        """End an A/B: the clients of `version` drain, the other version's client their successor."""
+        log_path = self.intents / f"{proposal_id}.log"
+        argv = [str(self.swarm), "swap", sandbox, "--server", str(self.folder), "--drain-version", version]
+        with open(log_path, "ab") as log_file:
+            code = subprocess.run(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  timeout=SWAP_TIMEOUT_S).returncode
+        if code != 0:
+            raise SwapFailed(f"`swarm swap --drain-version {version}` exited {code}; both versions still serve:\n"
+                             f"{log_tail(log_path, 15)}")
+
     # -- the comparison ---------------------------------------------------------------------------
-    def windows(self, run_id: str, record: dict, window: int, alive: Callable[[], bool],
-                timeout_s: float) -> tuple[SwapSide, SwapSide]:
-        """The old version's last `window` steps up to the swap and the new one's first `window` after it,
-        waiting (while the run lives, up to `timeout_s`) for the new version to log them."""
+    def ab_steps(self, run_id: str, record: dict, window: int, alive: Callable[[], bool],
+                 timeout_s: float) -> tuple[SwapSide, SwapSide]:
+        """(old, new): both versions' per-step rewards over the first `window` steps after the swap where
+        both logged one, waiting (while the run lives, up to `timeout_s`) for them to be logged."""
         metric = "reward/{sandbox}/version/{version}"
         step = record["step"] or 0
-        before: dict[int, float] = {}
-        for version in record["from_versions"]:
-            for s, v in read_history(self.client, run_id, metric.format(sandbox=record["sandbox"], version=version)):
-                if s <= step:
-                    before[s] = v
         new_metric = metric.format(sandbox=record["sandbox"], version=record["to_version"])
         deadline = time.monotonic() + timeout_s
         while True:
-            after = [(s, v) for s, v in read_history(self.client, run_id, new_metric) if s > step][:window]
-            if len(after) >= window or not alive() or time.monotonic() > deadline:
+            old: dict[int, list[float]] = {}
+            for version in record["from_versions"]:  # several old clients of different versions: their mean
+                for s, v in read_history(self.client, run_id, metric.format(sandbox=record["sandbox"], version=version)):
+                    if s > step:
+                        old.setdefault(s, []).append(v)
+            new = {s: v for s, v in read_history(self.client, run_id, new_metric) if s > step}
+            both = sorted(set(old) & set(new))[:window]
+            if len(both) >= window or not alive() or time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
-        last = dict(sorted(before.items())[-window:])
-        return (SwapSide(version=",".join(record["from_versions"]), steps=last),
-                SwapSide(version=record["to_version"], steps=dict(after)))
+        return (SwapSide(version=",".join(record["from_versions"]), steps={s: sum(old[s]) / len(old[s]) for s in both}),
+                SwapSide(version=record["to_version"], steps={s: new[s] for s in both}))
+
+    def before(self, run_id: str, record: dict, window: int) -> SwapSide:
+        """The old version's last `window` steps up to the swap: the report's picture, never evidence."""
+        steps: dict[int, float] = {}
+        for version in record["from_versions"]:
+            for s, v in read_history(self.client, run_id, f"reward/{record['sandbox']}/version/{version}"):
+                if s <= (record["step"] or 0):
+                    steps[s] = v
+        return SwapSide(version=",".join(record["from_versions"]), steps=dict(sorted(steps.items())[-window:]))

@@ -209,17 +209,20 @@ class SwapSide(BaseModel):
 
 
 class SwapResult(BaseModel):
-    """A hot swap of a proposal's code into the live run, as done and as judged (researcher/live_swaps.py)."""
+    """A hot swap of a proposal's code into the live run as an A/B, as done and as judged (researcher/live_swaps.py)."""
 
     proposal_id: str
     n: int  # the live server's swap number; tag `swarmrl.swap.<n>` on the live run
-    step: int | None  # the trainer step at which the old clients were told to drain
+    step: int | None  # the trainer step at which the new client started serving beside the old ones
     sandbox: str
     from_version: str
     to_version: str
-    before: SwapSide | None = None  # the old version's last `swap_window` steps up to the swap
-    after: SwapSide | None = None  # the new version's first `swap_window` steps after it
-    verdict: Verdict | None = None  # after against before (Welch's t-test over the steps)
+    before: SwapSide | None = None  # the old version's last `swap_window` steps up to the swap: a picture only
+    after: SwapSide | None = None  # the new version over the A/B's `swap_window` steps after the swap
+    old: SwapSide | None = None  # the old version over the same steps as `after`, beside it
+    # `after` against `old`, paired by step (decision.judge_ab, Holm across the round); never before/after.
+    verdict: Verdict | None = None
+    kept: str | None = None  # the version that serves on once the loser drained (None: not yet drained)
 
 
 class StepResult(BaseModel):

@@ -51,8 +51,10 @@ class ProposalView(BaseModel):
     # baseline itself and until the experiment is scored.
     verdict: dict[str, Any] | None = None
     confirmation: str | None = None  # the held-out-seed confirmation of a recommendation, in words
-    # A hot swap into the live run: {step, before, after} (mean reward of the old version's last and
-    # the new version's first `run.swap_window` steps), plus n, versions and the verdict; None otherwise.
+    # A hot swap into the live run, an A/B: {step, old, new} (mean reward of each version over the
+    # same `run.swap_window` steps after the swap; the verdict pairs them by step), `before` (the old
+    # version's last steps up to the swap: a picture, never evidence), `after` (= new), n, versions,
+    # the verdict and the version kept; None otherwise.
     swap: dict[str, Any] | None = None
 
 
@@ -107,7 +109,8 @@ def _swap_view(state: dict[str, Any], proposal_id: str) -> dict[str, Any] | None
         return None
     s = swaps[0]
     return {"step": s.step, "before": s.before.mean if s.before else None, "after": s.after.mean if s.after else None,
-            "n": s.n, "sandbox": s.sandbox, "from_version": s.from_version, "to_version": s.to_version,
+            "old": s.old.mean if s.old else None, "new": s.after.mean if s.after else None,
+            "steps": sorted(s.after.steps) if s.after else [], "kept": s.kept, "n": s.n, "sandbox": s.sandbox, "from_version": s.from_version, "to_version": s.to_version,
             "verdict": s.verdict.json_view() if s.verdict else None}
 
 

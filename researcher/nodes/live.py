@@ -3,12 +3,15 @@
 `start_live` (before the first plan) and `live` (between `prepare`, which leaves hot-swap proposals
 to it, and `launch`). With `run.live: true` they start the live run once (launch key `live`,
 adopted on resume like any launch) and refresh its state. Each approved, validated `hot_swap` proposal of the round is then swapped in
-(`researcher.live_swaps`: intent before act, never twice), tagged `swarmrl.swap.<n>` on the live run,
-and judged: the new version's reward over its first `run.swap_window` steps after the swap
-against the old version's last `swap_window` steps before it, with `researcher.decision.compare`
-(Welch's t-test over steps). The swap and its verdict join the state (`swaps`), the proposal gets
-its result, and its review run is closed. A swap that fails leaves the old code serving and the
-proposal `failed` with the reason. The node does not plan, validate, review or start other runs.
+(`researcher.live_swaps`: intent before act, never twice) as an A/B, tagged `swarmrl.swap.<n>` on the
+live run, and judged: over the first `run.swap_window` steps after the swap where both versions
+logged `reward/<sandbox>/version/<v>`, the per-step difference new - old in the brief's direction
+(`researcher.decision.judge_ab`: a paired t-test, Holm across the round's comparisons). Then the
+loser drains: the old version when the new one is `better`, else the new one (inconclusive keeps
+the old code). The old version's steps before the swap are kept as a picture (`before`), never as
+evidence. The swap and its verdict join the state (`swaps`), the proposal gets its result, and its
+review run is closed. A swap that fails leaves the old code serving and the proposal `failed` with
+the reason. The node does not plan, validate, review or start other runs.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import yaml
 
 from core.config import ConfigError
 from researcher import analysis
-from researcher.decision import compare
+from researcher.decision import Verdict, judge_ab
 from researcher.live_swaps import LIVE_KEY, LiveRun, SwapFailed
 from researcher.nodes.base import StudyState, dump, models_of
 from researcher.nodes.code import versions
@@ -82,7 +85,13 @@ class LiveNode(RunNodes):
                 and (d := verdicts.get(p.id)) is not None and d.verdict == "approved"
                 and p.id in code and code[p.id].passed]
         update: dict[str, Any] = {"live": live.model_dump() if live is not None else {}}
+        names = _sandboxes(live) if live is not None and live.config_path else []
+        # The round's comparisons: those judged before a resume, then one per edited sandbox of each to come.
+        current = {p.id for p in self._current(state)}
+        judged = {f"{s.proposal_id}/{s.n}": s.verdict for s in swaps if s.proposal_id in current and s.verdict}
+        pending = sum(len(_edited(names, code[p.id].diff)) for p in todo)
         for p in sorted(todo, key=lambda q: (q.priority, q.id)):
+            pending -= len(_edited(names, code[p.id].diff))
             if live is not None and live.status == "running" and live.run_id is None:
                 live = ctx.launcher.poll(live, ctx.client)
             try:
@@ -90,7 +99,7 @@ class LiveNode(RunNodes):
                     raise SwapFailed(NO_LIVE)
                 if live.status != "running":
                     raise SwapFailed(LIVE_ENDED.format(status=live.status, reason=live.reason or "-"))
-                swapped = self._swap(p, code[p.id].commit, code[p.id].diff, live)
+                swapped = self._swap(p, code[p.id].commit, code[p.id].diff, live, judged, pending)
             except (SwapFailed, WorkspaceError) as e:  # the old code keeps serving; the study goes on
                 results.append(ExperimentResult(proposal_id=p.id, status="failed", note=str(e)))
                 ctx.board.close(p.id, None, "FAILED", str(e))
@@ -101,34 +110,48 @@ class LiveNode(RunNodes):
         update.update(live=live.model_dump() if live is not None else {}, swaps=dump(swaps), results=dump(results))
         return update
 
-    def _swap(self, p: Proposal, commit: str, diff: str, live: Launch) -> list[SwapResult]:
+    def _swap(self, p: Proposal, commit: str, diff: str, live: Launch, judged: dict[str, Verdict],
+              pending: int) -> list[SwapResult]:
+        """A/B each edited sandbox, judge it (Holm with the round's `judged` and `pending` comparisons,
+        `judged` growing as they are made) and drain its loser."""
         ctx, runner = self.ctx, self._live_run()
         alive = lambda: ctx.launcher.poll(live, ctx.client).status == "running"  # noqa: E731
-        names = _sandboxes(live)
-        edited = [n for n in names if f"/sandboxes/{n}/" in diff] or names  # a diff names a/sandboxes/<n>/...
+        edited = _edited(_sandboxes(live), diff)
         runner.wait_up(alive)
         run_id = live.run_id or ctx.launcher.find_run_id(ctx.client, LIVE_KEY)
         ctx.emit("swap.intent", proposal_id=p.id, commit=commit, sandboxes=edited)
         records = runner.swap(p.id, commit, edited, run_id)
         out = []
-        for record in records:
+        for i, record in enumerate(records):
             if run_id:
                 runner.tag(run_id, record, p.id)
             ctx.emit("swap.done", proposal_id=p.id, n=record["n"], step=record["step"], to=record["to_version"])
-            before, after = runner.windows(run_id, record, ctx.brief.run.swap_window, alive,
-                                           ctx.brief.launch.run_timeout or 3600.0) if run_id else (None, None)
-            verdict = compare(after.steps, before.steps, "maximize", baseline_id=before.version) if before else None
+            window = ctx.brief.run.swap_window
+            old, new = runner.ab_steps(run_id, record, window, alive,
+                                       ctx.brief.launch.run_timeout or 3600.0) if run_id else (None, None)
+            verdict = judge_ab(new.steps, old.steps, ctx.brief.objective.direction, baseline_id=old.version,
+                               round_verdicts=judged, pending=pending + len(records) - i - 1) if old and new else None
+            judged[f"{p.id}/{record['n']}"] = verdict if verdict is not None else Verdict(result="inconclusive",
+                                                                                         test="none")
+            better = verdict is not None and verdict.result == "better"
+            for version in record["from_versions"] if better else [record["to_version"]]:
+                runner.drain(record["sandbox"], version, p.id)
+            kept = record["to_version"] if better else ",".join(record["from_versions"])
+            ctx.emit("swap.drained", proposal_id=p.id, n=record["n"], kept=kept,
+                     verdict=verdict.fmt() if verdict else "")
             out.append(SwapResult(proposal_id=p.id, n=record["n"], step=record["step"], sandbox=record["sandbox"],
                                   from_version=",".join(record["from_versions"]), to_version=record["to_version"],
-                                  before=before, after=after, verdict=verdict))
+                                  before=runner.before(run_id, record, window) if run_id else None, after=new, old=old,
+                                  verdict=verdict, kept=kept))
         return out
 
     def _result(self, p: Proposal, swapped: list[SwapResult]) -> ExperimentResult:
-        """The proposal's result: the new version's rewards after the swap, judged against the old one's."""
+        """The proposal's result: the new version's rewards in the A/B, judged against the old one's beside it."""
         values = [v for s in swapped if s.after for v in s.after.steps.values()]
         first = swapped[0]
-        note = "; ".join(f"hot swap {s.n} at step {s.step}: {s.from_version} -> {s.to_version}, reward "
-                         f"{_fmt(s.before.mean if s.before else None)} -> {_fmt(s.after.mean if s.after else None)}"
+        note = "; ".join(f"A/B swap {s.n} at step {s.step}: {s.from_version} vs {s.to_version} over "
+                         f"{len(s.after.steps) if s.after else 0} steps, reward {_fmt(s.old.mean if s.old else None)} "
+                         f"(old) vs {_fmt(s.after.mean if s.after else None)} (new); kept {s.kept}"
                          for s in swapped)
         summary = analysis.summarize(values)
         self.ctx.board.close(p.id, summary, "FINISHED", note)
@@ -136,6 +159,11 @@ class LiveNode(RunNodes):
                       verdict=first.verdict.fmt() if first.verdict else "")
         return ExperimentResult(proposal_id=p.id, status="ok", values=values, summary=summary, note=note,
                                 verdict=first.verdict)
+
+
+def _edited(names: list[str], diff: str) -> list[str]:
+    """The live run's sandboxes a diff touches (it names a/sandboxes/<n>/...); all of them if it names none."""
+    return [n for n in names if f"/sandboxes/{n}/" in diff] or names
 
 
 def _sandboxes(live: Launch) -> list[str]:

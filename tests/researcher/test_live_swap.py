@@ -1,13 +1,15 @@
-"""Hot swap into a study's live run, through the real CLI and real `swarm` processes (tiny model).
+"""Hot swap into a study's live run as an A/B, through the real CLI and real `swarm` processes (tiny model).
 
 One `--planner manual` study with `run.live: true` keeps a `swarm run` going from the start. A
-person proposes a patch with `--hot-swap` (shorter replies); it is validated,
-approved by an MLflow tag, and swapped in with `swarm swap`. The researcher is killed with -9 as
-soon as it has recorded the swap's intent, and resumed: the swap happens once (one record on the
-server, one `swarmrl.swap.<n>` tag), the proposal's commit is made once, the new version's
-episodes train after the swap, no episode is lost, and `show --json` reports
-`swap: {step, before, after}`. (That the new code's reward is what trains is shown with a changed
-reward function in tests/core/test_swap.py; here the reward file is read-only, as in a study.)
+person proposes a patch with `--hot-swap` (shorter replies); it is validated, approved by an MLflow
+tag, and swapped in with `swarm swap --ab`: the new client serves beside the old one. The researcher
+is killed with -9 as soon as it has recorded the swap's intent, and resumed: the A/B starts once
+(one A/B record on the server, one `swarmrl.swap.<n>` tag), the proposal's commit is made once, both
+versions log rewards at the same steps after the swap, the verdict pairs them by step, and the
+loser drains (by a second record naming the winner) so one version serves on, with no episode lost.
+`show --json` reports `swap: {step, old, new, steps, kept, verdict, ...}`. (That the new code's
+reward is what trains is shown with a changed reward function in tests/core/test_swap.py; here the
+reward file is read-only, as in a study.)
 """
 
 from __future__ import annotations
@@ -111,15 +113,20 @@ def test_a_hot_swap_into_the_live_run_survives_kill_9_and_happens_once(project: 
         view = _wait_status(project, "live", "p1", {"done", "failed"})
         assert view["status"] == "done", view["result"]
         swap = view["swap"]
-        assert set(swap) >= {"step", "before", "after"}
-        assert isinstance(swap["before"], float) and isinstance(swap["after"], float)
+        assert set(swap) >= {"step", "old", "new", "steps", "kept", "verdict", "before"}
+        assert isinstance(swap["old"], float) and isinstance(swap["new"], float) and len(swap["steps"]) == 2
+        assert all(s > swap["step"] for s in swap["steps"])
+        assert set(swap["verdict"]) == {"result", "test", "effect", "ci", "p"}
 
-        now = _status(run_dir)
-        [record] = now["swaps"]  # swapped once, although the researcher died during the swap
-        [new] = now["clients"]
-        pids.add(new["pid"])
-        assert (new["version"], new["group_size"], new["kind"]) == (record["to_version"], 2, "train")
+        now = _wait(lambda: (s := _status(run_dir)) and len(s["clients"]) == 1 and s, 180, "the loser to drain")
+        [record, end] = now["swaps"]  # one A/B start, although the researcher died during it, then one drain
+        assert record["ab"] is True and record["drained"] == [] and end["ab"] is False
+        [serving] = now["clients"]
+        pids.add(serving["pid"])
+        assert serving["version"] == swap["kept"] and (serving["group_size"], serving["kind"]) == (2, "train")
         assert record["to_version"] != old["version"] and swap["step"] == record["step"]
+        winner = record["to_version"] if swap["verdict"]["result"] == "better" else old["version"]
+        assert swap["kept"] == winner and end["to_version"] == winner  # the loser drained, the winner its successor
         counters = now["episodes"]
         assert counters["aborted"] == 0 and counters["expired"] == 0  # the drain lost no episode
 
@@ -129,8 +136,9 @@ def test_a_hot_swap_into_the_live_run_survives_kill_9_and_happens_once(project: 
         assert sorted(k for k in tags if k.startswith("swarmrl.swap.")) == [f"swarmrl.swap.{record['n']}"]
         assert json.loads(tags[f"swarmrl.swap.{record['n']}"]) == {
             "step": record["step"], "from_version": old["version"], "to_version": record["to_version"], "proposal": "p1"}
-        after = client.get_metric_history(run_id, f"reward/letters/version/{record['to_version']}")
-        assert len([m for m in after if m.step > record["step"]]) >= 2  # the new version's episodes train
+        for version in (old["version"], record["to_version"]):  # both versions trained at the A/B's steps
+            logged = {m.step for m in client.get_metric_history(run_id, f"reward/letters/version/{version}")}
+            assert set(swap["steps"]) <= logged, version
 
         git = ["git", "-C", str(paths.workspace)]
         refs = subprocess.run([*git, "for-each-ref", "--format=%(refname)", "refs/proposals/"], capture_output=True,

@@ -1,0 +1,139 @@
+"""The live node's A/B (researcher/nodes/live.py, researcher/live_swaps.py) without a core run.
+
+A stand-in live server: `swarm swap --ab` records an A/B start, and the rewards both versions
+log at each step after it are given. What is checked is what the study does with them: the
+verdict pairs the versions by step in the brief's direction, the loser drains (`swarm swap
+--drain-version`: the old version when the new one is better, else the new one), the before/after
+window is only a picture, and `ab_steps` reads only steps after the swap where both logged.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from researcher.live_swaps import LiveRun
+from researcher.nodes.live import LiveNode
+from researcher.records import Launch, Proposal, SwapSide
+
+SWAP_STEP = 30
+
+
+class _Metric(SimpleNamespace):
+    pass
+
+
+class _Mlflow:
+    def __init__(self, history: dict[str, list[tuple[int, float]]]):
+        self.history = history
+
+    def get_metric_history(self, run_id: str, metric: str):
+        return [_Metric(step=s, value=v, timestamp=s) for s, v in self.history.get(metric, [])]
+
+
+def _history(effect: float, seed: int = 0) -> dict[str, list[tuple[int, float]]]:
+    """A learning run: v1 alone up to the swap, then v1 and v2 side by side, both riding the curve."""
+    rng = random.Random(seed)
+    old, new = [], []
+    for t in range(1, SWAP_STEP + 12):
+        shared = 0.05 * t + rng.gauss(0, 0.3)
+        old.append((t, shared + rng.gauss(0, 0.1)))
+        if t > SWAP_STEP:
+            new.append((t, shared + effect + rng.gauss(0, 0.1)))
+    return {"reward/letters/version/v1": old, "reward/letters/version/v2": new}
+
+
+RECORD = {"n": 1, "step": SWAP_STEP, "sandbox": "letters", "from_versions": ["v1"], "to_version": "v2", "ab": True,
+          "to_spec": "/x/letters", "drained": []}
+
+
+class _Runner:
+    """LiveRun with `swarm swap` stood in for: the A/B start is RECORD, drains are noted."""
+
+    def __init__(self, history):
+        self.real = LiveRun.__new__(LiveRun)
+        self.real.client = _Mlflow(history)
+        self.drained: list[tuple[str, str]] = []
+
+    def wait_up(self, alive):
+        pass
+
+    def swap(self, proposal_id, commit, sandboxes, run_id):
+        return [dict(RECORD)]
+
+    def tag(self, run_id, record, proposal_id):
+        pass
+
+    def drain(self, sandbox, version, proposal_id):
+        self.drained.append((sandbox, version))
+
+    def ab_steps(self, *args, **kwargs):
+        return self.real.ab_steps(*args, **kwargs)
+
+    def before(self, *args):
+        return self.real.before(*args)
+
+
+def _node(tmp_path: Path, runner: _Runner, direction: str) -> LiveNode:
+    node = LiveNode.__new__(LiveNode)
+    brief = SimpleNamespace(run=SimpleNamespace(swap_window=10), launch=SimpleNamespace(run_timeout=5.0),
+                            objective=SimpleNamespace(direction=direction))
+    node.ctx = SimpleNamespace(brief=brief, emit=lambda *a, **k: None,
+                               launcher=SimpleNamespace(poll=lambda live, client: live), client=None)
+    node._live_run = lambda: runner
+    return node
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Launch:
+    config = tmp_path / "live.yaml"
+    config.write_text(yaml.safe_dump({"clients": [{"agent": str(tmp_path / "code/sandboxes/letters")}]}))
+    return Launch(key="live", proposal_id="live", seed=0, steps=1000, status="running", config_path=str(config),
+                  run_id="run")
+
+
+def _proposal() -> Proposal:
+    return Proposal(id="p1", round=1, planner="manual", hypothesis="a shorter reply", rationale="shorter replies score more",
+                    expected_effect="a higher reward", mode="hot_swap",
+                    patch="--- a/sandboxes/letters/agent.py\n")
+
+
+@pytest.mark.parametrize("effect, direction, result, loser", [
+    (0.5, "maximize", "better", "v1"),  # the new version wins: the old one drains
+    (0.0, "maximize", "inconclusive", "v2"),  # a null rides the curve: the old code is kept
+    (0.5, "minimize", "worse", "v2"),  # higher reward is worse when the brief minimizes
+    (-0.5, "minimize", "better", "v1"),
+])
+def test_the_ab_verdict_pairs_steps_in_the_briefs_direction_and_the_loser_drains(
+        tmp_path, live, effect, direction, result, loser):
+    runner = _Runner(_history(effect))
+    [swap] = _node(tmp_path, runner, direction)._swap(_proposal(), "c0ffee", "a/sandboxes/letters/agent.py", live,
+                                                     {}, 0)
+    assert swap.verdict is not None and swap.verdict.result == result, swap.verdict.fmt()
+    assert swap.verdict.test == "paired t-test" and swap.verdict.n == 10
+    assert runner.drained == [("letters", loser)]
+    assert swap.kept == ("v2" if loser == "v1" else "v1")
+    assert sorted(swap.after.steps) == sorted(swap.old.steps) == list(range(SWAP_STEP + 1, SWAP_STEP + 11))
+    assert max(swap.before.steps) <= SWAP_STEP  # the picture: steps up to the swap, not part of the verdict
+
+
+def test_a_rounds_other_comparisons_make_the_verdict_stricter(tmp_path, live):
+    history = _history(0.06, seed=4)
+    alone = _node(tmp_path, _Runner(history), "maximize")._swap(_proposal(), "c", "", live, {}, 0)[0].verdict
+    crowded = _node(tmp_path, _Runner(history), "maximize")._swap(_proposal(), "c", "", live, {}, 4)[0].verdict
+    assert crowded.p_adjusted is not None and crowded.p_adjusted >= min(1.0, 5 * alone.p) - 1e-12
+
+
+def test_ab_steps_reads_only_steps_after_the_swap_where_both_versions_logged():
+    history = _history(0.0)
+    history["reward/letters/version/v2"] = [(s, v) for s, v in history["reward/letters/version/v2"] if s % 2] + [
+        (SWAP_STEP - 1, 9.0)]  # the new client served a little before the A/B was recorded
+    runner = LiveRun.__new__(LiveRun)
+    runner.client = _Mlflow(history)
+    old, new = runner.ab_steps("run", RECORD, 3, alive=lambda: False, timeout_s=0)
+    assert isinstance(old, SwapSide) and sorted(old.steps) == sorted(new.steps) == [31, 33, 35]
+    assert (old.version, new.version) == ("v1", "v2")
