@@ -98,5 +98,5 @@ class CodeNodes(NodeBase):
         ctx.emit("validation", proposal_id=p.id, passed=done.passed, step=done.failed_step, commit=done.commit)
         if not done.passed:
             ctx.board.invalidate(p.id, done)
-        code = [v.model_dump() if v["proposal_id"] != p.id else done.model_dump() for v in state.get("code", [])]
+        code = [v if v["proposal_id"] != p.id else done.model_dump() for v in state.get("code", [])]
         return {"code": code}
