@@ -197,16 +197,20 @@ class HFEngine(WorkerEngine):
             try:
                 if is_greedy(p.temperature):
                     token = int(torch.argmax(logits[i]))
+                    logprob = float(logp[i, token])
                 else:
                     probs = logp[i].exp()
                     if p.top_p < 1.0:
                         probs = _top_p(probs, p.top_p)
                     token = int(torch.multinomial(probs, 1, generator=row.generator or self._rng))
+                    # The logprob of what sampled it: with top_p, the renormalised nucleus (as vLLM records);
+                    # without, the log-softmax itself (exp then log would lose a tiny probability).
+                    logprob = float(torch.log(probs[token])) if p.top_p < 1.0 else float(logp[i, token])
             except Exception as e:  # noqa: BLE001 - this row's draw alone: its caller gets the reason
                 row.finish, row.error = "error", GenerationError(f"sampling failed: {type(e).__name__}: {e}")
                 continue
             row.token_ids.append(token)
-            row.logprobs.append(float(logp[i, token]))
+            row.logprobs.append(logprob)
             self.stats["tokens"] += 1
             self._check_finish(row, token)
             if row.req.future.cancelled():

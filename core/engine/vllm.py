@@ -13,9 +13,9 @@ holds its own copy, started from a folder written once. After a step (`resume(ne
 engine sleeps (vLLM's sleep mode) so the colocated trainer gets the memory, and wakes on `resume`.
 
 Deliberately not here: tensor/pipeline parallelism, engines in another process or node (weights
-would travel by NCCL or IPC, vLLM's `update_weights` path), and top-p exactness: with top_p < 1,
-vLLM's processed logprob is of the nucleus-renormalised distribution, not the full tempered one the
-`hf` engine reports (`Generation.top_p` records it). Nothing else in the project imports vLLM.
+would travel by NCCL or IPC, vLLM's `update_weights` path). With top_p < 1, vLLM's processed
+logprob is of the nucleus-renormalised distribution; the `hf` engine records the same, and the
+trainer scores such tokens within the same nucleus (`Call.top_p`). Nothing else in the project imports vLLM.
 """
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ class MicroBatch:
     advantages: torch.Tensor  # [B, T] float32, each token's advantage (its episode's)
     weights: torch.Tensor  # [B, T] float32, each token's loss weight
     temperatures: torch.Tensor  # [B, T] float32, the temperature each token is scored at; 1 on padding
+    top_ps: torch.Tensor  # [B, T] float32, the nucleus each token was sampled within; 1 on padding
     position_ids: torch.Tensor  # [B, T] long: index for linear rows, depth for tree rows
     predictor_index: torch.Tensor  # [B, T] long: position whose logits predict each token; -1 if none
     attention_mask: torch.Tensor  # [B, T] long padding mask (trees: see `is_tree`)
@@ -78,6 +79,7 @@ class MicroBatch:
             advantages=self.advantages.to(device),
             weights=self.weights.to(device),
             temperatures=self.temperatures.to(device),
+            top_ps=self.top_ps.to(device),
             position_ids=self.position_ids.to(device),
             predictor_index=self.predictor_index.to(device),
             attention_mask=self.attention_mask.to(device),
@@ -130,6 +132,7 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
     advantages = torch.zeros((b, width), dtype=torch.float32)
     weights = torch.zeros((b, width), dtype=torch.float32)
     temperatures = torch.ones((b, width), dtype=torch.float32)
+    top_ps = torch.ones((b, width), dtype=torch.float32)
     position_ids = torch.zeros((b, width), dtype=torch.long)
     predictor_index = torch.full((b, width), -1, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
@@ -142,6 +145,8 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         weights[row, :n] = torch.tensor(s.token_weights(), dtype=torch.float32)
         if s.temperatures is not None:
             temperatures[row, :n] = torch.tensor(s.temperatures, dtype=torch.float32)
+        if s.top_ps is not None:
+            top_ps[row, :n] = torch.tensor(s.top_ps, dtype=torch.float32)
         position_ids[row, :n] = torch.tensor(s.position_ids, dtype=torch.long)
         predictor_index[row, :n] = torch.tensor(s.predictors(), dtype=torch.long)
         attention[row, :n] = 1
@@ -152,6 +157,7 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         advantages=advantages,
         weights=weights,
         temperatures=temperatures,
+        top_ps=top_ps,
         position_ids=position_ids,
         predictor_index=predictor_index,
         attention_mask=attention,
@@ -221,9 +227,9 @@ def token_logprobs(
         scored = scored & positions.to(device)
     rows, cols = scored.nonzero(as_tuple=True)
     states = hidden[rows, mb.predictor_index[rows, cols]]  # [N, H]: each scored token's predicting state
-    tokens, temperatures = mb.input_ids[rows, cols], mb.temperatures[rows, cols]
+    tokens, temperatures, top_ps = mb.input_ids[rows, cols], mb.temperatures[rows, cols], mb.top_ps[rows, cols]
     pieces = [checkpoint(_score_chunk, head, states[k : k + LOGIT_CHUNK], tokens[k : k + LOGIT_CHUNK],
-                         temperatures[k : k + LOGIT_CHUNK], use_reentrant=False)
+                         temperatures[k : k + LOGIT_CHUNK], top_ps[k : k + LOGIT_CHUNK], use_reentrant=False)
               for k in range(0, len(tokens), LOGIT_CHUNK)]
     logprobs = torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=device)
     entropy = torch.zeros_like(logprobs)
@@ -239,13 +245,29 @@ LOGIT_CHUNK = 512
 
 
 def _score_chunk(head: torch.nn.Module, states: torch.Tensor, tokens: torch.Tensor,
-                 temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob of each token, entropy of its distribution) for one chunk of predicting states."""
+                 temperatures: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of each token, entropy of its distribution) for one chunk of predicting states.
+
+    A token sampled with top_p < 1 is scored within its nucleus, renormalised, as the engines record
+    it: the nucleus is the engine's (`core.engine.hf._top_p`: most likely tokens while the mass before
+    them is below top_p, the top one always), chosen without gradient; the token itself is always
+    counted in, so a token the policy has since pushed out of the nucleus stays finite."""
     logits = head(states).float() / temperatures[:, None]  # float32 so log_softmax keeps precision under bf16
     log_norm = torch.logsumexp(logits, dim=-1)
-    logprobs = logits.gather(1, tokens[:, None])[:, 0] - log_norm
     with torch.no_grad():
         entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    nucleus = top_ps < 1.0
+    if bool(nucleus.any()):  # only then a sort of the vocabulary, and only for those rows
+        with torch.no_grad():
+            probs = torch.softmax(logits[nucleus], dim=-1)
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            keep_sorted = sorted_probs.cumsum(-1) - sorted_probs < top_ps[nucleus, None]
+            keep_sorted[:, 0] = True
+            keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+            keep.scatter_(1, tokens[nucleus, None], True)
+        kept_norm = torch.logsumexp(logits[nucleus].masked_fill(~keep, float("-inf")), dim=-1)
+        log_norm = log_norm.masked_scatter(nucleus, kept_norm)
+    logprobs = logits.gather(1, tokens[:, None])[:, 0] - log_norm
     return logprobs, entropy
 
 

@@ -40,7 +40,7 @@ def _shared(samples: Sequence[Sample], prefix: int) -> Sample:
     """One tree sample: `prefix` tokens once, then each sample's remaining tokens hanging off them."""
     ids = list(samples[0].input_ids[:prefix])
     mask, logprobs, positions = [False] * prefix, [0.0] * prefix, list(range(prefix))
-    parents, temperatures = list(range(-1, prefix - 1)), [1.0] * prefix
+    parents, temperatures, top_ps = list(range(-1, prefix - 1)), [1.0] * prefix, [1.0] * prefix
     advantages, weights = [0.0] * prefix, [0.0] * prefix  # untrained tokens: never read by the loss
     for s in samples:
         offset = len(ids) - prefix  # where this sample's token `prefix` lands, less `prefix`
@@ -51,12 +51,13 @@ def _shared(samples: Sequence[Sample], prefix: int) -> Sample:
         positions += s.position_ids[prefix:]
         parents += [q if q < prefix else q + offset for q in predictors[prefix:]]
         temperatures += (s.temperatures or [1.0] * len(s.input_ids))[prefix:]
+        top_ps += (s.top_ps or [1.0] * len(s.input_ids))[prefix:]
         advantages += s.token_advantages()[prefix:]
         weights += s.token_weights()[prefix:]
     versions = [s.min_version for s in samples if s.min_version is not None]
     return Sample(input_ids=ids, loss_mask=mask, logprobs=logprobs, position_ids=positions, parents=parents,
                   episode_id=",".join(dict.fromkeys(s.episode_id for s in samples)),
-                  min_version=min(versions) if versions else None, temperatures=temperatures,
+                  min_version=min(versions) if versions else None, temperatures=temperatures, top_ps=top_ps,
                   advantages=advantages, weights=weights)
 
 

@@ -74,6 +74,9 @@ class Sample:
     # Temperature each token's behaviour logprob is of, so the trainer scores it the same way;
     # 1.0 off the mask. None means 1.0 everywhere.
     temperatures: list[float] | None = None
+    # Nucleus mass each token was sampled within (top_p); its behaviour logprob is of the renormalised
+    # nucleus, and the trainer scores it the same way. 1.0 off the mask. None means 1.0 everywhere.
+    top_ps: list[float] | None = None
     # How many of the episode's samples produced each token (n > 1 choices, retries that sample the
     # same text): merged, such a token is held once but must weigh as often as mode "none" trains
     # it, so that every merge mode gives the same loss and gradient. None means 1 everywhere.
@@ -82,7 +85,7 @@ class Sample:
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         per_token = ("loss_mask", "logprobs", "position_ids", "parents", "advantages", "weights", "temperatures",
-                     "counts")
+                     "top_ps", "counts")
         lengths = {name: len(getattr(self, name)) for name in per_token if getattr(self, name) is not None}
         if self.temperatures is not None and any(not t > 0 for t in self.temperatures):
             raise ValueError("sample temperatures must be positive")
@@ -136,6 +139,7 @@ class _Trie:
     logprob: list[float] = field(default_factory=lambda: [0.0])
     version: list[int] = field(default_factory=lambda: [_NO_VERSION])
     temperature: list[float] = field(default_factory=lambda: [1.0])
+    top_p: list[float] = field(default_factory=lambda: [1.0])
     count: list[int] = field(default_factory=lambda: [0])  # calls that sampled this token here
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
@@ -155,6 +159,7 @@ class _Trie:
                 self.logprob.append(0.0)
                 self.version.append(_NO_VERSION)
                 self.temperature.append(1.0)
+                self.top_p.append(1.0)
                 self.count.append(0)
                 self.children.append({})
             # The first call to sample this token here owns its logprob; a prompt that merely
@@ -167,6 +172,7 @@ class _Trie:
                 self.logprob[child] = call.completion_logprobs[k - n_prompt]
                 self.version[child] = call.version
                 self.temperature[child] = call.temperature
+                self.top_p[child] = call.top_p
             node = child
 
     def useful(self) -> list[bool]:
@@ -242,6 +248,7 @@ def _unmerged(calls: Sequence[Call], episode_id: str) -> list[Sample]:
                 episode_id=episode_id,
                 min_version=call.version,
                 temperatures=[call.temperature if m else 1.0 for m in mask],
+                top_ps=[call.top_p if m else 1.0 for m in mask],
             )
         )
     return samples
@@ -274,6 +281,7 @@ def _linear(trie: _Trie, episode_id: str) -> list[Sample]:
                 episode_id=episode_id,
                 min_version=_min_version(trie, [n for n, m in zip(path, mask) if m]),
                 temperatures=[trie.temperature[n] if m else 1.0 for n, m in zip(path, mask)],
+                top_ps=[trie.top_p[n] if m else 1.0 for n, m in zip(path, mask)],
                 counts=[trie.count[n] if m else 1 for n, m in zip(path, mask)],
             )
         )
@@ -295,6 +303,7 @@ def _tree(trie: _Trie, episode_id: str) -> list[Sample]:
             episode_id=episode_id,
             min_version=_min_version(trie, order),
             temperatures=[trie.temperature[n] if trie.masked[n] else 1.0 for n in order],
+            top_ps=[trie.top_p[n] if trie.masked[n] else 1.0 for n in order],
             counts=[trie.count[n] if trie.masked[n] else 1 for n in order],
         )
     ]

@@ -89,3 +89,40 @@ def test_a_call_with_a_non_positive_temperature_is_refused(episode_calls):
     bad = calls[0].model_copy(update={"temperature": 0.0})
     with pytest.raises(ValueError, match="temperature"):
         merge_calls([bad], "linear")
+
+
+@pytest.fixture(scope="module")
+def nucleus_calls():
+    """Two calls sampled at top_p 0.9 (T = 0.7 and 1.0), recorded from the HF engine."""
+    model, tok = build_tiny()
+    model.eval()
+    engine = HFEngine(model, tok, EngineConfig(), max_context=2048)
+    prompt = tok("user: name a colour\nassistant:", add_special_tokens=False)["input_ids"]
+    calls = []
+    try:
+        for seed, temperature in ((4, 0.7), (5, 1.0)):
+            gen = asyncio.run(engine.generate(prompt, SamplingParams(max_tokens=12, temperature=temperature,
+                                                                     top_p=0.9, seed=seed)))
+            calls.append(Call(model="policy", version=gen.version, prompt_ids=prompt, completion_ids=gen.token_ids,
+                              completion_logprobs=gen.logprobs, temperature=gen.temperature, top_p=gen.top_p))
+    finally:
+        engine.close()
+    return model, calls
+
+
+@pytest.mark.parametrize("mode", ["none", "linear", "tree"])
+def test_ppo_ratio_before_any_update_is_one_at_top_p_0_9(nucleus_calls, mode):
+    model, calls = nucleus_calls
+    assert all(c.top_p == 0.9 for c in calls)
+    r = ratios(model, merge_calls(calls, mode))
+    assert r.numel() >= sum(len(c.completion_ids) for c in calls) - 2  # a shared first token may merge
+    assert float((r - 1).abs().max()) < 1e-4
+
+
+def test_scoring_the_full_distribution_of_a_nucleus_sample_would_be_off_policy(nucleus_calls):
+    """The check above can fail: score without the nucleus and the ratio is the kept mass, below 1."""
+    model, calls = nucleus_calls
+    samples = merge_calls(calls, "none")
+    for s in samples:
+        s.top_ps = None
+    assert float(ratios(model, samples).min()) < 0.99
