@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from core.engine import SamplingParams
+from core.records import Call
+from core.train.packing import pack, token_logprobs
+from core.train.timelines import merge_calls
 from tests.vllm.conftest import chat_prompt
 
 # fp32 on CPU: vLLM's fused kernels (paged attention, fused RMSNorm, SiLU-and-mul) sum in another
@@ -47,6 +50,23 @@ def test_sampled_logprobs_are_of_the_tempered_distribution(engines, smollm2, tem
     assert len(gen.token_ids) == len(gen.logprobs) > 0
     assert gen.logprobs == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
     assert gen.temperature == temperature
+
+
+def test_the_trainer_scores_a_top_p_sample_as_vllm_recorded_it(engines, smollm2):
+    # vLLM records the nucleus-renormalised logprob; the trainer scores a top_p call within the same
+    # nucleus, so before any update the PPO ratio is 1 (to vLLM's kernel tolerance, not the kept mass).
+    vllm_engine, _ = engines
+    model, tok = smollm2
+    prompt = chat_prompt(tok, "Tell me about cats.")
+    gen = asyncio.run(vllm_engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=6)))
+    call = Call(model="policy", version=gen.version, prompt_ids=prompt, completion_ids=gen.token_ids,
+                completion_logprobs=gen.logprobs, temperature=gen.temperature, top_p=gen.top_p)
+    (mb,) = pack(merge_calls([call], "none"), token_budget=4096)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, mb)
+    ratio = torch.exp(logp - mb.old_logprobs)[mb.loss_mask]
+    assert gen.top_p == 0.9 and ratio.numel() == len(gen.token_ids) > 0
+    assert float((ratio - 1).abs().max()) < LOGPROB_TOLERANCE
 
 
 def test_seeded_sampling_is_the_same_alone_or_among_concurrent_requests(engines, smollm2):
