@@ -173,7 +173,13 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
     assert done["status"] == "done" and done["score"] is not None
     assert [t["swarmrl.sandbox_version"] for t in _core_run_tags(project, "llm", "r1-1")] == [done["commit"]]
     assert [t["swarmrl.study"] for t in _core_run_tags(project, "llm", "r1-1")] == ["llm"]
-    assert [d["verdict"] for d in values["decisions"]] == ["approved"]
+    # The baseline rule gave the LLM's round its baseline (at the base commit, approved by policy), and
+    # the code proposal a verdict against it.
+    baseline = next(p for p in values["proposals"] if p["planner"] == "baseline")
+    assert {d["proposal_id"]: (d["verdict"], d["by"]) for d in values["decisions"]} == \
+        {"r1-1": ("approved", "alice"), baseline["id"]: ("approved", "policy")}
+    verdict = next(r for r in values["results"] if r["proposal_id"] == "r1-1")["verdict"]
+    assert verdict is not None and verdict["baseline"] == baseline["id"]
     diff = project.cli("diff", "llm", "r1-1").stdout
     assert "-MAX_TOKENS = 12" in diff and "+MAX_TOKENS = 16" in diff
     report = Path(values["report"]).read_text()
