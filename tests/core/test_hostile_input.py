@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from core.clients.sdk import SwarmClient, SwarmError
-from core.engine import GenerationError
+from core.config import EngineConfig
+from core.engine import GenerationError, SamplingParams
+from core.engine.hf import HFEngine
 from core.engine.null import NullEngine
 from core.models import build_tiny
 from core.serve.chat import ChatRenderer
+from core.serve.openai_wire import SEED_MAX, SEED_MIN
 from core.serve.state import Policy
 
 CHAT = "/v1/chat/completions"
@@ -191,3 +197,24 @@ def test_a_finish_with_a_reward_beyond_max_abs_reward_is_a_400_over_http(live_se
         assert e.value.status == 400 and "max_abs_reward" in str(e.value)
         ep.finish(0.5)  # still open: a sane reward finishes it
     assert server.status()["episodes"]["finished"] == 1
+
+
+@pytest.fixture(scope="module")
+def hf_engine():
+    model, tok = build_tiny()
+    eng = HFEngine(model, tok, EngineConfig(), max_context=2048)
+    yield eng
+    eng.close()
+
+
+tiny_or_any = st.floats(min_value=0.0, max_value=1.0, allow_subnormal=True) | st.sampled_from([1e-300, 5e-324, 1e-39, 1e-5])
+
+
+@given(temperature=tiny_or_any.map(lambda t: 2 * t), top_p=tiny_or_any.filter(lambda p: p > 0),
+       seed=st.integers(SEED_MIN, SEED_MAX) | st.none())
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+def test_every_sampling_parameter_the_wire_accepts_generates_without_nan(hf_engine, temperature, top_p, seed):
+    ids = hf_engine.tokenizer("any prompt", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, seed=seed)
+    gen = asyncio.run(asyncio.wait_for(hf_engine.generate(ids, params), 60))
+    assert gen.token_ids and all(math.isfinite(lp) for lp in gen.logprobs)
