@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,7 +152,7 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
         late = _wait_status(project, "llm", "r1-3", {"pending", "invalid"})
         assert late["status"] == "pending", late["validation"]["log"]
         assert "checks run: apply ok, compile ok, contract ok; to come after approval: import, tests, smoke" in \
-            project.cli("review", "llm").stdout.replace("\n", " ")
+            " ".join(project.cli("review", "llm").stdout.split())  # however the console wrapped it
         assert [good["validation"]["passed"], bad["validation"]["step"]] == [True, "apply"]
         assert "does not match" in bad["validation"]["log"] and bad["commit"] is None
         assert len(llm.requests) == 2
@@ -177,7 +178,7 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
     # the code proposal a verdict against it.
     baseline = next(p for p in values["proposals"] if p["planner"] == "baseline")
     assert {d["proposal_id"]: (d["verdict"], d["by"]) for d in values["decisions"]} == \
-        {"r1-1": ("approved", "alice"), baseline["id"]: ("approved", "policy")}
+        {"r1-1": ("approved", "alice"), "r1-3": ("approved", "alice"), baseline["id"]: ("approved", "policy")}
     verdict = next(r for r in values["results"] if r["proposal_id"] == "r1-1")["verdict"]
     assert verdict is not None and verdict["baseline"] == baseline["id"]
     diff = project.cli("diff", "llm", "r1-1").stdout
@@ -186,6 +187,12 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
     row = next(line for line in report.splitlines() if line.startswith("| r1-1 |"))
     assert "[diff](diffs/r1-1.diff)" in row and done["commit"][:12] in row and "approved by alice" in row
     assert "invalid at apply" in next(line for line in report.splitlines() if line.startswith("| r1-2 |"))
+    # The study keeps every core run's and smoke server's output: none holds the admin token, only its file.
+    state = study_paths(project.studies, "llm").state
+    logs = [*state.rglob("run.log"), *state.rglob("*.serve.log")]
+    announced = [line for f in logs for line in f.read_text(errors="replace").splitlines() if "swarm admin token:" in line]
+    assert {f.name for f in logs} >= {"run.log", "r1-1.serve.log"} and len(announced) >= 2, logs
+    assert all(re.search(r"swarm admin token: in /\S+token, readable only by you$", line) for line in announced), announced
     assert _checkout_hash() == before
 
 
