@@ -155,9 +155,7 @@ class CodeSpec(_Strict):
     test_timeout_s: float = Field(120.0, gt=0)  # the sandbox's own tests must pass within this
     smoke_timeout_s: float = Field(300.0, gt=0)  # server start + smoke episodes must finish within this
     context_chars: int = Field(6000, ge=0)  # editable file text shown to the llm planner, in characters
-    # With human approval, a proposal's code runs (import, tests, smoke) only after approval; true runs
-    # those steps before review too, contained (researcher/contain.py), so the reviewer sees their logs.
-    execute_before_review: bool = False
+    execute_before_review: bool = False  # true: import, tests and smoke run (contained) before review, not after
 
     @field_validator("editable", "readonly")
     @classmethod
