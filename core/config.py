@@ -90,6 +90,9 @@ class ServerConfig(Strict):
     # Request bodies larger than this are refused with 413 before they are parsed. 8 MiB holds a
     # 64k-token context as JSON many times over; a 12 MB message only costs memory and event-loop time.
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # How long a stopping server (SIGTERM, Ctrl-C, /admin/shutdown) waits for requests in flight before
+    # it cancels them: a stuck request must not keep the process alive with its port closed.
+    shutdown_s: float = Field(10.0, gt=0)
 
 
 class TrainerConfig(Strict):

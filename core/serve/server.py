@@ -74,7 +74,8 @@ class Server:
         if self.port == 0:
             self.port = free_port(self.cfg.server.host)
         config = uvicorn.Config(
-            self.app(), host=self.cfg.server.host, port=self.port, log_level="warning", access_log=False
+            self.app(), host=self.cfg.server.host, port=self.port, log_level="warning", access_log=False,
+            timeout_graceful_shutdown=self.cfg.server.shutdown_s,  # then requests in flight are cancelled
         )
         return uvicorn.Server(config)
 

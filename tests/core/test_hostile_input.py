@@ -218,3 +218,16 @@ def test_every_sampling_parameter_the_wire_accepts_generates_without_nan(hf_engi
     params = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, seed=seed)
     gen = asyncio.run(asyncio.wait_for(hf_engine.generate(ids, params), 60))
     assert gen.token_ids and all(math.isfinite(lp) for lp in gen.logprobs)
+
+
+def test_a_stopping_server_cancels_a_stuck_request_after_shutdown_s(live_server):
+    model, tok = build_tiny()
+    policy = Policy("policy", model, tok, ChatRenderer(tok), _Silent(tok, 2048))
+    server = live_server(policies={"policy": policy}, server__shutdown_s=1.0)
+    stuck = threading.Thread(target=lambda: httpx.post(server.url + CHAT, json=chat(), timeout=120), daemon=True)
+    stuck.start()
+    time.sleep(0.5)
+    started = time.perf_counter()
+    server.request_exit()
+    server._thread.join(timeout=30)
+    assert not server._thread.is_alive() and time.perf_counter() - started < 6
