@@ -29,8 +29,8 @@ rate a 2-sigma swap is called better, ab_false_keep the rate a null swap is (and
 
     .venv/bin/python bench/rigor.py [--studies 300] [--seeds 3 5] [--sigma 1.0] [--ab-trials 400] [--live-trials 3]
 
-`--live-trials N` (`bench/rigor_live.py`) also makes N real null A/B swaps into a live tiny run and
-judges them with the same code; they are printed, and not part of the last line.
+`--live-trials N` (`bench/rigor_live.py`) also makes N real null A/B swaps and one planted one into
+a live tiny run and judges them with the same code; they are printed, and not part of the last line.
 
 Without `--live-trials` it launches no core run and touches no MLflow: the point is the statistics of the decisions.
 """
@@ -219,8 +219,9 @@ def main() -> None:
     ab = ab_table(max(args.ab_trials, 40), default.run.swap_window, default.objective.direction, args.rng)
     if args.live_trials:
         live = rigor_live.trials(args.live_trials, default.run.swap_window, default.objective.direction)
-        print(f"live A/B: {len(live)} real null swaps into a tiny run, "
-              f"{sum(v.result == 'better' for v in live)} called better")
+        nulls = [v for planted, v in live if not planted]
+        print(f"live A/B: {len(nulls)} real null swaps into a tiny run, {sum(v.result == 'better' for v in nulls)} "
+              f"called better; planted +{rigor_live.PLANTED}: {[v.result for planted, v in live if planted]}")
     print(f"rigor: detection_2sigma={headline['detect']:.3f} false_keep={headline['false_keep']:.3f} "
           f"ab_detection={ab['detect']:.3f} ab_false_keep={ab['false_keep']:.3f} seeds={len(default.seeds)}")
 

@@ -4,8 +4,10 @@
 client), then N times: a copy of the sandbox that changes nothing but its version (a comment) is
 swapped in with `swarm swap --ab`, both versions' per-step rewards are read back from MLflow with the
 study's reader (`LiveRun.ab_steps`), judged with `decision.judge_ab`, and the loser drained with
-`swarm swap --drain-version`, as the live node does. Every swap is null, so every `better` is a false
-keep. It does not simulate anything; the simulated A/B is in bench/rigor.py.
+`swarm swap --drain-version`, as the live node does. Every swap but the last is null, so its `better`
+would be a false keep; the last adds PLANTED to every reward (a real effect) and should be `better`.
+A low learning rate keeps the run learning (a drifting reward) across the trials. It does not
+simulate anything; the simulated A/B is in bench/rigor.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from researcher.live_swaps import LiveRun
 
 ROOT = Path(__file__).resolve().parents[1]
 SWARM = [sys.executable, "-m", "core.run.cli"]
+PLANTED = 0.1  # added to every reward of the last trial's new version
+LR = 3e-4  # the tiny model saturates the letters reward within ~150 steps at 3e-3; this keeps it learning
 
 
 def _wait(predicate, timeout_s: float, what: str):
@@ -41,22 +45,27 @@ def _wait(predicate, timeout_s: float, what: str):
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def _copy(dest: Path, n: int) -> Path:
-    """The letters sandbox with nothing changed but a comment: a new version, a null change."""
+def _copy(dest: Path, n: int, planted: float = 0.0) -> Path:
+    """The letters sandbox with nothing changed but a comment (a new version, a null change), or with
+    `planted` added to every reward."""
     folder = dest / f"v{n}" / "letters"
     shutil.copytree(ROOT / "sandboxes" / "letters", folder, ignore=shutil.ignore_patterns("__pycache__", "tests"))
     agent = folder / "agent.py"
     agent.write_text(agent.read_text() + f"\n# null change {n}\n")
+    if planted:
+        scored = folder / "reward.py"
+        scored.write_text(scored.read_text() + f"\n\n_unplanted = reward\n\n\ndef reward(text: str) -> float:\n"
+                          f"    return _unplanted(text) + {planted}\n")
     return folder
 
 
-def trials(count: int, window: int, direction: decision.Direction) -> list[decision.Verdict]:
-    """`count` null A/B swaps into one live tiny run; -> their verdicts, printing each."""
+def trials(count: int, window: int, direction: decision.Direction) -> list[tuple[bool, decision.Verdict]]:
+    """`count` null A/B swaps and a planted one into one live tiny run; -> (planted, verdict) of each."""
     tmp = Path(tempfile.mkdtemp(prefix="rigor-live-"))
     run_dir = tmp / "run"
     config = {"models": [{"name": "policy", "source": "tiny"}], "engine": {"max_batch": 16, "default_max_tokens": 8},
               "server": {"port": 0},
-              "trainer": {"steps": 100_000, "batch_groups": 2, "group_size": 4, "lr": 0.003,
+              "trainer": {"steps": 100_000, "batch_groups": 2, "group_size": 4, "lr": LR,
                           "checkpoint_dir": str(run_dir / "checkpoints"), "checkpoint_every": 0},
               "clients": [{"agent": str(_copy(tmp, 0)), "isolate": True, "group_size": 2, "concurrency": 4}],
               "telemetry": {"experiment": "rigor-live", "trajectories_per_step": 0}}
@@ -76,9 +85,10 @@ def trials(count: int, window: int, direction: decision.Direction) -> list[decis
         client = MlflowClient(env["MLFLOW_TRACKING_URI"])
         run_id = (run_dir / "run_id").read_text().strip()
         reader = LiveRun(None, client, tmp / "state", None)  # type: ignore[arg-type] - only its MLflow reader is used
-        for n in range(1, count + 1):
+        for n in range(1, count + 2):
             started = time.monotonic()
-            spec = str(_copy(tmp, n).resolve())
+            planted = PLANTED if n == count + 1 else 0.0
+            spec = str(_copy(tmp, n, planted).resolve())
             out = subprocess.run([*SWARM, "swap", spec, "--server", str(run_dir), "--ab"], cwd=ROOT, env=env,
                                  capture_output=True, text=True, timeout=600)
             if out.returncode != 0:
@@ -91,9 +101,9 @@ def trials(count: int, window: int, direction: decision.Direction) -> list[decis
                 subprocess.run([*SWARM, "swap", "letters", "--server", str(run_dir), "--drain-version", version],
                                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=True)
             _wait(lambda: len(status()["clients"]) == 1, 180, "the loser to leave")
-            print(f"live A/B {n}: swap at step {record['step']}, {len(new.steps)} paired steps, {verdict.fmt()} "
+            print(f"live A/B {n}{f' (planted +{planted})' if planted else ' (null)'}: swap at step {record['step']}, {len(new.steps)} paired steps, {verdict.fmt()} "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
-            verdicts.append(verdict)
+            verdicts.append((bool(planted), verdict))
     finally:
         if run.poll() is None:
             run.send_signal(signal.SIGINT)

@@ -192,6 +192,9 @@ def judge_ab(new: Mapping[int, float], old: Mapping[int, float], direction: Dire
     if raw.test == NO_TEST:
         raw = raw.model_copy(update={"reason": f"{len(common)} step(s) where both versions logged a reward: at "
                                                f"least {MIN_SEEDS} are needed"})
+    elif raw.p is None or (raw.p == 1.0 and raw.ci == [raw.effect, raw.effect]):
+        raw = raw.model_copy(update={"reason": "the versions' rewards differ by the same amount at every step (a "
+                                               "saturated reward?), so the test cannot estimate noise"})
     this = "\0this"
     others = {k: v for k, v in (round_verdicts or {}).items() if v.p is not None}
     stand_ins = {f"\0pending{i}": Verdict(result="inconclusive", test=PAIRED, p=1.0, effect=0.0, ci=[0.0, 0.0])

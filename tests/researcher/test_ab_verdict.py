@@ -83,3 +83,11 @@ def test_holm_counts_the_rounds_other_and_pending_comparisons() -> None:
     assert crowded.result == "inconclusive" and abs(crowded.p_adjusted - 10 * alone.p) < 1e-9
     earlier = {"p1/1": judge_ab(old, new, "maximize")}  # an earlier swap of the round, much worse
     assert judge_ab(new, old, "maximize", round_verdicts=earlier).p_adjusted >= alone.p
+
+
+def test_a_saturated_reward_is_inconclusive_and_says_why_in_steps() -> None:
+    old = {s: 1.0 for s in range(10)}
+    verdict = judge_ab(dict(old), old, "maximize")
+    assert verdict.result == "inconclusive" and "every step" in verdict.reason and "seeds" not in verdict.reason
+    shifted = judge_ab({s: 1.5 for s in range(10)}, old, "maximize")  # a constant gap: no noise to judge it by
+    assert shifted.result == "inconclusive" and "every step" in shifted.reason
