@@ -168,14 +168,17 @@ class _Gateway:
     async def generate(self, policy: Policy, prompt_ids: list[int], params: list[SamplingParams]) -> list[Generation]:
         """One generation per params, awaited for at most `server.request_timeout_s` (504 after)."""
         timeout = self.server.cfg.server.request_timeout_s
+        tasks = [asyncio.ensure_future(policy.engine.generate(prompt_ids, p)) for p in params]
         try:
-            return await asyncio.wait_for(
-                asyncio.gather(*(policy.engine.generate(prompt_ids, p) for p in params)), timeout)
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
         except TimeoutError:
             raise APIError(504, f"the engine did not answer within server.request_timeout_s ({timeout:g} s)",
                            "timeout") from None
         except GenerationError as e:
             raise APIError(500, f"generation failed: {e}", "generation_failed") from None
+        finally:
+            for t in tasks:  # the other choices of a failed request free their rows (a no-op once done)
+                t.cancel()
 
     async def render(self, policy: Policy, messages, tools, history):
         """Render and tokenize on a worker thread: a long prompt never stalls the event loop."""
