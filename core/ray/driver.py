@@ -256,11 +256,11 @@ class RayRun(CoreRun):
     def start_clients(self) -> None:
         url = client_url(self.server)
         self._slots = []
-        for c in self.cfg.clients:
+        for n, c in enumerate(self.cfg.clients):
             data = {**c.model_dump(), "agent": portable_agent(c.agent)}
-            for i in range(c.ray.replicas):
+            for i in range(c.ray.replicas):  # each replica its own task order, set by trainer.seed
                 slot = _ClientSlot(c.ray.num_cpus, c.ray.resources, (data, url, c.group_size or self.cfg.trainer.group_size,
-                                                                     f"{c.sandbox_name}-{i}"))
+                                                                     f"{c.sandbox_name}-{i}", f"{self.cfg.trainer.seed}/{n}/{i}"))
                 slot.start()
                 self._slots.append(slot)
         threading.Thread(target=self._watch_clients, daemon=True, name="ray-clients").start()
