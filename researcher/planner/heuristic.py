@@ -9,7 +9,7 @@ The search (Jamieson & Talwalkar 2016, the core of Hyperband):
    diverged experiment ranks last) and gives them eta times as many steps. Each survivor's
    baseline of the same length is not this planner's doing: the study graph adds one for any
    planner's proposals (`researcher.baselines`), and verdicts use it (`researcher.decision`).
-3. It ends when one configuration is left besides the baseline. Whether it is recommended is
+3. It ends when one configuration is left (beside its baseline). Whether it is recommended is
    not the planner's call: only a `better` verdict that replicates on held-out seeds is.
 
 Decisions feed back: a vetoed configuration is never proposed again, and a replacement is drawn
