@@ -104,20 +104,23 @@ def test_rendering_runs_off_the_event_loop(live_server, monkeypatch):
     server = live_server()
     renderer = server.policies["policy"].renderer
     real = renderer.render
+    rendering, release = threading.Event(), threading.Event()
 
-    def slow(*args, **kw):
-        time.sleep(1.5)  # a 12 MB message's worth of tokenizing
+    def held(*args, **kw):  # a 12 MB message's worth of tokenizing, held until /status has answered
+        rendering.set()
+        release.wait(60)
         return real(*args, **kw)
 
-    monkeypatch.setattr(renderer, "render", slow)
+    monkeypatch.setattr(renderer, "render", held)
     slow_call = threading.Thread(target=post, args=(server, chat()))
     slow_call.start()
-    time.sleep(0.3)
-    started = time.perf_counter()
-    assert httpx.get(server.url + "/swarm/v1/status", timeout=60).status_code == 200
-    waited = time.perf_counter() - started
-    slow_call.join()
-    assert waited < 0.8, f"/status waited {waited:.2f} s behind a render"
+    try:
+        assert rendering.wait(30)
+        # On the event loop, the render would hold /status until release: this would time out.
+        assert httpx.get(server.url + "/swarm/v1/status", timeout=10).status_code == 200
+    finally:
+        release.set()
+        slow_call.join()
 
 
 class _Silent(NullEngine):
