@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from core.config import EngineConfig
 from core.engine import Generation, GenerationError, is_greedy, scoring_temperature
+from core.engine.sampling import sample_batch
 from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
 
 log = logging.getLogger(__name__)
@@ -181,33 +182,32 @@ class HFEngine(WorkerEngine):
         self._sample(rows, out.logits[:, -1, :])
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
-        """One token for every row. A row whose logits are not usable (NaN) or whose draw raises is
-        marked failed (`error`, retired with it at the next `_retire`); the other rows are sampled."""
-        logits = logits.float().cpu()  # seeded per-row generators are CPU generators; a no-op on CPU
-        temperatures = torch.tensor([[scoring_temperature(r.req.params.temperature)] for r in rows])
-        # The behaviour logprob is of the tempered distribution the token is drawn from.
-        logp = torch.log_softmax(logits / temperatures, dim=-1)
-        broken = torch.isnan(logits).any(-1) | ~torch.isfinite(logp.max(-1).values)
-        for i, row in enumerate(rows):
-            p = row.req.params
-            if broken[i]:
+        """One token for every row, sampled on the model's device in one batch (`core.engine.sampling`).
+        A row whose logits are not usable (NaN) or whose draw fails is marked failed (`error`, retired
+        with it at the next `_retire`); the other rows are sampled."""
+        params = [r.req.params for r in rows]
+        # Each row's uniform: from its request's own generator when seeded, else from the run's stream.
+        uniforms = torch.empty(len(rows))
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            uniforms[unseeded] = torch.rand(len(unseeded), generator=self._rng)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                uniforms[i] = float(torch.rand(1, generator=r.generator))
+        try:
+            tokens, logprobs, broken = sample_batch(
+                logits, torch.tensor([scoring_temperature(p.temperature) if not is_greedy(p.temperature) else 0.0
+                                      for p in params]),
+                torch.tensor([p.top_p for p in params]), uniforms)
+            drawn = list(zip(tokens.tolist(), logprobs.tolist(), broken.tolist()))  # the one host sync
+        except Exception as e:  # noqa: BLE001 - the batch's draw: its rows' callers get the reason
+            for row in rows:
+                row.finish, row.error = "error", GenerationError(f"sampling failed: {type(e).__name__}: {e}")
+            return
+        for row, (token, logprob, bad) in zip(rows, drawn):
+            if bad:
                 row.finish, row.error = "error", GenerationError(
                     "the model's logits for this request are not finite (NaN): its weights may have diverged")
-                continue
-            try:
-                if is_greedy(p.temperature):
-                    token = int(torch.argmax(logits[i]))
-                    logprob = float(logp[i, token])
-                else:
-                    probs = logp[i].exp()
-                    if p.top_p < 1.0:
-                        probs = _top_p(probs, p.top_p)
-                    token = int(torch.multinomial(probs, 1, generator=row.generator or self._rng))
-                    # The logprob of what sampled it: with top_p, the renormalised nucleus (as vLLM records);
-                    # without, the log-softmax itself (exp then log would lose a tiny probability).
-                    logprob = float(torch.log(probs[token])) if p.top_p < 1.0 else float(logp[i, token])
-            except Exception as e:  # noqa: BLE001 - this row's draw alone: its caller gets the reason
-                row.finish, row.error = "error", GenerationError(f"sampling failed: {type(e).__name__}: {e}")
                 continue
             row.token_ids.append(token)
             row.logprobs.append(logprob)
@@ -286,15 +286,6 @@ def _merge(rows, cache, mask, new_rows, new_cache, new_mask):
         old_layer.values = torch.cat([pad(old_layer.values, t_old, 2), pad(new_layer.values, t_new, 2)], dim=0)
     mask = torch.cat([pad(mask, t_old, 1), pad(new_mask, t_new, 1)], dim=0)
     return rows + new_rows, cache, mask
-
-
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_probs, order = torch.sort(probs, descending=True)
-    keep = sorted_probs.cumsum(-1) - sorted_probs < top_p
-    # The most likely token always stays: a top_p that rounds to 0 in float32 (1e-300) would keep none.
-    keep[0] = True
-    filtered = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
-    return filtered / filtered.sum()
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

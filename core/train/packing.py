@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from core.engine.sampling import nucleus as nucleus_of
 from core.train.timelines import Sample
 from core.train.attention import (
     TREE_ATTENTION_IMPLEMENTATIONS,
@@ -249,8 +250,7 @@ def _score_chunk(head: torch.nn.Module, states: torch.Tensor, tokens: torch.Tens
     """(logprob of each token, entropy of its distribution) for one chunk of predicting states.
 
     A token sampled with top_p < 1 is scored within its nucleus, renormalised, as the engines record
-    it: the nucleus is the engine's (`core.engine.hf._top_p`: most likely tokens while the mass before
-    them is below top_p, the top one always), chosen without gradient; the token itself is always
+    it: the nucleus is the engine's (`core.engine.sampling.nucleus`), chosen without gradient; the token itself is always
     counted in, so a token the policy has since pushed out of the nucleus stays finite."""
     logits = head(states).float() / temperatures[:, None]  # float32 so log_softmax keeps precision under bf16
     log_norm = torch.logsumexp(logits, dim=-1)
@@ -259,11 +259,7 @@ def _score_chunk(head: torch.nn.Module, states: torch.Tensor, tokens: torch.Tens
     nucleus = top_ps < 1.0
     if bool(nucleus.any()):  # only then a sort of the vocabulary, and only for those rows
         with torch.no_grad():
-            probs = torch.softmax(logits[nucleus], dim=-1)
-            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-            keep_sorted = sorted_probs.cumsum(-1) - sorted_probs < top_ps[nucleus, None]
-            keep_sorted[:, 0] = True
-            keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)
+            keep = nucleus_of(torch.softmax(logits[nucleus], dim=-1), top_ps[nucleus])
             keep.scatter_(1, tokens[nucleus, None], True)
         kept_norm = torch.logsumexp(logits[nucleus].masked_fill(~keep, float("-inf")), dim=-1)
         log_norm = log_norm.masked_scatter(nucleus, kept_norm)

