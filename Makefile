@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup bwrap-setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup clean
+.PHONY: setup bwrap-setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup gpu-wheels clean
 
 setup: $(STAMP)
 
