@@ -164,8 +164,12 @@ class CoreRun:
         self.stop.set()
 
     def stop_clients(self) -> None:
-        if self._clients_loop is not None and self._clients_stop is not None:
-            self._clients_loop.call_soon_threadsafe(self._clients_stop.set)
+        loop = self._clients_loop
+        if loop is not None and self._clients_stop is not None:
+            try:
+                loop.call_soon_threadsafe(self._clients_stop.set)
+            except RuntimeError:  # the local clients' loop already closed (their tasks() raised): nothing to stop
+                pass
         # Registered clients this run did not start (`swarm swap` started them) end with it too: the
         # server tells them to drain at their next heartbeat; they are not ours to signal.
         deadline = time.monotonic() + CLIENT_DRAIN_S

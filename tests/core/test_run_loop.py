@@ -264,3 +264,12 @@ def test_max_failed_steps_in_a_row_fail_the_run_and_a_good_step_resets_the_count
     train_one(core)
     assert "max_failed_steps" in str(core.failure) and core.stop.is_set()
     assert _outcome(core) == "FAILED" and EXIT_CODES["FAILED"] != 0  # the MLflow status and the exit code
+
+
+def test_stopping_local_clients_whose_event_loop_already_closed_does_not_raise(core):
+    # A sandbox whose tasks() raises ends the clients' thread and closes its loop before the run
+    # stops them; `swarm run` then raised "Event loop is closed" on its way out and died (signal 11).
+    loop = asyncio.new_event_loop()
+    core._clients_loop, core._clients_stop = loop, asyncio.Event()
+    loop.close()
+    core.stop_clients()
