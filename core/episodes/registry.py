@@ -4,18 +4,12 @@ Lifecycle: open -> (calls...) -> finished | aborted | expired. Finished train ep
 group, keyed by (sandbox, task_id); a group with `group_size` finished episodes is ready, and the
 trainer takes ready groups in arrival order. Eval and debug episodes never train.
 
-Mix quotas hold in what trains, not only in what opens: with two or more sandboxes in `mix`, each
-batch slot goes to the sandbox furthest below its share of all groups trained so far (oldest group
-first, `core.episodes.mix.next_group`); when that sandbox has no ready group but one under way (or a client
-that asked to open within a lease and has admission room), the batch waits for it. A sandbox silent
-for a lease with nothing under way is skipped, so a dead client costs the trainer at most a lease of
-waiting, never a stop. Which opens are admitted (admission control, mix shares, back-pressure) is
-`core.episodes.admission`'s job.
-
-Staleness counts by the weights that generated an episode: the oldest version among its calls.
-
-All state sits behind one lock because HTTP handlers and the trainer thread both touch it. The
-registry does not render, generate or train; it only keeps the books.
+Mix quotas hold in what trains, not only in what opens: each batch slot goes to the sandbox
+furthest below its share of the groups trained so far (`core.episodes.mix.next_group`), and waits
+for one under way; a sandbox silent for a lease is skipped, so a dead client costs at most a lease.
+Which opens are admitted is `core.episodes.admission`'s job. Staleness counts by the oldest weight
+version among an episode's calls. One lock guards all state (HTTP handlers and the trainer thread
+both touch it). The registry does not render, generate or train; it only keeps the books.
 """
 
 from __future__ import annotations
