@@ -1,8 +1,10 @@
 """The transformers engine: continuous batching of concurrent requests on one HF causal LM.
 
 One worker thread owns the model while generating. Requests queue up; at every decode step the
-worker admits waiting requests (a batched prefill, left-padded), merges their KV cache into the
-running batch, decodes one token for every active row, and retires rows that finished. Sixteen agents
+worker admits waiting requests (a batched prefill, left-padded), copies their KV cache into the
+running batch's preallocated one (`core.engine.batch_cache`: capacities double, so a decode step
+writes one column instead of concatenating the cache and mask), decodes one token for every active
+row, and retires rows that finished. Sixteen agents
 calling at once therefore share forward passes instead of running one after another.
 
 Sampling is per row (temperature, top_p, stop strings, seed). Logprobs are those of the tempered
@@ -29,6 +31,7 @@ from transformers import DynamicCache
 
 from core.config import EngineConfig
 from core.engine import Generation, GenerationError, is_greedy, scoring_temperature
+from core.engine.batch_cache import BatchCache
 from core.engine.sampling import sample_batch
 from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
 
@@ -56,8 +59,8 @@ class HFEngine(WorkerEngine):
         super().__init__(model, tokenizer, cfg, max_context, seed)  # `self._rng`: the run's seeded sampler
         self.eos_ids = stop_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        # The model's device (`models[].device`); ids, masks and sampling stay on the CPU, where they are
-        # built row by row, and only the forward pass's inputs move.
+        # The model's device (`models[].device`): the running batch's KV cache and mask live there;
+        # ids and a prefill's mask are built on the CPU row by row, and only a forward pass's inputs move.
         self.device = next(model.parameters()).device
         self.stats = {"batches": 0, "max_rows": 0, "tokens": 0}
         self._start()
@@ -65,8 +68,7 @@ class HFEngine(WorkerEngine):
     # -- worker ---------------------------------------------------------------------------------
     def _run(self) -> None:
         rows: list[_Row] = []
-        cache: DynamicCache | None = None
-        mask: torch.Tensor | None = None
+        cache: BatchCache | None = None
         while not self._closed.is_set():
             self._run_swaps()
             try:
@@ -78,25 +80,24 @@ class HFEngine(WorkerEngine):
                 new = self._take(block=not rows, room=self.cfg.max_batch - len(rows))
                 if new:
                     def admit(reqs: list[Request]) -> None:
-                        nonlocal rows, cache, mask
-                        rows, cache, mask = self._admit(reqs, rows, cache, mask)
+                        nonlocal rows, cache
+                        rows, cache = self._admit(reqs, rows, cache)
                     if not self._admitted(new, admit):
                         new = []  # held back until resume; not this batch's to fail
                     self.stats["max_rows"] = max(self.stats["max_rows"], len(rows))
                 if rows:
-                    rows, cache, mask = self._retire(rows, cache, mask)
+                    rows, cache = self._retire(rows, cache)
                 if rows:
-                    self._decode(rows, cache, mask)
-                    mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-                    rows, cache, mask = self._retire(rows, cache, mask)
+                    self._decode(rows, cache)
+                    rows, cache = self._retire(rows, cache)
             except Exception as e:  # a broken decode step fails its rows, never the worker
                 log.exception("engine batch failed")
                 for req in [row.req for row in rows] + new:  # resolve() settles each at most once
                     resolve(req, exc=e)
-                rows, cache, mask = [], None, None
+                rows, cache = [], None
         self._run_swaps()  # a trainer waiting on a swap must not hang on a closed engine
 
-    def _admit(self, reqs: list[Request], rows, cache, mask):
+    def _admit(self, reqs: list[Request], rows: list[_Row], cache: BatchCache | None):
         """Prefill `reqs`, sample their first tokens and join them to the running batch. A prefill or
         first sample that raises is retried one request at a time, so only the request that cannot be
         admitted fails; running rows are untouched (nothing of theirs changes before `_merge`)."""
@@ -108,11 +109,14 @@ class HFEngine(WorkerEngine):
                 log.warning("admitting a %d-token prompt failed: %s: %s", len(reqs[0].prompt_ids), type(e).__name__, e)
                 resolve(reqs[0], exc=e if isinstance(e, GenerationError) else
                         GenerationError(f"the request could not be admitted: {type(e).__name__}: {e}"))
-                return rows, cache, mask
+                return rows, cache
             for r in reqs:
-                rows, cache, mask = self._admit([r], rows, cache, mask)
-            return rows, cache, mask
-        return _merge(rows, cache, mask, new_rows, new_cache, new_mask)
+                rows, cache = self._admit([r], rows, cache)
+            return rows, cache
+        if cache is None:
+            cache = BatchCache(max_rows=self.cfg.max_batch)
+        cache.append_rows(new_cache, new_mask)
+        return rows + new_rows, cache
 
     def _take(self, block: bool, room: int) -> list[Request]:
         if not self._admitting.is_set() or room <= 0:
@@ -171,12 +175,12 @@ class HFEngine(WorkerEngine):
         return rows, cache, mask, last_logits
 
     @torch.inference_mode()
-    def _decode(self, rows: list[_Row], cache: DynamicCache, mask: torch.Tensor) -> None:
+    def _decode(self, rows: list[_Row], cache: BatchCache) -> None:
         ids = torch.tensor([[r.token_ids[-1]] for r in rows], dtype=torch.long)
         positions = torch.tensor([[r.position] for r in rows], dtype=torch.long)
-        full_mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
-        out = self.model(input_ids=ids.to(self.device), attention_mask=full_mask.to(self.device),
+        out = self.model(input_ids=ids.to(self.device), attention_mask=cache.decode_mask(),
                          position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        cache.advance(1)
         for r in rows:
             r.position += 1
         self._sample(rows, out.logits[:, -1, :])
@@ -233,10 +237,10 @@ class HFEngine(WorkerEngine):
         if len(row.token_ids) >= p.max_tokens or row.position + 1 >= self.max_context:
             row.finish = "length"
 
-    def _retire(self, rows, cache, mask):
+    def _retire(self, rows: list[_Row], cache: BatchCache):
         done = [r for r in rows if r.finish]
         if not done:
-            return rows, cache, mask
+            return rows, cache
         for r in done:
             if r.error is not None:
                 resolve(r.req, exc=r.error)
@@ -254,38 +258,8 @@ class HFEngine(WorkerEngine):
             resolve(r.req, result=gen)
         keep = [i for i, r in enumerate(rows) if not r.finish]
         if not keep:
-            return [], None, None
-        index = torch.tensor(keep, dtype=torch.long)
-        cache.batch_select_indices(index.to(self.device))
-        mask = mask[index]
-        # Columns that no remaining row attends to are dead weight: drop them from the left.
-        first = int((mask.sum(0) > 0).nonzero()[0])
-        if first > 0:
-            mask = mask[:, first:]
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
-        return [rows[i] for i in keep], cache, mask
-
-
-def _merge(rows, cache, mask, new_rows, new_cache, new_mask):
-    """Join a freshly prefilled batch to the running one, left-padding the shorter KV cache."""
-    if not rows:
-        return new_rows, new_cache, new_mask
-    t_old, t_new = mask.shape[1], new_mask.shape[1]
-    width = max(t_old, t_new)
-
-    def pad(x: torch.Tensor, t: int, dim: int) -> torch.Tensor:
-        if t == width:
-            return x
-        shape = list(x.shape)
-        shape[dim] = width - t
-        return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-    for old_layer, new_layer in zip(cache.layers, new_cache.layers):
-        old_layer.keys = torch.cat([pad(old_layer.keys, t_old, 2), pad(new_layer.keys, t_new, 2)], dim=0)
-        old_layer.values = torch.cat([pad(old_layer.values, t_old, 2), pad(new_layer.values, t_new, 2)], dim=0)
-    mask = torch.cat([pad(mask, t_old, 1), pad(new_mask, t_new, 1)], dim=0)
-    return rows + new_rows, cache, mask
+            return [], None
+        return [rows[i] for i in cache.keep_rows(keep)], cache
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

@@ -38,22 +38,37 @@ DENSE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 TREE_ATTENTION_IMPLEMENTATIONS = (*DENSE_ATTENTION_IMPLEMENTATIONS, FLEX_ATTENTION)
 
 
-def dense_tree_mask(predictor_index: torch.Tensor) -> torch.Tensor:
+Predictors = torch.Tensor | list[list[int]]  # [B, T] predictor index; the lists are a host copy
+
+
+def _rows(predictor_index: Predictors) -> list[list[int]]:
+    # A host copy (MicroBatch.host_predictors) is read as it is: no device-to-host sync.
+    return predictor_index.tolist() if isinstance(predictor_index, torch.Tensor) else predictor_index
+
+
+def _device(predictor_index: Predictors, device: torch.device | str | None) -> torch.device | str:
+    if device is not None:
+        return device
+    return predictor_index.device if isinstance(predictor_index, torch.Tensor) else "cpu"
+
+
+def dense_tree_mask(predictor_index: Predictors, device: torch.device | str | None = None) -> torch.Tensor:
     """[B, 1, T, T] bool: row i is True at i and its ancestors; padding rows see only themselves."""
-    b, width = predictor_index.shape
+    rows = _rows(predictor_index)
+    b, width = len(rows), len(rows[0])
     mask = torch.eye(width, dtype=torch.bool).repeat(b, 1, 1)
-    for row, predictors in enumerate(predictor_index.tolist()):
+    for row, predictors in enumerate(rows):
         # Parents precede children, so each row copies a finished row and adds itself.
         for i, p in enumerate(predictors):
             if p >= 0:
                 mask[row, i] |= mask[row, p]
-    return mask[:, None].to(predictor_index.device)
+    return mask[:, None].to(_device(predictor_index, device))
 
 
-def subtree_ends(predictor_index: torch.Tensor) -> torch.Tensor | None:
+def subtree_ends(predictor_index: Predictors, device: torch.device | str | None = None) -> torch.Tensor | None:
     """[B, T] long: the last position of each token's subtree, or None if a row is not in preorder."""
     ends = []
-    for predictors in predictor_index.tolist():
+    for predictors in _rows(predictor_index):
         width = len(predictors)
         end, size = list(range(width)), [1] * width
         for i in range(width - 1, -1, -1):  # children after parents: one reverse sweep sums subtrees
@@ -64,22 +79,23 @@ def subtree_ends(predictor_index: torch.Tensor) -> torch.Tensor | None:
         if any(end[i] - i + 1 != size[i] for i in range(width)):
             return None  # some subtree is not one contiguous range
         ends.append(end)
-    return torch.tensor(ends, dtype=torch.long, device=predictor_index.device)
+    return torch.tensor(ends, dtype=torch.long, device=_device(predictor_index, device))
 
 
-def flex_tree_mask(predictor_index: torch.Tensor) -> BlockMask | None:
+def flex_tree_mask(predictor_index: Predictors, device: torch.device | str | None = None) -> BlockMask | None:
     """The tree mask as a FlexAttention BlockMask, without a T x T tensor; None if not in preorder."""
-    ends = subtree_ends(predictor_index)
+    device = _device(predictor_index, device)
+    ends = subtree_ends(predictor_index, device)
     if ends is None:
         return None
-    b, width = predictor_index.shape
+    b, width = ends.shape
 
     def may_attend(batch, head, q, kv):
         return (kv <= q) & (q <= ends[batch, kv])
 
     # Compiled on GPU: the eager builder evaluates the mask function over all T x T pairs at once.
-    return create_block_mask(may_attend, b, None, width, width, device=predictor_index.device,
-                             _compile=predictor_index.device.type == "cuda")
+    return create_block_mask(may_attend, b, None, width, width, device=device,
+                             _compile=torch.device(device).type == "cuda")
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -94,8 +110,9 @@ def flex_by_default(device: torch.device) -> bool:
     return device.type == "cuda" and create_block_mask is not None
 
 
-def tree_attention_mask(predictor_index: torch.Tensor, implementation: str | None, dtype: torch.dtype,
-                        flex: bool = False) -> tuple[torch.Tensor | BlockMask, str | None]:
+def tree_attention_mask(predictor_index: Predictors, implementation: str | None, dtype: torch.dtype,
+                        flex: bool = False, device: torch.device | str | None = None,
+                        ) -> tuple[torch.Tensor | BlockMask, str | None]:
     """(attention_mask, attention implementation) to run a tree micro-batch with.
 
     With `flex` (or a model loaded with flex_attention) and rows in preorder: a BlockMask, run by
@@ -110,10 +127,10 @@ def tree_attention_mask(predictor_index: torch.Tensor, implementation: str | Non
     if flex or implementation == FLEX_ATTENTION:
         if create_block_mask is None:
             raise ValueError("FlexAttention needs torch >= 2.5")
-        block_mask = flex_tree_mask(predictor_index)
+        block_mask = flex_tree_mask(predictor_index, device)
         if block_mask is not None:
             return block_mask, FLEX_ATTENTION
-    return additive(dense_tree_mask(predictor_index), dtype), implementation
+    return additive(dense_tree_mask(predictor_index, device), dtype), implementation
 
 
 def attention_view(model: torch.nn.Module, implementation: str | None) -> torch.nn.Module:

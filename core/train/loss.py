@@ -36,20 +36,40 @@ import torch
 MAX_LOG_RATIO = 20.0
 
 
+# The order of `LossTerms.stats`: unweighted sums over the masked tokens, kept on the device.
+STAT_NAMES = ("pg_sum", "kl_sum", "clipped", "tokens", "behaviour_diff_sum", "behaviour_diff_max")
+
+
 @dataclass
 class LossTerms:
-    """One micro-batch's loss (with grad) and unweighted sums over its masked tokens."""
+    """One micro-batch's loss (with grad) and unweighted sums over its masked tokens.
+
+    The sums stay one detached device tensor (`stats`, in `STAT_NAMES` order) so a caller reads them
+    with its other scalars in one host sync (the trainer does); the named properties read them on
+    first use, in one sync too.
+    - pg_sum: sum of the PPO-clip term; kl_sum: of k3 (0 without a reference);
+    - clipped: tokens whose clipped term was selected (PPO) or whose weight hit tis_cap (TIS);
+    - tokens: masked tokens;
+    - behaviour_diff_sum/max: |logp_new - logp_behaviour| summed and at its largest: before the first
+      update of a step's weights this is the engine/trainer mismatch alone (numerics: dtype, batch
+      shape, kernels); with max_staleness > 0 it also holds how far the policy moved since sampling.
+    """
 
     loss: torch.Tensor  # scalar: this micro-batch's share of the batch loss
-    pg_sum: float  # sum of the PPO-clip term
-    kl_sum: float  # sum of k3 (0 when no reference was given)
-    clipped: int  # tokens whose clipped term was selected (PPO) or whose weight hit tis_cap (TIS)
-    tokens: int  # masked tokens
-    # |logp_new - logp_behaviour| summed and at its largest: before the first update of a step's
-    # weights this is the engine/trainer mismatch alone (numerics: dtype, batch shape, kernels);
-    # with max_staleness > 0 it also holds how far the policy moved since the tokens were sampled.
-    behaviour_diff_sum: float = 0.0
-    behaviour_diff_max: float = 0.0
+    stats: torch.Tensor  # [len(STAT_NAMES)], detached
+    _read: list[float] | None = None
+
+    def value(self, name: str) -> float:
+        if self._read is None:
+            self._read = self.stats.tolist()
+        return self._read[STAT_NAMES.index(name)]
+
+    pg_sum = property(lambda self: self.value("pg_sum"))
+    kl_sum = property(lambda self: self.value("kl_sum"))
+    clipped = property(lambda self: int(self.value("clipped")))
+    tokens = property(lambda self: int(self.value("tokens")))
+    behaviour_diff_sum = property(lambda self: self.value("behaviour_diff_sum"))
+    behaviour_diff_max = property(lambda self: self.value("behaviour_diff_max"))
 
 
 def policy_loss(
@@ -104,12 +124,7 @@ def policy_loss(
     loss = torch.where(mask, weights * per_token, zero).sum() / normalizer
     with torch.no_grad():
         diff = torch.where(mask, (logp - old).abs(), zero)
-        return LossTerms(
-            loss=loss,
-            pg_sum=float(torch.where(mask, pg, zero).sum()),
-            kl_sum=float(torch.where(mask, k3, zero).sum()),
-            clipped=int((mask & hit).sum()),
-            tokens=int(mask.sum()),
-            behaviour_diff_sum=float(diff.sum()),
-            behaviour_diff_max=float(diff.max()) if diff.numel() else 0.0,
-        )
+        most = diff.max() if diff.numel() else zero
+        stats = torch.stack([torch.where(mask, pg, zero).sum(), torch.where(mask, k3, zero).sum(),
+                             (mask & hit).sum().to(zero.dtype), mask.sum().to(zero.dtype), diff.sum(), most])
+        return LossTerms(loss=loss, stats=stats)

@@ -63,6 +63,10 @@ class MicroBatch:
     # True when a row is a tree: scoring then builds the tree mask from predictor_index
     # (core.train.attention), not from the padding mask; no T x T tensor is kept here.
     is_tree: bool = False
+    # Host copies of what scoring branches on, so it never reads them back from the device:
+    # predictor_index as lists (for the tree mask) and whether any token was sampled with top_p < 1.
+    host_predictors: list[list[int]] | None = None
+    nucleus: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +91,8 @@ class MicroBatch:
             rows=self.rows,
             lengths=self.lengths,
             is_tree=self.is_tree,
+            host_predictors=self.host_predictors,
+            nucleus=self.nucleus,
         )
 
 
@@ -165,6 +171,8 @@ def _collate(samples: Sequence[Sample], rows: list[int]) -> MicroBatch:
         rows=rows,
         lengths=[len(s.input_ids) for s in batch],
         is_tree=any(s.parents is not None for s in batch),
+        host_predictors=[s.predictors() + [-1] * (width - len(s.input_ids)) for s in batch],
+        nucleus=any(s.top_ps is not None and min(s.top_ps, default=1.0) < 1.0 for s in batch),
     )
 
 
@@ -211,8 +219,9 @@ def token_logprobs(
     implementation = _attention_implementation(model)
     if mb.is_tree:
         flex = flex_by_default(device) if flex is None else flex
+        predictors = mb.host_predictors if mb.host_predictors is not None else mb.predictor_index
         attention_mask, implementation = tree_attention_mask(
-            mb.predictor_index, implementation, _model_dtype(model), flex
+            predictors, implementation, _model_dtype(model), flex, device=device
         )
     else:
         attention_mask = mb.attention_mask
@@ -230,7 +239,8 @@ def token_logprobs(
     states = hidden[rows, mb.predictor_index[rows, cols]]  # [N, H]: each scored token's predicting state
     tokens, temperatures, top_ps = mb.input_ids[rows, cols], mb.temperatures[rows, cols], mb.top_ps[rows, cols]
     pieces = [checkpoint(_score_chunk, head, states[k : k + LOGIT_CHUNK], tokens[k : k + LOGIT_CHUNK],
-                         temperatures[k : k + LOGIT_CHUNK], top_ps[k : k + LOGIT_CHUNK], use_reentrant=False)
+                         temperatures[k : k + LOGIT_CHUNK], top_ps[k : k + LOGIT_CHUNK], mb.nucleus,
+                         use_reentrant=False)
               for k in range(0, len(tokens), LOGIT_CHUNK)]
     logprobs = torch.zeros(mb.input_ids.shape, dtype=torch.float32, device=device)
     entropy = torch.zeros_like(logprobs)
@@ -246,7 +256,8 @@ LOGIT_CHUNK = 512
 
 
 def _score_chunk(head: torch.nn.Module, states: torch.Tensor, tokens: torch.Tensor,
-                 temperatures: torch.Tensor, top_ps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 temperatures: torch.Tensor, top_ps: torch.Tensor,
+                 any_nucleus: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of each token, entropy of its distribution) for one chunk of predicting states.
 
     A token sampled with top_p < 1 is scored within its nucleus, renormalised, as the engines record
@@ -257,7 +268,9 @@ def _score_chunk(head: torch.nn.Module, states: torch.Tensor, tokens: torch.Tens
     with torch.no_grad():
         entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
     nucleus = top_ps < 1.0
-    if bool(nucleus.any()):  # only then a sort of the vocabulary, and only for those rows
+    # Only then a sort of the vocabulary, and only for those rows; `any_nucleus` (known on the host
+    # when packing) spares the device read for a batch sampled without top_p.
+    if any_nucleus and bool(nucleus.any()):
         with torch.no_grad():
             keep = nucleus_of(torch.softmax(logits[nucleus], dim=-1), top_ps[nucleus])
             keep.scatter_(1, tokens[nucleus, None], True)

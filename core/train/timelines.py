@@ -315,13 +315,23 @@ def merge_calls(calls: Sequence[Call], mode: MergeMode, episode_id: str = "") ->
     Raises ValueError for calls of several models, misaligned or non-finite logprobs, or an
     unknown mode. An episode that generated nothing trainable gives an empty list.
     """
+    return merge_with_stats(calls, mode, episode_id, with_stats=False)[0]
+
+
+def merge_with_stats(calls: Sequence[Call], mode: MergeMode, episode_id: str = "",
+                     with_stats: bool = True) -> tuple[list[Sample], MergeStats | None]:
+    """`merge_calls` and `merge_stats` from one trie build: the trainer wants both for every episode."""
     if mode not in MERGE_MODES:
         raise ValueError(f"unknown merge mode {mode!r}; expected one of {MERGE_MODES}")
-    if mode == "none":
+    if mode == "none" and not with_stats:
         _validate(calls)
-        return _unmerged(calls, episode_id)
+        return _unmerged(calls, episode_id), None
     trie = _build_trie(calls)
-    return _linear(trie, episode_id) if mode == "linear" else _tree(trie, episode_id)
+    unmerged = _unmerged(calls, episode_id)
+    stats = _stats(trie, unmerged) if with_stats else None
+    if mode == "none":
+        return unmerged, stats
+    return (_linear(trie, episode_id) if mode == "linear" else _tree(trie, episode_id)), stats
 
 
 def _ratio(num: int, den: int) -> float:
@@ -331,9 +341,11 @@ def _ratio(num: int, den: int) -> float:
 
 def merge_stats(calls: Sequence[Call]) -> MergeStats:
     """How many tokens each merge mode would train on for this episode, from one trie build."""
-    trie = _build_trie(calls)
+    return _stats(_build_trie(calls), _unmerged(calls, ""))
+
+
+def _stats(trie: _Trie, unmerged_samples: list[Sample]) -> MergeStats:
     useful = trie.useful()
-    unmerged_samples = _unmerged(calls, "")
     unmerged = sum(len(s.input_ids) for s in unmerged_samples)
     linear = tree = leaves = 0
     for node, is_leaf in trie.depth_first(useful):

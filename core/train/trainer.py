@@ -49,9 +49,9 @@ import torch
 from core.config import LoraConfig, TrainerConfig
 from core.records import Episode
 from core.train.prompt_sharing import share_prompt
-from core.train.timelines import Sample, merge_calls, merge_stats
+from core.train.timelines import Sample, merge_with_stats
 from core.train.advantages import group_advantages
-from core.train.loss import policy_loss
+from core.train.loss import STAT_NAMES, policy_loss
 from core.train.master import MasterWeights
 from core.train.packing import pack, token_logprobs
 
@@ -242,10 +242,9 @@ class Trainer:
             grouped.append(samples)
             for episode, advantage in zip(group, group_adv):
                 calls = episode.calls_of(self.model_name)
-                stats = merge_stats(calls)
+                episode_samples, stats = merge_with_stats(calls, self.cfg.merge, episode.id)  # one trie build
                 unmerged += stats["unmerged_tokens"]
                 linear += stats["linear_tokens"]
-                episode_samples = merge_calls(calls, self.cfg.merge, episode.id)
                 tokens = sum(s.num_masked for s in episode_samples)
                 for s in episode_samples:
                     s.advantage = advantage
@@ -276,14 +275,18 @@ class Trainer:
                 kl_coef=self.cfg.kl_coef,
                 tis_cap=self.cfg.tis_cap,
             )
-            sums["loss"] += float(terms.loss.detach())
-            sums["kl"] += terms.kl_sum
-            sums["clipped"] += terms.clipped
-            sums["masked"] += terms.tokens
+            # The micro-batch's scalars in one host sync: each float() would be a device round trip.
+            read = torch.cat([torch.stack([terms.loss.detach(), entropy[mb.loss_mask].sum().to(terms.stats.dtype)]),
+                              terms.stats]).tolist()
+            loss, entropy_sum, stats = read[0], read[1], dict(zip(STAT_NAMES, read[2:]))
+            sums["loss"] += loss
+            sums["kl"] += stats["kl_sum"]
+            sums["clipped"] += stats["clipped"]
+            sums["masked"] += stats["tokens"]
             sums["tokens"] += mb.num_tokens
-            sums["entropy"] += float(entropy[mb.loss_mask].sum())
-            sums["behaviour_diff"] += terms.behaviour_diff_sum
-            sums["behaviour_diff_max"] = max(sums["behaviour_diff_max"], terms.behaviour_diff_max)
+            sums["entropy"] += entropy_sum
+            sums["behaviour_diff"] += stats["behaviour_diff_sum"]
+            sums["behaviour_diff_max"] = max(sums["behaviour_diff_max"], stats["behaviour_diff_max"])
             if not math.isfinite(sums["loss"]):
                 break  # the step will be skipped; more backward passes would only cost time
             terms.loss.backward()

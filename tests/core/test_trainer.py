@@ -15,6 +15,8 @@ import torch
 from core.config import LoraConfig, TrainerConfig
 from core.models import build_tiny, byte_tokenizer
 from core.records import Call, Episode
+import core.train.timelines as timelines
+import core.train.trainer as trainer_module
 from core.train.trainer import Trainer, prepare_policy, seed_everything
 
 MODEL = "policy"
@@ -334,3 +336,30 @@ def test_one_group_with_a_reward_beyond_max_abs_reward_never_voids_the_step():
     metrics = trainer.step(groups)
     assert metrics["train/skipped"] == 0.0 and metrics["train/updated"] == 1.0
     assert changed(before, trainer.policy)  # the healthy group trained
+
+
+def test_a_step_builds_each_episodes_trie_once_and_reads_each_micro_batch_in_one_host_sync(monkeypatch):
+    trainer = tiny_trainer(merge="tree", micro_batch_tokens=64)  # small budget: several micro-batches
+    groups = x_groups(trainer.policy)
+    builds, syncs, micro_batches = [], [], []
+    build = timelines._build_trie
+    monkeypatch.setattr(timelines, "_build_trie", lambda calls: builds.append(calls) or build(calls))
+    pack = trainer_module.pack
+    monkeypatch.setattr(trainer_module, "pack", lambda *a: [micro_batches.append(mb) or mb for mb in pack(*a)])
+    accumulate = trainer._accumulate
+
+    def counting(*args):  # host syncs only while micro-batches run: forward, loss, backward
+        for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+            original = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name,
+                                lambda self, *a, _o=original, _n=name: syncs.append(_n) or _o(self, *a))
+        try:
+            return accumulate(*args)
+        finally:
+            monkeypatch.undo()
+
+    trainer._accumulate = counting
+    trainer.step(groups)
+    assert len(builds) == sum(len(g) for g in groups)  # one build per episode, not one per use
+    assert len(micro_batches) > 1
+    assert len(syncs) == len(micro_batches), syncs
