@@ -1,9 +1,10 @@
 """Budget accounting: what a study has spent against its brief, and whether it may spend more.
 
 Runs and trainer steps are counted when a run is launched, at the steps it was asked for, so the
-count is the same whether or not the study was interrupted. Compute time (`wall_s`) is the time
-some run was running: the union of the runs' [start, end] intervals, the study's live run
-included (its steps count as it logs them). Time waiting for a person, and a downtime in which
+count is the same whether or not the study was interrupted; the study's live run is one run too,
+its steps counted as it logs them (`researcher.live_watch` refreshes them). Compute time (`wall_s`)
+is the time some run was running: the union of the runs' [start, end] intervals, the live run's
+included. Time waiting for a person, and a downtime in which
 nothing ran (the machine rebooted), are free; a run's end is its last sign of life
 (`researcher.launcher`), not the moment a resumed study noticed it was gone. Tokens are
 what the llm planner's endpoint reported. GPU-hours are each launched run's wall time times the
@@ -37,11 +38,12 @@ class Spent:
         launched = [x for x in launches if x.status in LAUNCHED]
         live = Launch.model_validate(state["live"]) if state.get("live") else None
         clock = now or time.time()
-        timed = launched + ([live] if live is not None and live.status in LAUNCHED else [])
+        live_runs = [live] if live is not None and live.status in LAUNCHED else []
+        timed = launched + live_runs
         intervals = [(x.started_at, max(x.started_at, x.ended_at or clock)) for x in timed if x.started_at is not None]
         run_s = sum(end - start for start, end in intervals)
         steps = sum(x.steps for x in launched) + (live.steps_done if live is not None else 0)
-        return cls(runs=len(launched), steps=steps, tokens=int(state.get("tokens_used", 0)),
+        return cls(runs=len(launched) + len(live_runs), steps=steps, tokens=int(state.get("tokens_used", 0)),
                    wall_s=_union(intervals), gpu_hours=run_s * gpus / 3600.0)
 
     def left(self, brief: Brief) -> tuple[int, int, int]:
@@ -55,14 +57,22 @@ class Spent:
         b = brief.budget
         if self.runs >= b.max_runs:
             return f"budget: {self.runs} of {b.max_runs} runs used"
+        compute = self.compute_exhausted(brief)
+        if compute:
+            return compute
+        if llm and self.tokens >= b.llm_tokens:
+            return f"budget: {self.tokens} of {b.llm_tokens} LLM tokens used"
+        return None
+
+    def compute_exhausted(self, brief: Brief) -> str | None:
+        """Why a run already going may not go on (steps, wall-clock, GPU-hours spent), or None."""
+        b = brief.budget
         if self.steps >= b.max_total_steps:
             return f"budget: {self.steps} of {b.max_total_steps} trainer steps used"
         if self.wall_s >= b.wall_clock:
             return f"budget: {self.wall_s:.0f} s of {b.wall_clock:.0f} s wall-clock used"
         if b.gpu_hours is not None and self.gpu_hours >= b.gpu_hours:
             return f"budget: {self.gpu_hours:.2f} of {b.gpu_hours:g} GPU-hours used"
-        if llm and self.tokens >= b.llm_tokens:
-            return f"budget: {self.tokens} of {b.llm_tokens} LLM tokens used"
         return None
 
     def rows(self, brief: Brief) -> list[tuple[str, str, str]]:

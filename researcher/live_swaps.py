@@ -10,7 +10,8 @@ the old ones (open episodes split about 50/50), the core records the swap (`ab`,
 folder; tag `swarmrl.sandbox_swap.<n>`) and drains nobody. We tag the live MLflow run
 `swarmrl.swap.<n>` = JSON {step, from_version, to_version, proposal}. `ab_steps` reads both
 versions' per-step rewards (`reward/<sandbox>/version/<v>`) over the steps after the swap where both
-logged; `drain` ends the A/B with `swarm swap <sandbox> --drain-version <loser>` (idempotent: a
+logged, and says why when the window did not fill (the caller's watch of the live run, or a
+timeout); `drain` ends the A/B with `swarm swap <sandbox> --drain-version <loser>` (idempotent: a
 version with no clients left is nothing to do). `before` reads the old version's steps up to the
 swap: a picture for the report, never evidence.
 
@@ -178,14 +179,16 @@ class LiveRun:
                              f"{log_tail(log_path, 15)}")
 
     # -- the comparison ---------------------------------------------------------------------------
-    def ab_steps(self, run_id: str, record: dict, window: int, alive: Callable[[], bool],
-                 timeout_s: float) -> tuple[SwapSide, SwapSide]:
-        """(old, new): both versions' per-step rewards over the first `window` steps after the swap where
-        both logged one, waiting (while the run lives, up to `timeout_s`) for them to be logged."""
+    def ab_steps(self, run_id: str, record: dict, window: int, stopped: Callable[[], str | None],
+                 timeout_s: float, poll_s: float = POLL_S) -> tuple[SwapSide, SwapSide, str | None]:
+        """(old, new, cut): both versions' per-step rewards over the first `window` steps after the swap
+        where both logged one, waiting for them to be logged; `cut` is None when the window filled, else
+        why it did not: what `stopped` said (the live run ended, stalled, diverged or spent the budget),
+        or that `timeout_s` passed."""
         metric = "reward/{sandbox}/version/{version}"
         step = record["step"] or 0
         new_metric = metric.format(sandbox=record["sandbox"], version=record["to_version"])
-        deadline = time.monotonic() + timeout_s
+        deadline, cut = time.monotonic() + timeout_s, None
         while True:
             old: dict[int, list[float]] = {}
             for version in record["from_versions"]:  # several old clients of different versions: their mean
@@ -194,11 +197,15 @@ class LiveRun:
                         old.setdefault(s, []).append(v)
             new = {s: v for s, v in read_history(self.client, run_id, new_metric) if s > step}
             both = sorted(set(old) & set(new))[:window]
-            if len(both) >= window or not alive() or time.monotonic() > deadline:
+            if len(both) >= window:
                 break
-            time.sleep(POLL_S)
+            cut = stopped() or (f"the A/B's window of {window} steps did not fill within {timeout_s:g} s "
+                                f"({len(both)} steps)" if time.monotonic() > deadline else None)
+            if cut is not None:
+                break
+            time.sleep(poll_s)
         return (SwapSide(version=",".join(record["from_versions"]), steps={s: sum(old[s]) / len(old[s]) for s in both}),
-                SwapSide(version=record["to_version"], steps={s: new[s] for s in both}))
+                SwapSide(version=record["to_version"], steps={s: new[s] for s in both}), cut)
 
     def before(self, run_id: str, record: dict, window: int) -> SwapSide:
         """The old version's last `window` steps up to the swap: the report's picture, never evidence."""

@@ -17,9 +17,10 @@ from mlflow.tracking import MlflowClient
 from core.config import flat_values, flatten
 from researcher.brief import Brief
 from researcher.launcher import Emit, Launcher
+from researcher.live_watch import LiveWatch
 from researcher.planner.types import Planner
 from researcher import confirmation
-from researcher.records import Decision, ExperimentResult, Proposal
+from researcher.records import Decision, ExperimentResult, Launch, Proposal
 from researcher.review import ReviewBoard
 from researcher.store import StudyPaths
 from researcher.workspace import Workspace
@@ -92,6 +93,15 @@ class NodeBase:
 
     def _enter(self, node: str, state: StudyState) -> None:
         self.ctx.emit("node", node=node, round=state.get("round", 0))
+
+    def _watch_live(self, state: StudyState) -> dict[str, Any]:
+        """The live run refreshed (stopped if it diverged, stalled or spent the budget), as the state's
+        `live`; {} without one. Nodes that read the budget call it first, so a live run that died in a
+        downtime is billed to its last sign of life, not to the moment the resumed study looked."""
+        if not state.get("live"):
+            return {}
+        watch = LiveWatch(self.ctx.launcher, self.ctx.client, self.ctx.brief, self.ctx.emit)
+        return watch.check(Launch.model_validate(state["live"]), state).model_dump()
 
     def _steps(self, p: Proposal) -> int:
         return int(p.overrides.get("trainer.steps", self.base_steps))

@@ -8,7 +8,10 @@ live run, and judged: over the first `run.swap_window` steps after the swap wher
 logged `reward/<sandbox>/version/<v>`, the per-step difference new - old in the brief's direction
 (`researcher.decision.judge_ab`: a paired t-test, Holm across the round's comparisons). Then the
 loser drains: the old version when the new one is `better`, else the new one (inconclusive keeps
-the old code). The old version's steps before the swap are kept as a picture (`before`), never as
+the old code). The live run is watched all along (`researcher.live_watch`: the study stops it when
+it diverges, stalls or spends the budget); an A/B whose window it did not fill ends `inconclusive`
+with the reason ("the live run stalled: ..."), never judged on a partial window, and nothing drains
+from a stopped run. The old version's steps before the swap are kept as a picture (`before`), never as
 evidence. The swap and its verdict join the state (`swaps`), the proposal gets its result, and its
 review run is closed. A swap that fails leaves the old code serving and the proposal `failed` with
 the reason. The node does not plan, validate, review or start other runs.
@@ -22,7 +25,7 @@ from typing import Any
 import yaml
 
 from core.config import ConfigError
-from researcher import analysis
+from researcher import analysis, live_watch
 from researcher.decision import Verdict, judge_ab
 from researcher.live_swaps import LIVE_KEY, LiveRun, SwapFailed
 from researcher.nodes.base import StudyState, dump, models_of
@@ -45,9 +48,8 @@ class LiveNode(RunNodes):
         ctx = self.ctx
         if not ctx.brief.run.live or ctx.workspace is None:
             return None
-        if state.get("live"):
-            live = Launch.model_validate(state["live"])
-            return ctx.launcher.poll(live, ctx.client) if live.status == "running" else live
+        if state.get("live"):  # refreshed, and stopped if it diverged, stalled or spent the budget
+            return Launch.model_validate(self._watch_live(state))
         try:
             config = ctx.brief.resolve_config(ctx.workdir)
         except ConfigError as e:
@@ -99,7 +101,8 @@ class LiveNode(RunNodes):
                     raise SwapFailed(NO_LIVE)
                 if live.status != "running":
                     raise SwapFailed(LIVE_ENDED.format(status=live.status, reason=live.reason or "-"))
-                swapped = self._swap(p, code[p.id].commit, code[p.id].diff, live, judged, pending)
+                swapped, live = self._swap(p, code[p.id].commit, code[p.id].diff, live, judged, pending,
+                                           {**state, "swaps": dump(swaps)})
             except (SwapFailed, WorkspaceError) as e:  # the old code keeps serving; the study goes on
                 results.append(ExperimentResult(proposal_id=p.id, status="failed", note=str(e)))
                 ctx.board.close(p.id, None, "FAILED", str(e))
@@ -111,13 +114,23 @@ class LiveNode(RunNodes):
         return update
 
     def _swap(self, p: Proposal, commit: str, diff: str, live: Launch, judged: dict[str, Verdict],
-              pending: int) -> list[SwapResult]:
+              pending: int, state: StudyState) -> tuple[list[SwapResult], Launch]:
         """A/B each edited sandbox, judge it (Holm with the round's `judged` and `pending` comparisons,
-        `judged` growing as they are made) and drain its loser."""
+        `judged` growing as they are made) and drain its loser; -> the swaps and the live run as it is now.
+        The live run is watched while an A/B waits for its steps (`researcher.live_watch`): one that
+        ends, stalls, diverges or spends the budget before the window is full ends the A/B `inconclusive`
+        with that reason, never judged on the steps it had."""
         ctx, runner = self.ctx, self._live_run()
-        alive = lambda: ctx.launcher.poll(live, ctx.client).status == "running"  # noqa: E731
+        watched = {"live": live.model_dump()}
+
+        def stopped() -> str | None:
+            """Why the live run can no longer serve the A/B (refreshing it), or None while it can."""
+            watched["live"] = self._watch_live({**state, "live": watched["live"]})
+            current = Launch.model_validate(watched["live"])
+            return None if current.status == "running" else live_watch.ended(current)
+
         edited = _edited(_sandboxes(live), diff)
-        runner.wait_up(alive)
+        runner.wait_up(lambda: stopped() is None)
         run_id = live.run_id or ctx.launcher.find_run_id(ctx.client, LIVE_KEY)
         ctx.emit("swap.intent", proposal_id=p.id, commit=commit, sandboxes=edited)
         records = runner.swap(p.id, commit, edited, run_id)
@@ -127,23 +140,31 @@ class LiveNode(RunNodes):
                 runner.tag(run_id, record, p.id)
             ctx.emit("swap.done", proposal_id=p.id, n=record["n"], step=record["step"], to=record["to_version"])
             window = ctx.brief.run.swap_window
-            old, new = runner.ab_steps(run_id, record, window, alive,
-                                       ctx.brief.launch.run_timeout or 3600.0) if run_id else (None, None)
-            verdict = judge_ab(new.steps, old.steps, ctx.brief.objective.direction, baseline_id=old.version,
-                               round_verdicts=judged, pending=pending + len(records) - i - 1) if old and new else None
+            old, new, cut = runner.ab_steps(run_id, record, window, stopped, ctx.brief.launch.run_timeout or 3600.0,
+                                            ctx.brief.monitor.poll_s) if run_id else (None, None, None)
+            if cut is not None:  # a window the live run did not fill is no evidence either way
+                verdict = Verdict(result="inconclusive", test="none", baseline=old.version if old else None,
+                                  reason=cut)
+            elif old and new:
+                verdict = judge_ab(new.steps, old.steps, ctx.brief.objective.direction, baseline_id=old.version,
+                                   round_verdicts=judged, pending=pending + len(records) - i - 1)
+            else:
+                verdict = None
             judged[f"{p.id}/{record['n']}"] = verdict if verdict is not None else Verdict(result="inconclusive",
                                                                                          test="none")
             better = verdict is not None and verdict.result == "better"
-            for version in record["from_versions"] if better else [record["to_version"]]:
+            serving = Launch.model_validate(watched["live"]).status == "running"
+            for version in (record["from_versions"] if better else [record["to_version"]]) if serving else []:
                 runner.drain(record["sandbox"], version, p.id)
-            kept = record["to_version"] if better else ",".join(record["from_versions"])
+            # A stopped live run serves nothing: no version is kept.
+            kept = (record["to_version"] if better else ",".join(record["from_versions"])) if serving else None
             ctx.emit("swap.drained", proposal_id=p.id, n=record["n"], kept=kept,
                      verdict=verdict.fmt() if verdict else "")
             out.append(SwapResult(proposal_id=p.id, n=record["n"], step=record["step"], sandbox=record["sandbox"],
                                   from_version=",".join(record["from_versions"]), to_version=record["to_version"],
                                   before=runner.before(run_id, record, window) if run_id else None, after=new, old=old,
                                   verdict=verdict, kept=kept))
-        return out
+        return out, Launch.model_validate(watched["live"])
 
     def _result(self, p: Proposal, swapped: list[SwapResult]) -> ExperimentResult:
         """The proposal's result: the new version's rewards in the A/B, judged against the old one's beside it."""
@@ -151,8 +172,8 @@ class LiveNode(RunNodes):
         first = swapped[0]
         note = "; ".join(f"A/B swap {s.n} at step {s.step}: {s.from_version} vs {s.to_version} over "
                          f"{len(s.after.steps) if s.after else 0} steps, reward {_fmt(s.old.mean if s.old else None)} "
-                         f"(old) vs {_fmt(s.after.mean if s.after else None)} (new); kept {s.kept}"
-                         for s in swapped)
+                         f"(old) vs {_fmt(s.after.mean if s.after else None)} (new); "
+                         f"kept {s.kept or 'none (the live run stopped)'}" for s in swapped)
         summary = analysis.summarize(values)
         self.ctx.board.close(p.id, summary, "FINISHED", note)
         self.ctx.emit("result", proposal_id=p.id, status="ok", summary=summary.fmt(),

@@ -70,12 +70,15 @@ class OutcomeNodes(NodeBase):
     def decide(self, state: StudyState) -> dict[str, Any]:
         self._enter("decide", state)
         brief = self.ctx.brief
+        live = self._watch_live(state)  # what the live run spent, to its last sign of life
+        state = {**state, "live": live}
         if state.get("round", 0) >= brief.budget.max_rounds and not self._confirmation_owed(state):
-            return {"stop_reason": self._concluded(state, f"budget: {brief.budget.max_rounds} rounds done")}
+            rounds = f"budget: {brief.budget.max_rounds} rounds done"
+            return {"live": live, "stop_reason": self._concluded(state, rounds)}
         stop = Spent.of(state, gpus=brief.launch.gpus).exhausted(brief, llm=self.ctx.planner.name.startswith("llm"))
         if stop and self._confirmation_owed(state):
-            return {"stop_reason": ""}  # the plan node runs the confirmation round, then stops
-        return {"stop_reason": self._concluded(state, stop) if stop else ""}
+            return {"live": live, "stop_reason": ""}  # the plan node runs the confirmation round, then stops
+        return {"live": live, "stop_reason": self._concluded(state, stop) if stop else ""}
 
     def report(self, state: StudyState) -> dict[str, Any]:
         self._enter("report", state)

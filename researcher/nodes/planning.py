@@ -47,6 +47,13 @@ class PlanNode(NodeBase):
 
     def plan(self, state: StudyState) -> dict[str, Any]:
         self._enter("plan", state)
+        # The live run first: what it spent is in the budget checked here (`researcher.live_watch`).
+        state = {**state, "live": self._watch_live(state)}
+        update = self._plan(state)
+        return {**update, "live": state["live"]}
+
+    def _plan(self, state: StudyState) -> dict[str, Any]:
+        """The plan node's answer; `state["live"]` is kept current while a manual study waits."""
         brief, ctx = self.ctx.brief, self.ctx
         spent = Spent.of(state, gpus=brief.launch.gpus)
         owed = self._confirmation_owed(state)
@@ -63,6 +70,7 @@ class PlanNode(NodeBase):
                 ctx.emit("plan.waiting", inbox=str(ctx.paths.inbox), poll_s=brief.review.poll_s)
             while not people:  # a person's proposal is the only way on; `researcher study stop` ends the wait
                 time.sleep(brief.review.poll_s)
+                state["live"] = self._watch_live(state)  # a live run that stalls meanwhile is caught
                 people = self._people(state)
             planned, note, tokens = [], f"manual: {len(people)} proposal(s) from people", 0
         else:

@@ -7,7 +7,8 @@ of its own the launcher checks that commit out into. `launch` starts queued runs
 concurrency limit; `monitor` polls them (MLflow metrics, exit codes), stops the diverging,
 collapsing, plateaued, over-budget and timed-out (`launch.run_timeout`) ones, ending them `stopped`,
 and the stalled ones (no new step for `monitor.stall_s`), ending them `stalled`; it returns when
-something ended.
+something ended. It watches the study's live run beside them (`researcher.live_watch`), whose
+steps and time count in the budget it checks.
 They do not analyse results or decide what comes next.
 """
 
@@ -111,11 +112,14 @@ class RunNodes(NodeBase):
         brief, ctx = self.ctx.brief, self.ctx
         launches = models_of(state.get("launches"), Launch)
         metrics = [brief.objective.metric, *brief.monitor.divergence_metrics]
+        live = state.get("live") or {}
         while True:
             changed = False
-            spent = Spent.of({**state, "launches": dump(launches)})
+            # The live run is watched beside the proposals' runs, and what it spent counts here too.
+            live = self._watch_live({**state, "launches": dump(launches), "live": live})
+            spent = Spent.of({**state, "launches": dump(launches), "live": live})
             over = spent.wall_s >= brief.budget.wall_clock
-            steps_seen = sum(x.steps_done for x in launches if x.status != "queued")
+            steps_seen = sum(x.steps_done for x in launches if x.status != "queued") + live.get("steps_done", 0)
             for i, x in enumerate(launches):
                 if x.status == "queued" and over:
                     launches[i] = x.model_copy(update={"status": "skipped", "reason": "budget: wall-clock"})
@@ -147,5 +151,5 @@ class RunNodes(NodeBase):
                     ctx.emit("run.ended", key=x.key, status=x.status, reason=x.reason)
                 launches[i] = x
             if changed or not any(x.status == "running" for x in launches):
-                return {"launches": dump(launches)}
+                return {"launches": dump(launches), "live": live}
             time.sleep(brief.monitor.poll_s)

@@ -9,30 +9,22 @@ window is only a picture, and `ab_steps` reads only steps after the swap where b
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
 
+from researcher.launcher import Launcher, LaunchTarget
 from researcher.live_swaps import LiveRun
 from researcher.nodes.live import LiveNode
 from researcher.records import Launch, Proposal, SwapSide
+from tests.researcher.test_live_watch import RecordedMlflow, brief, launcher, live_process  # noqa: F401 (fixtures)
 
 SWAP_STEP = 30
-
-
-class _Metric(SimpleNamespace):
-    pass
-
-
-class _Mlflow:
-    def __init__(self, history: dict[str, list[tuple[int, float]]]):
-        self.history = history
-
-    def get_metric_history(self, run_id: str, metric: str):
-        return [_Metric(step=s, value=v, timestamp=s) for s, v in self.history.get(metric, [])]
 
 
 def _history(effect: float, seed: int = 0) -> dict[str, list[tuple[int, float]]]:
@@ -56,7 +48,7 @@ class _Runner:
 
     def __init__(self, history):
         self.real = LiveRun.__new__(LiveRun)
-        self.real.client = _Mlflow(history)
+        self.real.client = RecordedMlflow(history)
         self.drained: list[tuple[str, str]] = []
 
     def wait_up(self, alive):
@@ -78,12 +70,16 @@ class _Runner:
         return self.real.before(*args)
 
 
-def _node(tmp_path: Path, runner: _Runner, direction: str) -> LiveNode:
+def _node(tmp_path: Path, runner: _Runner, direction: str, **sections) -> LiveNode:
+    """The live node of a study whose brief has `sections`, its live run watched by the real launcher."""
     node = LiveNode.__new__(LiveNode)
-    brief = SimpleNamespace(run=SimpleNamespace(swap_window=10), launch=SimpleNamespace(run_timeout=5.0),
-                            objective=SimpleNamespace(direction=direction))
-    node.ctx = SimpleNamespace(brief=brief, emit=lambda *a, **k: None,
-                               launcher=SimpleNamespace(poll=lambda live, client: live), client=None)
+    target = LaunchTarget(command=["swarm", "run"], workdir=tmp_path, tracking_uri="sqlite:///unused.db",
+                          experiment="study-x", study="x")
+    node.ctx = SimpleNamespace(brief=brief(objective={"metric": "reward/mean", "direction": direction},
+                                           run={"base_config": "base.yaml", "live": True, "swap_window": 10},
+                                           launch={"run_timeout": 5.0}, **sections),
+                               emit=lambda *a, **k: None, client=runner.real.client,
+                               launcher=Launcher(target, tmp_path / "state", grace_s=10, emit=lambda *a, **k: None))
     node._live_run = lambda: runner
     return node
 
@@ -111,8 +107,8 @@ def _proposal() -> Proposal:
 def test_the_ab_verdict_pairs_steps_in_the_briefs_direction_and_the_loser_drains(
         tmp_path, live, effect, direction, result, loser):
     runner = _Runner(_history(effect))
-    [swap] = _node(tmp_path, runner, direction)._swap(_proposal(), "c0ffee", "a/sandboxes/letters/agent.py", live,
-                                                     {}, 0)
+    [swap], _ = _node(tmp_path, runner, direction)._swap(_proposal(), "c0ffee", "a/sandboxes/letters/agent.py", live,
+                                                        {}, 0, {})
     assert swap.verdict is not None and swap.verdict.result == result, swap.verdict.fmt()
     assert swap.verdict.test == "paired t-test" and swap.verdict.n == 10
     assert runner.drained == [("letters", loser)]
@@ -123,8 +119,9 @@ def test_the_ab_verdict_pairs_steps_in_the_briefs_direction_and_the_loser_drains
 
 def test_a_rounds_other_comparisons_make_the_verdict_stricter(tmp_path, live):
     history = _history(0.06, seed=4)
-    alone = _node(tmp_path, _Runner(history), "maximize")._swap(_proposal(), "c", "", live, {}, 0)[0].verdict
-    crowded = _node(tmp_path, _Runner(history), "maximize")._swap(_proposal(), "c", "", live, {}, 4)[0].verdict
+    [alone], _ = _node(tmp_path, _Runner(history), "maximize")._swap(_proposal(), "c", "", live, {}, 0, {})
+    [crowded], _ = _node(tmp_path, _Runner(history), "maximize")._swap(_proposal(), "c", "", live, {}, 4, {})
+    alone, crowded = alone.verdict, crowded.verdict
     assert crowded.p_adjusted is not None and crowded.p_adjusted >= min(1.0, 5 * alone.p) - 1e-12
 
 
@@ -133,7 +130,37 @@ def test_ab_steps_reads_only_steps_after_the_swap_where_both_versions_logged():
     history["reward/letters/version/v2"] = [(s, v) for s, v in history["reward/letters/version/v2"] if s % 2] + [
         (SWAP_STEP - 1, 9.0)]  # the new client served a little before the A/B was recorded
     runner = LiveRun.__new__(LiveRun)
-    runner.client = _Mlflow(history)
-    old, new = runner.ab_steps("run", RECORD, 3, alive=lambda: False, timeout_s=0)
-    assert isinstance(old, SwapSide) and sorted(old.steps) == sorted(new.steps) == [31, 33, 35]
+    runner.client = RecordedMlflow(history)
+    old, new, cut = runner.ab_steps("run", RECORD, 3, stopped=lambda: "the live run finished", timeout_s=0)
+    assert isinstance(old, SwapSide) and sorted(old.steps) == sorted(new.steps) == [31, 33, 35] and cut is None
     assert (old.version, new.version) == ("v1", "v2")
+
+
+LAST = SWAP_STEP + 4  # the live run got this far into the A/B's 10-step window
+
+
+@pytest.mark.parametrize("trouble, sections, status, reason", [
+    ("stall", {"monitor": {"stall_s": 30}}, "stalled", "the live run stalled: no new metric for "),
+    ("nan", {}, "stopped", f"the live run was stopped: divergence: train/loss = nan at step {SWAP_STEP + 2}"),
+    ("budget", {"budget": {"max_total_steps": LAST}}, "stopped",
+     f"the live run was stopped: budget: {LAST} of {LAST} trainer steps used"),
+])
+def test_a_live_run_that_stalls_diverges_or_spends_the_budget_ends_the_ab_inconclusive_and_is_stopped(
+        tmp_path, live, live_process, trouble, sections, status, reason):
+    history = {k: [(s, v) for s, v in h if s <= LAST] for k, h in _history(2.0).items()}  # a big win, cut short
+    history["reward/mean"] = history["reward/letters/version/v1"]
+    nan_at = SWAP_STEP + 2 if trouble == "nan" else None
+    history["train/loss"] = [(s, math.nan if s == nan_at else 1.0) for s in range(1, LAST + 1)]
+    now = time.time()
+    # It logged its last step a minute ago (a stall of 60 s) or just now.
+    seen = now - 60 if trouble == "stall" else now
+    running = live.model_copy(update={"pid": live_process.pid, "started_at": now - 600, "steps_done": LAST,
+                                      "progress_at": seen})
+    runner = _Runner(history)
+    [swap], after = _node(tmp_path, runner, "maximize", **sections)._swap(_proposal(), "c0ffee", "", running, {}, 0, {})
+    assert swap.verdict is not None and swap.verdict.result == "inconclusive" and swap.verdict.test == "none"
+    assert swap.verdict.reason.startswith(reason), swap.verdict.reason
+    assert sorted(swap.after.steps) == list(range(SWAP_STEP + 1, LAST + 1))  # what it had, never judged
+    assert runner.drained == [] and swap.kept is None  # a stopped run serves nothing to drain
+    assert after.status == status and live_process.wait(timeout=30) is not None  # the study stopped it
+    assert runner.real.client.terminated == ["KILLED"]  # and closed its MLflow run
