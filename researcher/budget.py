@@ -44,7 +44,7 @@ class Spent:
         run_s = sum(end - start for start, end in intervals)
         steps = sum(x.steps for x in launched) + (live.steps_done if live is not None else 0)
         return cls(runs=len(launched) + len(live_runs), steps=steps, tokens=int(state.get("tokens_used", 0)),
-                   wall_s=_union(intervals), gpu_hours=run_s * gpus / 3600.0)
+                   wall_s=interval_union(intervals), gpu_hours=run_s * gpus / 3600.0)
 
     def left(self, brief: Brief) -> tuple[int, int, int]:
         """(runs, steps, tokens) still available."""
@@ -84,7 +84,7 @@ class Spent:
                 ("GPU-hours", f"{self.gpu_hours:.2f}", "-" if b.gpu_hours is None else f"{b.gpu_hours:g}")]
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
+def interval_union(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by the intervals: runs side by side count once."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):

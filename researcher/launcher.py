@@ -17,7 +17,7 @@ A finished run is judged by its exit code when it is our child, else by its MLfl
 A stop records its reason in the intent before it signals, so a stop cut short by a crash is
 still reported as a stop, with the status the stop asked for (`stopped`, or `stalled` for a hang).
 A run that ends stopped, stalled or failed while its MLflow run still reads RUNNING (killed before
-it could close it) is set to KILLED (stopped, stalled) or FAILED. Linux only (/proc). It does not read metrics or decide anything.
+it could close it) is set to KILLED (stopped, stalled) or FAILED, ending at its last sign of life. Linux only (/proc). It does not read metrics or decide anything.
 """
 
 from __future__ import annotations
@@ -246,8 +246,10 @@ class Launcher:
             update.update(status="failed", reason=f"{why}; MLflow run status {mlflow_status or '(no run)'}",
                           log_tail=log_tail(update["log_path"]))
         if run_id and mlflow_status == "RUNNING" and update.get("status") in ("stopped", "stalled", "failed"):
-            # A run killed before it could close its MLflow run would read RUNNING forever.
-            client.set_terminated(run_id, status="FAILED" if update["status"] == "failed" else "KILLED")
+            # A run killed before it could close its MLflow run would read RUNNING forever. It ends at its
+            # last sign of life, as the budget has it, not when a resumed study noticed (after a reboot: hours).
+            client.set_terminated(run_id, status="FAILED" if update["status"] == "failed" else "KILLED",
+                                  end_time=int(update["ended_at"] * 1000))
         self._children.pop(launch.key, None)
         return launch.model_copy(update=update)
 

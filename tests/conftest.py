@@ -68,6 +68,7 @@ def live_server():
 # 06:35 UTC: 271, 251, 200, 157, 149 s, ...). xdist hands tests out in collection order, so starting
 # these first lets the short ones fill in at the end; collected last, one worker ran the final study test alone.
 LONGEST_FIRST = (
+    "tests/researcher/test_soak.py",  # the 3-minute soak (bench/soak.py --minutes 3), 2026-12-03
     "tests/researcher/test_planted_code_study.py",  # 165 s (2026-12-03); collected late, it ran alone at the end
     "tests/researcher/test_decision_study.py",
     "tests/test_readme.py",

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
+
 from researcher.budget import Spent
-from researcher.launcher import last_alive
+from researcher.launcher import Launcher, LaunchTarget, last_alive
 from researcher.records import Launch
+from tests.researcher.harness import empty_store
 
 
 def launch(key: str, start: float, end: float | None, steps: int = 10, status: str = "finished") -> dict:
@@ -42,3 +47,26 @@ def test_a_run_found_gone_after_a_reboot_ends_at_its_last_log_write(tmp_path: Pa
     gone = Launch(key="a", proposal_id="a", seed=0, steps=10, status="running", started_at=written - 60)
     assert abs(last_alive(gone, log) - written) < 1
     assert last_alive(gone, tmp_path / "missing.log") >= time.time() - 5  # no log: now, the best we know
+
+
+def test_a_run_killed_in_a_reboot_is_closed_in_mlflow_at_its_last_log_write(tmp_path: Path):
+    # Found building bench/soak.py's books: MLflow ended such a run when the resumed study noticed, not when it died,
+    # so its MLflow run time included the downtime the budget rightly leaves out.
+    shutil.copyfile(empty_store(), tmp_path / "mlflow.db")
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("study-s")).info.run_id
+    target = LaunchTarget(command=["swarm", "run"], workdir=tmp_path, tracking_uri="", experiment="study-s", study="s")
+    launcher = Launcher(target, tmp_path / ".study", grace_s=0, emit=lambda *a, **k: None)
+    log = launcher.run_dir("a") / "run.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("step 1\n")
+    written = time.time() - 3600
+    os.utime(log, (written, written))
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs the launch
+    gone = Launch(key="a", proposal_id="a", seed=0, steps=10, status="running", started_at=written - 60,
+                  pid=dead.pid, run_id=run_id)
+    polled = launcher.poll(gone, client)
+    assert polled.status == "failed" and abs(polled.ended_at - written) < 1
+    closed = client.get_run(run_id).info
+    assert closed.status == "FAILED" and abs(closed.end_time / 1000 - written) < 1

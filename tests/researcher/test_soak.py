@@ -1,0 +1,93 @@
+"""The soak bench: its books catch planted bad states, and a short soak under random kills balances them."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bench.soak_books import Books, CoreRunRecord, Lifetime, check, drift_tolerance_s
+from tests.researcher.harness import ROOT, require_swarm
+
+T0 = 1_000_000.0
+
+
+def _launch(key: str, proposal: str, start: float, end: float, status: str = "finished",
+            run_id: str | None = None) -> dict:
+    return {"key": key, "proposal_id": proposal, "seed": 0, "steps": 2, "status": status, "run_id": run_id or key,
+            "started_at": start, "ended_at": end}
+
+
+def _run(run_id: str, launch: str, proposal: str, status: str = "FINISHED") -> CoreRunRecord:
+    return CoreRunRecord(run_id=run_id, launch=launch, proposal=proposal, seed="0", status=status,
+                         start_s=T0, end_s=T0 + 10)
+
+
+def _clean() -> tuple[dict, list[str], list[CoreRunRecord], dict[str, str], list[Lifetime]]:
+    """Two proposals, one approved and run for 10 s, one pending: books that balance."""
+    state = {"proposals": [{"id": "r1-1"}, {"id": "r1-2"}],
+             "decisions": [{"proposal_id": "r1-1", "verdict": "approved"}],
+             "launches": [_launch("r1-1-s0", "r1-1", T0, T0 + 10)]}
+    board = {"r1-1": "approved", "r1-2": "pending"}
+    return state, ["r1-2"], [_run("r1-1-s0", "r1-1-s0", "r1-1")], board, [Lifetime(7, "r1-1-s0", T0, T0 + 10)]
+
+
+def _books(state, waiting, runs, board, lifetimes) -> Books:
+    return check(state, waiting, runs, board, lifetimes)
+
+
+def test_books_of_a_clean_study_balance() -> None:
+    books = _books(*_clean())
+    assert (books.launches, books.duplicates, books.lost, books.stuck, books.budget_drift_s) == (1, 0, 0, 0, 0.0)
+    assert books.problems == []
+    assert books.line(kills=3) == "soak: kills=3 launches=1 duplicates=0 lost=0 budget_drift_s=0.0 stuck=0"
+
+
+def test_books_count_two_finished_runs_of_one_proposal_and_seed_as_a_duplicate() -> None:
+    state, waiting, runs, board, lifetimes = _clean()
+    runs.append(_run("second", "r1-1-s0", "r1-1"))  # a launch started twice, both runs finished
+    books = _books(state, waiting, runs, board, lifetimes)
+    assert books.duplicates == 1 and books.lost == 0
+    assert "duplicate: r1-1 seed 0 counts 2 FINISHED" in books.problems[0]
+    # A killed first attempt next to its finished re-run does not count twice.
+    runs[-1] = _run("second", "r1-1-s0", "r1-1", status="KILLED")
+    assert _books(state, waiting, runs, board, lifetimes).duplicates == 0
+
+
+def test_books_count_a_finished_run_missing_from_the_state_as_lost() -> None:
+    state, waiting, runs, board, lifetimes = _clean()
+    state["launches"][0]["status"] = "failed"  # the state thinks it failed, MLflow has it FINISHED
+    books = _books(state, waiting, runs, board, lifetimes)
+    assert books.lost == 1 and "lost: MLflow run r1-1-s0" in books.problems[0]
+
+
+def test_books_count_a_proposal_neither_decided_nor_pending_as_stuck() -> None:
+    state, waiting, runs, board, lifetimes = _clean()
+    board["r1-3"] = "pending"  # on the review board, but the study neither waits on it nor decided it
+    books = _books(state, [], runs, board, lifetimes)
+    assert books.stuck == 2 and {p.split()[1] for p in books.problems} == {"r1-2", "r1-3"}
+
+
+def test_books_measure_budget_drift_against_the_observed_processes() -> None:
+    state, waiting, runs, board, _ = _clean()
+    state["launches"].append(_launch("r1-1-s0-rerun", "r1-1", T0 + 100, T0 + 160, status="failed"))
+    books = _books(state, waiting, runs, board, [Lifetime(7, "r1-1-s0", T0, T0 + 10)])
+    assert books.budget_drift_s == pytest.approx(60.0)  # a minute billed that no process ran
+    assert books.budget_drift_s > drift_tolerance_s(books.observed_s, books.launches)
+
+
+@pytest.mark.slow
+def test_three_minute_soak_under_random_kills_keeps_its_books() -> None:
+    require_swarm()
+    done = subprocess.run([sys.executable, "bench/soak.py", "--minutes", "3", "--seed", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    last = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    books = re.fullmatch(r"soak: kills=(\d+) launches=(\d+) duplicates=(\d+) lost=(\d+) "
+                         r"budget_drift_s=(-?[\d.]+) stuck=(\d+)", last)
+    assert books, f"no books line:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    kills, launches, duplicates, lost, _, stuck = books.groups()
+    assert int(kills) > 0 and int(launches) > 0, done.stdout
+    assert (duplicates, lost, stuck) == ("0", "0", "0"), done.stdout
+    assert done.returncode == 0, done.stdout[-3000:]
