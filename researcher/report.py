@@ -17,7 +17,7 @@ from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from researcher import analysis, confirmation, decision
+from researcher import analysis, confirmation, decision, report_html
 from researcher.brief import Brief
 from researcher.budget import Spent
 from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal
@@ -213,5 +213,8 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
 
 def write_report(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
                  base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None) -> Path:
-    paths.report.write_text(render(name, brief, state, client, paths, base_flat, ignored))
+    markdown = render(name, brief, state, client, paths, base_flat, ignored)
+    paths.report.write_text(markdown)
+    # The same report as one HTML file with the plots inline, for readers without a Markdown viewer.
+    paths.report.with_suffix(".html").write_text(report_html.to_html(markdown, paths.root, f"study {name}"))
     return paths.report
