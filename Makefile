@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup bwrap-setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup gpu-wheels clean
+.PHONY: setup bwrap-setup chromium-setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,9 @@ TEST_DIST    := -n $(TEST_WORKERS) --dist loadgroup
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bwrap-setup:
 	command -v bwrap >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap)
+# Debian's chromium for the MLflow-UI review test (Playwright drives it; no browser download).
+chromium-setup:
+	[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
 
 test: $(STAMP) bwrap-setup
 	$(BIN)/python -m pytest -q -ra $(TEST_DIST)

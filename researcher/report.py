@@ -12,12 +12,13 @@ It reads; it never changes the study.
 from __future__ import annotations
 
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mlflow.tracking import MlflowClient
 
-from researcher import analysis, confirmation, decision
+from researcher import analysis, confirmation, decision, report_html
 from researcher.brief import Brief
 from researcher.budget import Spent
 from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal
@@ -70,7 +71,42 @@ def _curves(brief: Brief, launches: list[Launch], client: MlflowClient) -> dict[
     return {pid: analysis.mean_curve(hs) for pid, hs in by_proposal.items()}
 
 
-def _plot(brief: Brief, curves: dict[str, analysis.History], results: list[ExperimentResult],
+@dataclass(frozen=True)
+class Series:
+    """One curve of `curves.png` with what it is: its label and how it is drawn."""
+    curve: analysis.History
+    label: str
+    color: str | None  # None: matplotlib's cycle
+    width: float
+    style: str
+
+
+def curve_series(curves: dict[str, analysis.History], proposals: dict[str, Proposal],
+                 code: dict[str, CodeVersion], base_flat: dict[str, str]) -> list[Series]:
+    """Each proposal's curve labelled with what it changed; the baseline black and thick, confirmations dashed.
+
+    A reader of the legend then needs no lookup of proposal ids.
+    """
+    out = []
+    for pid, curve in sorted(curves.items()):
+        p = proposals.get(pid)
+        if p is None:  # a launch whose proposal left the state: still drawn, by id
+            out.append(Series(curve, pid, None, 1.5, "-"))
+            continue
+        diff = p.diff_text(base_flat)
+        baseline = diff == "(no change: baseline)" and p.kind == "config" and p.commit is None
+        changed = ", ".join(r.split(": ", 1)[0] + "=" + r.rsplit("-> ", 1)[-1] if "->" in r else r
+                            for r in diff.splitlines())
+        commit = p.commit or (code[pid].commit if pid in code else "")
+        if p.kind == "code" or p.commit:
+            changed = f"{(p.code_change or p.hypothesis)[:40]} @ {commit[:7] or 'no commit'}"
+        label = f"{pid}: {'baseline' if baseline else changed}" + (" (confirmation)" if p.confirms else "")
+        out.append(Series(curve, label, "black" if baseline else None, 2.5 if baseline else 1.5,
+                          "--" if p.confirms else "-"))
+    return out
+
+
+def _plot(brief: Brief, series: list[Series], results: list[ExperimentResult],
           folder: Path) -> list[Path]:
     import matplotlib  # imported here: only reports draw, and it is slow to import
 
@@ -79,10 +115,11 @@ def _plot(brief: Brief, curves: dict[str, analysis.History], results: list[Exper
 
     folder.mkdir(parents=True, exist_ok=True)
     out = []
-    if curves:
+    if series:
         fig, ax = plt.subplots(figsize=_FIG)
-        for pid, curve in sorted(curves.items()):
-            ax.plot([s for s, _ in curve], [v for _, v in curve], marker=".", label=pid)
+        for line in series:
+            ax.plot([s for s, _ in line.curve], [v for _, v in line.curve], marker=".", label=line.label,
+                    color=line.color, linewidth=line.width, linestyle=line.style)
         ax.set_xlabel("trainer step")
         ax.set_ylabel(f"{brief.objective.metric} (mean over seeds)")
         ax.legend(fontsize="small", ncol=2)
@@ -143,7 +180,9 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     launches = [Launch.model_validate(x) for x in state.get("launches", [])]
     results = {r.proposal_id: r for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))}
     spent = Spent.of(state, gpus=brief.launch.gpus)
-    figures = _plot(brief, _curves(brief, launches, client), list(results.values()), paths.figures)
+    code = {v.proposal_id: v for v in (CodeVersion.model_validate(x) for x in state.get("code", []))}
+    series = curve_series(_curves(brief, launches, client), {p.id: p for p in proposals}, code, base_flat)
+    figures = _plot(brief, series, list(results.values()), paths.figures)
 
     lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
              f"Objective: **{brief.objective.direction} `{brief.objective.metric}`** "
@@ -175,7 +214,6 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
               for n in notes]
     lines += ["", f"Planner overhead: {plan_s:.2f} s over {len(notes)} plan(s) "
               f"({plan_s / max(1, len(notes)):.2f} s per iteration) against {spent.wall_s:.0f} s in core runs.", ""]
-    code = {v.proposal_id: v for v in (CodeVersion.model_validate(x) for x in state.get("code", []))}
     lines += ["## Lineage", "",
               "| proposal | hypothesis | diff | code (commit) | decision | runs | score | verdict vs baseline |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -213,5 +251,8 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
 
 def write_report(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
                  base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None) -> Path:
-    paths.report.write_text(render(name, brief, state, client, paths, base_flat, ignored))
+    markdown = render(name, brief, state, client, paths, base_flat, ignored)
+    paths.report.write_text(markdown)
+    # The same report as one HTML file with the plots inline, for readers without a Markdown viewer.
+    paths.report.with_suffix(".html").write_text(report_html.to_html(markdown, paths.root, f"study {name}"))
     return paths.report

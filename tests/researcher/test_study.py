@@ -45,6 +45,8 @@ def test_auto_approved_study_runs_to_its_report(project: Project) -> None:
     assert {r.info.status for r in proposals} == {"FINISHED"} and len(proposals) == len(values["proposals"])
     report = (project.studies / "auto" / "report.md").read_text()
     assert "## Lineage" in report and "r2-1" in report and (project.studies / "auto" / "report" / "curves.png").exists()
+    page = (project.studies / "auto" / "report.html").read_text()
+    assert "<h2>Lineage</h2>" in page and 'alt="curves" src="data:image/png;base64,' in page
     assert (project.studies / "auto" / ".study" / "runs" / "r1-1-s0" / "run.log").stat().st_size > 0
 
 
