@@ -139,7 +139,7 @@ def test_a_stalled_run_is_stopped_marked_and_its_mlflow_run_closed(project: Proj
     hang.mkdir()  # the run creates its MLflow run, logs a metric or two, then logs nothing new
     (hang / "agent.py").write_text(HANG_AGENT)
     path = brief(project, "stall", space="trainer.lr: {kind: choice, values: [0.03]}", steps=5, seeds="[0]",
-                 monitor=", stall_s: 20", launch=", grace_s: 5")
+                 monitor=", stall_s: 10", launch=", grace_s: 5")
     path.write_text(path.read_text().replace("  base_config: configs/tiny.yaml",
                                              f"  base_config: configs/tiny.yaml\n  clients: [{{agent: '{hang}'}}]")
                     .replace("arms: 2", "arms: 1"))
