@@ -13,7 +13,9 @@ the rows are left-padded, so each row attends to a contiguous tail `[first_col, 
   and drops columns no survivor attends to by moving `start`, without copying.
 
 It deliberately knows nothing of requests, sampling or the model: the engine (`core.engine.hf`)
-owns those and keeps its row list in the order `keep_rows` returns. Sliding-window, quantised or
+owns those and keeps its row list in the order `keep_rows` returns. Every method that writes the
+buffers runs in inference mode whoever calls it: a buffer grown inside a decode step is an inference
+tensor, and writing it from outside inference mode (a retirement, say) is refused by torch. Sliding-window, quantised or
 linear-attention layers are not handled: the engine's models use full attention.
 """
 
@@ -71,6 +73,7 @@ class BatchCache(Cache):
     def width(self) -> int:
         return self.end - self.start
 
+    @torch.inference_mode()
     def append_rows(self, prefill: DynamicCache, mask: torch.Tensor) -> None:
         """Join `n` prefilled rows (their `[n, t]` left-padded CPU mask and KV cache) below the running ones."""
         n, t = mask.shape
@@ -92,6 +95,7 @@ class BatchCache(Cache):
         self.rows, self.start = hi, new_start
         self._refresh()
 
+    @torch.inference_mode()
     def decode_mask(self) -> torch.Tensor:
         """Reserve the column of the token about to be fed, open it for every row and return the mask."""
         if self.end + 1 > self.mask_buf.shape[1]:
@@ -104,6 +108,7 @@ class BatchCache(Cache):
         self.end += t
         self._refresh()
 
+    @torch.inference_mode()
     def keep_rows(self, keep: list[int]) -> list[int]:
         """Keep only rows `keep` (ascending). Returns the kept rows' old indices in their new order: the
         last survivors move into the holes, so only they are copied."""

@@ -13,6 +13,7 @@ import torch
 
 from core.config import EngineConfig
 from core.engine import GenerationError, SamplingParams
+from core.engine.batch_cache import MIN_COLUMNS
 from core.engine.hf import HFEngine
 from core.models import build_tiny
 
@@ -76,6 +77,25 @@ def test_a_bad_request_fails_alone_and_rows_already_decoding_continue(make_engin
     assert running.token_ids == alone.token_ids and len(running.token_ids) == 30
     after = asyncio.run(eng.generate(prompt(eng, 3), short))
     assert after.token_ids
+
+
+def test_rows_retiring_one_by_one_after_the_cache_has_grown_each_yield_what_they_would_alone(make_engine):
+    # Decode grows the batch cache past its first capacity (MIN_COLUMNS), then the rows finish at different
+    # steps: each retirement moves survivors inside buffers the decode step allocated. (A README client
+    # found this failing every batch with "Inplace update to inference tensor outside InferenceMode".)
+    eng = make_engine()
+    eng.eos_ids = ()  # each row runs to its own max_tokens, whatever the random model samples
+    params = [SamplingParams(max_tokens=MIN_COLUMNS + 6 + 20 * i, temperature=1.0, seed=i) for i in range(3)]
+
+    async def go():
+        alone = [await eng.generate(prompt(eng, i), p) for i, p in enumerate(params)]
+        together = await asyncio.gather(*(eng.generate(prompt(eng, i), p) for i, p in enumerate(params)))
+        return alone, together
+
+    alone, together = asyncio.run(go())
+    assert [len(g.token_ids) for g in together] == [p.max_tokens for p in params]
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+    assert asyncio.run(eng.generate(prompt(eng, 0), params[0])).token_ids == alone[0].token_ids  # and serves on
 
 
 def test_an_empty_prompt_is_refused_with_a_clear_error(make_engine):

@@ -40,9 +40,9 @@ class RecordedMlflow:
     def get_run(self, run_id: str):
         return SimpleNamespace(info=SimpleNamespace(status=self.status), data=SimpleNamespace(tags={}))
 
-    def set_terminated(self, run_id: str, status: str) -> None:
+    def set_terminated(self, run_id: str, status: str, end_time: int | None = None) -> None:
         self.terminated.append(status)
-        self.status = status
+        self.status, self.end_time = status, end_time
 
 
 def brief(**sections) -> Brief:
