@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from bench.soak_books import check, core_runs, drift_tolerance_s  # noqa: E402
+from bench.soak_books import check, core_runs, drift_tolerance_s, unlaunched  # noqa: E402
 from bench.soak_procs import MlflowServer, Watcher, cmdline, kill9, pids_matching  # noqa: E402
 from researcher.runner import read_state  # noqa: E402
 from researcher.store import study_paths  # noqa: E402
@@ -214,9 +214,22 @@ class Soak:
         self.resume()
 
     # -- phases ------------------------------------------------------------------------------------
+    def approve_first(self, until: float) -> None:
+        """The chaos needs runs to kill and the books need launches: the first proposal to show up pending
+        is approved at once, whatever the dice say later."""
+        while time.monotonic() < until:
+            for pid, _ in self.pending()[:1]:
+                done = self.cli("approve", STUDY, pid, "--by", "soak-cli", "--reason", "soak: the first approval")
+                if done is not None and done.returncode == 0:
+                    self.events["approve_cli"] += 1
+                    return
+                self.events["approve_cli:refused"] += 1
+            time.sleep(1)
+
     def chaos(self, until: float, reboot_at: float) -> None:
         actions, weights = zip(*ACTIONS.items())
         rebooted = False
+        self.approve_first(until)
         while time.monotonic() < until:
             time.sleep(self.rng.uniform(*GAP_S))
             if self.done():
@@ -230,9 +243,11 @@ class Soak:
             self.keep_alive()
 
     def settle(self, until: float) -> bool:
-        """Resume, veto what is pending once, and wait until nothing runs and the study waits or is done."""
+        """Resume, veto what is pending once, and wait until nothing runs, every approved proposal has been
+        launched, and the study is done or waits on proposals the settle did not veto (a new round's)."""
         self.keep_alive()
-        vetoed, calm = False, 0
+        vetoed: set[str] = set()
+        calm = 0
         while time.monotonic() < until:
             time.sleep(2)
             self.keep_alive()
@@ -241,9 +256,11 @@ class Soak:
             if waiting and not vetoed:
                 self.cli("veto", STUDY, *waiting, "--by", "soak-settle", "--reason", "soak: settling")
                 self.events["veto_settle"] += len(waiting)
-                vetoed = True
+                vetoed = set(waiting)
                 continue
-            at_rest = (not nxt or (waiting and vetoed)) and not running and not self.watcher.poll()
+            waits_on_new = bool(waiting) and vetoed.isdisjoint(waiting)  # the vetoes were taken in
+            at_rest = ((not nxt or waits_on_new) and not running and not unlaunched(values)
+                       and not self.watcher.poll())
             calm = calm + 1 if at_rest else 0
             if calm >= 2:  # two looks in a row: not a moment between two nodes
                 return True

@@ -15,7 +15,7 @@ It computes, never from the study's own counters of these things:
 - budget_drift_s: the budget's compute time (`researcher.budget.Spent.wall_s` of the state) minus
   the union of the observed process lifetimes;
 - stuck: a proposal (in the state or on the review board in MLflow) neither decided in the state
-  nor among those the study's review waits on.
+  nor among those the study's review waits on, or approved in the state and never launched.
 
 It is pure arithmetic over those records (the planted-state tests feed it by hand); it starts,
 kills or decides nothing.
@@ -99,6 +99,12 @@ def core_runs(client: MlflowClient, experiment: str, study: str) -> tuple[list[C
     return runs, board
 
 
+def unlaunched(state: dict[str, Any]) -> list[str]:
+    """Proposals the state has approved that no launch (of any status, skipped included) belongs to."""
+    launched = {x["proposal_id"] for x in state.get("launches", [])}
+    return sorted({d["proposal_id"] for d in state.get("decisions", []) if d.get("verdict") == "approved"} - launched)
+
+
 def check(state: dict[str, Any], waiting: list[str], runs: list[CoreRunRecord], board: dict[str, str],
           lifetimes: list[Lifetime]) -> Books:
     problems: list[str] = []
@@ -126,6 +132,9 @@ def check(state: dict[str, Any], waiting: list[str], runs: list[CoreRunRecord], 
     proposals = {p["id"] for p in state.get("proposals", [])} | set(board)
     stuck = sorted(p for p in proposals if p not in decided and p not in waiting)
     problems += [f"stuck: {p} is neither decided nor pending (board: {board.get(p, 'absent')})" for p in stuck]
+    never = unlaunched(state)
+    stuck += never
+    problems += [f"stuck: {p} was approved and never launched" for p in never]
 
     observed = interval_union([(x.start_s, x.last_seen_s) for x in lifetimes])
     budget = Spent.of(state).wall_s

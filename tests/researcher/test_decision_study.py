@@ -109,7 +109,8 @@ def test_a_real_effect_ends_better_and_replicates_on_seeds_the_search_never_used
     confirm_runs = [x for x in values["launches"] if x["proposal_id"] in {p["id"] for p in confirm}]
     assert {x["seed"] for x in confirm_runs} == {3, 4, 5}
     assert {x["steps"] for x in values["launches"]} == {10}  # the confirmation at full length, as the search
-    assert results[candidate["id"]]["confirmation"]["replicated"] is True
+    confirmed = {p["id"]: (results[p["id"]].get("verdict"), results[p["id"]].get("seed_scores")) for p in confirm}
+    assert results[candidate["id"]]["confirmation"]["replicated"] is True, confirmed
     assert f"recommend {candidate['id']}: replicated" in values["stop_reason"]
     shown = json.loads(project.cli("show", "real", candidate["id"], "--json").stdout)
     assert shown["verdict"]["result"] == "better" and shown["verdict"]["test"] == "paired t-test"

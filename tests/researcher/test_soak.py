@@ -70,6 +70,15 @@ def test_books_count_a_proposal_neither_decided_nor_pending_as_stuck() -> None:
     assert books.stuck == 2 and {p.split()[1] for p in books.problems} == {"r1-2", "r1-3"}
 
 
+def test_books_count_an_approved_proposal_that_never_launched_as_stuck() -> None:
+    state, waiting, runs, board, lifetimes = _clean()
+    state["decisions"].append({"proposal_id": "r1-2", "verdict": "approved"})  # approved; no launch followed
+    books = _books(state, [], runs, board, lifetimes)
+    assert books.stuck == 1 and books.problems == ["stuck: r1-2 was approved and never launched"]
+    state["launches"].append(_launch("r1-2-s0", "r1-2", T0, T0, status="skipped"))  # skipped for budget: launched
+    assert _books(state, [], runs, board, lifetimes).stuck == 0
+
+
 def test_books_measure_budget_drift_against_the_observed_processes() -> None:
     state, waiting, runs, board, _ = _clean()
     state["launches"].append(_launch("r1-1-s0-rerun", "r1-1", T0 + 100, T0 + 160, status="failed"))
