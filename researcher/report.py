@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from researcher import analysis, confirmation, decision, report_html
 from researcher.brief import Brief
 from researcher.budget import Spent
-from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal
+from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal, SwapResult
 from researcher.store import StudyPaths
 from researcher.views import best_result, trained_steps as _steps  # also what `status` prints
 
@@ -142,6 +142,59 @@ def _plot(brief: Brief, series: list[Series], results: list[ExperimentResult],
     return out
 
 
+def _swap_plots(brief: Brief, swaps: list[SwapResult], folder: Path) -> list[tuple[SwapResult, Path]]:
+    """One picture per hot swap: the old version before the swap, then both versions side by side after it.
+
+    The before/after of one curve is shown, never judged: the verdict is the A/B of the steps after the swap.
+    """
+    import matplotlib  # imported here: only reports draw, and it is slow to import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for swap in swaps:
+        sides = [(swap.before, f"{swap.from_version[:12]} before the swap", "grey", ":"),
+                 (swap.old, f"{swap.from_version[:12]} (old) after", "tab:blue", "-"),
+                 (swap.after, f"{swap.to_version[:12]} (new, {swap.proposal_id}) after", "tab:orange", "-")]
+        drawn = [(side, label, color, style) for side, label, color, style in sides if side and side.steps]
+        if not drawn:
+            continue
+        fig, ax = plt.subplots(figsize=_FIG)
+        for side, label, color, style in drawn:
+            steps = sorted(side.steps)
+            ax.plot(steps, [side.steps[s] for s in steps], marker=".", label=label, color=color, linestyle=style)
+        if swap.step is not None:
+            ax.axvline(swap.step, color="black", linewidth=1, linestyle="--", label=f"swap at step {swap.step}")
+        ax.set_xlabel("trainer step of the live run")
+        ax.set_ylabel(f"{brief.objective.metric} of each version's episodes")
+        ax.set_title(f"hot swap {swap.n} ({swap.sandbox}): a picture; the verdict is the A/B after the swap",
+                     fontsize="small")
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = folder / f"swap-{swap.n}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append((swap, path))
+    return out
+
+
+def _swap_section(swaps: list[tuple[SwapResult, Path]], root: Path) -> list[str]:
+    if not swaps:
+        return []
+    lines = ["", "## Hot swaps into the live run", "",
+             "Each swap is judged by an A/B inside the live run: the new and the old version serve side by side "
+             "over the same steps and weights, paired by step. The curve before the swap is drawn for context only.",
+             ""]
+    for swap, path in swaps:
+        verdict = swap.verdict.fmt() if swap.verdict else "not judged yet"
+        kept = f"; kept {swap.kept[:12]}" if swap.kept else ""
+        lines += [f"- swap {swap.n}, {swap.proposal_id}: {swap.from_version[:12]} -> {swap.to_version[:12]} at step "
+                  f"{swap.step}: {verdict}{kept}", "", f"![swap {swap.n}]({path.relative_to(root).as_posix()})", ""]
+    return lines
+
+
 def _code_cell(p: Proposal, version: CodeVersion | None, paths: StudyPaths) -> str:
     """A link to the proposal's diff with its commit, or why it has none."""
     if p.kind != "code":
@@ -183,6 +236,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     code = {v.proposal_id: v for v in (CodeVersion.model_validate(x) for x in state.get("code", []))}
     series = curve_series(_curves(brief, launches, client), {p.id: p for p in proposals}, code, base_flat)
     figures = _plot(brief, series, list(results.values()), paths.figures)
+    swaps = _swap_plots(brief, [SwapResult.model_validate(x) for x in state.get("swaps", [])], paths.figures)
 
     lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
              f"Objective: **{brief.objective.direction} `{brief.objective.metric}`** "
@@ -240,6 +294,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
                   + (" (seen at poll time)" if c.at_poll_time else "") + ": ignored" for c in ignored]
     for fig in figures:
         lines += ["", f"![{fig.stem}]({fig.relative_to(paths.root).as_posix()})"]
+    lines += _swap_section(swaps, paths.root)
     failed = [x for x in launches if x.status in ("failed", "stalled")]
     if failed:
         lines += ["", "## Failed and stalled runs", ""]
