@@ -15,14 +15,15 @@ the reason in the launch intent first; the launcher closes a still-RUNNING MLflo
 a diverged or hung run has nothing left to judge, and its compute is the budget's. Collapse,
 plateau and `launch.run_timeout` do not apply: a live run is long on purpose, and what its reward
 does after a swap is the A/B's to judge. Nodes call `check` whenever they look at the budget and
-while an A/B waits for its steps, not while the study waits for a person. This module does not
-swap, judge or drain (researcher/nodes/live.py does).
+while an A/B waits for its steps; `in_review` watches it while the study waits for a person (hours or
+days, in which it keeps training). This module does not swap, judge or drain (researcher/nodes/live.py
+does).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from mlflow.tracking import MlflowClient
@@ -86,3 +87,32 @@ class LiveWatch:
         live = self.launcher.stop(live, reason, self.client, status)
         self.emit("live.ended", key=live.key, status=live.status, reason=live.reason)
         return live
+
+
+def in_review(watch: LiveWatch, state: Mapping[str, Any], every_s: float) -> Callable[[], None] | None:
+    """A check for the review wait to call between its polls, at most every `every_s`; None when the
+    study has no running live run.
+
+    The graph's state is frozen at the interrupt, so the check keeps its own refreshed copy of the live
+    launch (its step and when it last moved: a run that trains on is never taken for stalled). A stop it
+    makes is on disk (the launch intent holds the reason), and the first node after the review reads it
+    there through the launcher's poll. A failed look (MLflow down) is said and tried again next time.
+    """
+    if not state.get("live"):
+        return None
+    live = Launch.model_validate(state["live"])
+    if live.status != "running":
+        return None
+    last = float("-inf")
+
+    def check() -> None:
+        nonlocal live, last
+        if live.status != "running" or time.monotonic() - last < every_s:
+            return
+        last = time.monotonic()
+        try:
+            live = watch.check(live, state)
+        except Exception as e:  # noqa: BLE001 - the wait for a person must outlive an MLflow outage
+            watch.emit("live.watch_failed", key=live.key, error=f"{type(e).__name__}: {e}")
+
+    return check

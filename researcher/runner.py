@@ -17,7 +17,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.types import Command
@@ -27,6 +27,7 @@ from researcher.brief import Brief, load_brief
 from researcher.graph import StudyContext, build_graph
 from researcher.backends import make_launcher
 from researcher.launcher import Emit, LaunchTarget
+from researcher.live_watch import LiveWatch, in_review
 from researcher.planner.factory import make_planner
 from researcher.review import ReviewBoard
 from researcher.planner.types import PlannerSpec
@@ -105,16 +106,20 @@ def read_state(paths: StudyPaths, name: str) -> tuple[dict[str, Any], tuple[str,
         return dict(snap.values or {}), tuple(snap.next), waiting
 
 
-def _wait_for_decisions(board: ReviewBoard, pending: list[str], poll_s: float, stop: threading.Event,
-                        decided: list[Decision], emit: Emit) -> list[dict[str, Any]] | None:
+def wait_for_decisions(board: ReviewBoard, pending: list[str], poll_s: float, stop: threading.Event,
+                       decided: list[Decision], emit: Emit,
+                       watch: Callable[[], None] | None = None) -> list[dict[str, Any]] | None:
     """Decisions for any of `pending` as soon as MLflow has one; None if asked to stop first.
-    Meanwhile, edits of the `decided` proposals' tags are recorded as ignored."""
+    Meanwhile, edits of the `decided` proposals' tags are recorded as ignored, and `watch` (the live
+    run's, `live_watch.in_review`) is called between polls."""
     while not stop.is_set():
         for change in board.audit(decided):
             emit("review.ignored", **change.model_dump())
         found = board.collect(pending)
         if found:
             return [d.model_dump() for d in found]
+        if watch is not None:
+            watch()
         stop.wait(poll_s)  # sleeps; wakes early only to stop
     return None
 
@@ -143,7 +148,10 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
                     if answer is None and wait_for_review:
                         emit("review.waiting", ids=pending, poll_s=ctx.brief.review.poll_s)
                         decided = [Decision.model_validate(d) for d in snap.values.get("decisions", [])]
-                        answer = _wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop, decided, emit)
+                        watch = in_review(LiveWatch(ctx.launcher, ctx.client, ctx.brief, emit), snap.values,
+                                          ctx.brief.monitor.poll_s)
+                        answer = wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop, decided, emit,
+                                                    watch)
                     if answer is None:
                         return StudyProgress(done=False, waiting=pending, state=dict(snap.values))
                     command = Command(resume=answer)

@@ -15,17 +15,21 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from researcher.brief import Brief
 from researcher.budget import Spent
 from researcher.launcher import Launcher, LaunchTarget, find_process
-from researcher.live_watch import LiveWatch, ended, progressed, trouble
+from researcher.live_watch import LiveWatch, ended, in_review, progressed, trouble
 from researcher.records import Launch
+from researcher.review import ReviewBoard
+from researcher.runner import wait_for_decisions
 
 
 class RecordedMlflow:
@@ -146,3 +150,45 @@ def test_a_resumed_study_bills_a_live_run_gone_in_a_downtime_only_to_its_last_lo
     assert after.status == "failed" and abs(after.ended_at - last_write) < 1
     assert abs(Spent.of({"live": after.model_dump()}).wall_s - 600) < 1
     assert mlflow.terminated == ["FAILED"]
+
+
+def _wait_in_review(tmp_path: Path, watch, stop: threading.Event, limit_s: float):
+    """The study's review wait on a real (empty) review board: nobody decides, so only `stop` ends it."""
+    board = ReviewBoard(MlflowClient(f"sqlite:///{tmp_path}/mlflow.db"), "study-x", "x")
+    timer = threading.Timer(limit_s, stop.set)  # a watch that never acts fails the test, never hangs it
+    timer.start()
+    try:
+        return wait_for_decisions(board, ["r1-1"], 0.1, stop, [], lambda *a, **k: None, watch)
+    finally:
+        timer.cancel()
+
+
+def test_a_live_run_that_stalls_while_the_study_waits_for_a_person_is_stopped_in_the_wait(
+        launcher, live_process, tmp_path):
+    started = time.time() - 120
+    live = running(started, pid=live_process.pid, steps_done=7, progress_at=started + 20)
+    stop, events = threading.Event(), []
+
+    def emit(kind: str, **fields) -> None:
+        events.append(kind)
+        if kind == "live.ended":
+            stop.set()
+
+    watch = in_review(LiveWatch(launcher, RecordedMlflow(healthy(7)), brief(monitor={"stall_s": 60}), emit),
+                      {"live": live.model_dump()}, every_s=0.1)
+    assert _wait_in_review(tmp_path, watch, stop, limit_s=60) is None
+    assert "live.ended" in events and live_process.wait(timeout=30) is not None
+    after = launcher.poll(live, RecordedMlflow(healthy(7)))  # what the first node after the review reads
+    assert after.status == "stalled" and after.reason.startswith("stalled: no new metric for ")
+
+
+def test_a_live_run_that_trains_on_during_a_long_review_is_left_running(launcher, live_process, tmp_path):
+    # The state frozen at the interrupt says step 7, 100 s ago (past stall_s); MLflow shows step 9 now.
+    started = time.time() - 600
+    live = running(started, pid=live_process.pid, steps_done=7, progress_at=time.time() - 100)
+    events = []
+    watch = in_review(LiveWatch(launcher, RecordedMlflow(healthy(9)), brief(monitor={"stall_s": 60}),
+                                lambda kind, **f: events.append(kind)), {"live": live.model_dump()}, every_s=0.1)
+    assert _wait_in_review(tmp_path, watch, threading.Event(), limit_s=2) is None
+    assert live_process.poll() is None and "live.stopping" not in events
+    assert in_review(LiveWatch(launcher, RecordedMlflow({}), brief(), lambda *a, **k: None), {}, 1.0) is None
