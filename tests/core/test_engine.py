@@ -83,8 +83,10 @@ def test_pause_drains_in_flight_work_and_holds_new_requests(engine):
     ps = prompts(engine, 2)
 
     async def go():
-        first = asyncio.ensure_future(engine.generate(ps[0], SamplingParams(max_tokens=40, temperature=1.0, seed=1)))
-        await asyncio.sleep(0.01)
+        decoding = asyncio.Event()  # in flight means decoding: a request still queued is held, not drained
+        first = asyncio.ensure_future(engine.generate(ps[0], SamplingParams(max_tokens=40, temperature=1.0, seed=1),
+                                                      on_token=lambda _: decoding.set()))
+        await decoding.wait()
         await engine.pause()
         assert first.done()  # pause returned only after the in-flight generation finished
         held = asyncio.ensure_future(engine.generate(ps[1], SamplingParams(max_tokens=4, temperature=0)))
