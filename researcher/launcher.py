@@ -37,7 +37,7 @@ import yaml
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from researcher.contain import is_secret
+from core.config import is_secret
 from researcher.records import TERMINAL, Launch
 from researcher.workspace import Workspace, WorkspaceError
 
