@@ -1,8 +1,11 @@
 """The run configuration: pydantic models loaded from YAML, and the one home of every default.
 
 A run config names the policies to host, how the engine and server behave, how the trainer
-optimises, which local clients to start and where telemetry goes. Unknown keys are errors that
-name the key. This module validates and merges; it does not start anything.
+optimises, which local clients to start, how their processes are contained and where telemetry
+goes. Unknown keys are errors that name the key. It is also the one home of what counts as a
+credential (`is_secret`, `SECRET_FIELDS`), read by everything that keeps secrets from agent code.
+This module validates and merges; it does not start anything (containing a process is
+`core.clients.contain`'s job).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+GiB = 1024 ** 3
 
 
 class Strict(BaseModel):
@@ -163,6 +168,44 @@ class ClientConfig(Strict):
         return Path(self.agent.removeprefix("sandbox:")).name.rsplit(".", 1)[-1]
 
 
+class ContainLimits(Strict):
+    """Resource limits of one contained process (`core.clients.contain`), set between fork and exec."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cpu_s: int = Field(900, ge=0)  # CPU seconds of each process (a busy loop ends by SIGXCPU); 0: no limit
+    address_space: int = Field(8 * GiB, ge=64 * 1024 ** 2)  # virtual memory, bytes (a memory hog gets MemoryError)
+    file_size: int = Field(1 * GiB, ge=1)  # the largest file it may write, bytes
+    processes: int = Field(256, ge=1)  # processes and threads beyond what the user runs already (a fork bomb stops)
+    open_files: int = Field(1024, ge=16)
+
+
+ContainMode = Literal["off", "auto", "required"]
+
+
+class ContainmentConfig(Strict):
+    """How `swarm run` starts its isolated client processes, which run sandbox code (docs/security.md).
+
+    clients: off       as the run's own children: its environment, no limits (a person's own code).
+             auto      each through `core.clients.contain`: an environment allowlist (no credential of the
+                       run's), the limits below, its own process group signalled whole on stop, bubblewrap
+                       when `bwrap` is on PATH (only its working folder writable); without bwrap a warning.
+             required  as auto, but without bwrap the run refuses to start.
+    Containment needs every client isolated and placed locally (a thread or a Ray actor cannot be).
+    """
+
+    clients: ContainMode = "off"
+
+    @field_validator("clients", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` (`--set containment.clients=off`) as false
+
+    # A client lives as long as its run, so no CPU-time limit by default (its rollouts have deadlines);
+    # memory, file size, processes and open files as for validation.
+    limits: ContainLimits = Field(default_factory=lambda: ContainLimits(cpu_s=0))
+
+
 class TelemetryConfig(Strict):
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: str = "swarmrl"
@@ -200,6 +243,22 @@ class RunConfig(Strict):
     clients: list[ClientConfig] = Field(default_factory=list)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    containment: ContainmentConfig = Field(default_factory=ContainmentConfig)
+
+    @model_validator(mode="after")
+    def _containable_clients(self) -> RunConfig:
+        """Contained clients must be processes this run starts (ContainmentConfig)."""
+        if self.containment.clients == "off":
+            return self
+        if self.placement.kind != "local" and self.clients:
+            raise ValueError(f"containment.clients {self.containment.clients} contains client processes that "
+                             "`swarm run` starts itself; Ray actors cannot be: use placement.kind local or "
+                             "containment.clients off")
+        for i, c in enumerate(self.clients):
+            if not c.isolate:
+                raise ValueError(f"clients.{i}.isolate is false: a thread of the run cannot be contained "
+                                 f"(containment.clients {self.containment.clients}); set isolate: true")
+        return self
 
     @field_validator("models")
     @classmethod
@@ -289,6 +348,18 @@ def load_config(source: str | Path | dict[str, Any] | None = None, overrides: li
 
 def _plain(data: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(yaml.safe_dump(data))  # a deep copy that keeps only YAML types
+
+
+# Environment variable names that hold credentials: never passed to agent or proposal code
+# (`core.clients.contain`), and stripped from the environment of a core run of proposal code.
+_SECRET_NAME = re.compile(r"(_API_KEY|_TOKEN|_SECRET|_PASSWORD|_CREDENTIALS?)$|_SECRET_|^(AWS|GOOGLE|AZURE|GCP)_|"
+                          r"^MLFLOW_TRACKING_(USERNAME|PASSWORD|TOKEN|CLIENT_CERT_PATH|SERVER_CERT_PATH|INSECURE_TLS)$|"
+                          r"^SWARMRL_ADMIN_TOKEN$", re.IGNORECASE)
+
+
+def is_secret(name: str) -> bool:
+    """Whether an environment variable's name says it holds a credential."""
+    return bool(_SECRET_NAME.search(name))
 
 
 # Config fields that are credentials, as (section, field): `redacted` blanks them wherever a config

@@ -11,7 +11,11 @@ A launch with a `commit` runs the sandbox code of the study's workspace at that 
 launcher checks it out into `runs/<key>/code/` (a folder of the run's own, so runs of different
 code never collide) before spawning, and tags the run `swarmrl.sandbox_version=<commit>`. Such a run's
 environment holds none of the study's secrets (LLM API keys, the admin token, cloud credentials;
-`run_env`) but the MLflow tracking ones its telemetry needs, since its client processes run that code.
+`run_env`) but the MLflow tracking ones its telemetry needs, and its client processes, which run that
+code, start contained (`--set containment.clients=...`, `contain_mode`): `required` when bubblewrap
+is on this machine's PATH, so a run that lands where it is missing refuses to start rather than run
+proposal code without the filesystem boundary; else `auto` (allowlisted environment and limits; the
+run warns), as validation does. A launch without a commit runs the person's own config and code as is.
 
 A finished run is judged by its exit code when it is our child, else by its MLflow run status.
 A stop records its reason in the intent before it signals, so a stop cut short by a crash is
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -37,7 +42,7 @@ import yaml
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from researcher.contain import is_secret
+from core.config import ContainMode, is_secret
 from researcher.records import TERMINAL, Launch
 from researcher.workspace import Workspace, WorkspaceError
 
@@ -111,6 +116,11 @@ def run_env(commit: str | None, tracking_uri: str) -> dict[str, str]:
     return env
 
 
+def contain_mode() -> ContainMode:
+    """How a core run of proposal code contains its clients (module docstring): `required` with bubblewrap here."""
+    return "required" if shutil.which("bwrap") else "auto"
+
+
 class Launcher:
     def __init__(self, target: LaunchTarget, state_dir: Path, grace_s: float, emit: Emit,
                  workspace: Workspace | None = None) -> None:
@@ -151,15 +161,17 @@ class Launcher:
         # the telemetry contract (swarmrl.study) would otherwise be split into nested config keys.
         tags = {**_config_tags(launch.config_path), "swarmrl.study": t.study, "swarmrl.proposal": launch.proposal_id,
                 "swarmrl.launch": launch.key, "swarmrl.seed": str(launch.seed)}
+        contained: list[str] = []
         if launch.commit:
             tags["swarmrl.sandbox_version"] = launch.commit
+            contained = ["--set", f"containment.clients={contain_mode()}"]  # its clients run proposal code
         # A re-run of a dead run continues from that run's checkpoints (and its MLflow run).
         checkpoints = self.run_dir(launch.resumes or launch.key) / "checkpoints"
         return [*t.command, launch.config_path,
                 "--set", f"trainer.seed={launch.seed}",
                 "--set", "server.port=0",  # concurrent runs must not fight over one port
                 "--set", f"trainer.checkpoint_dir={checkpoints}",
-                "--set", f"telemetry.tags={json.dumps(tags)}",
+                "--set", f"telemetry.tags={json.dumps(tags)}", *contained,
                 "--experiment", t.experiment, "--run-name", launch.key,
                 "--run-id-file", str(rd / "run_id"), "--quiet", *(["--resume"] if launch.resumes else [])]
 

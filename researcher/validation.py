@@ -17,11 +17,11 @@ Executing (they run the proposal's code):
 `validate` runs the static steps, and the executing ones too unless told not to: when a person must
 approve code (`approval.code_change: human`, unless the brief sets `code.execute_before_review`),
 nothing of a proposal runs before approval, and `execute` runs its pending steps afterwards; a
-failure there drops its commit. Each process of an executing step runs contained
-(researcher/contain.py): an environment allowlist without the study's secrets, resource limits,
-its own process group killed at the timeout, and bubblewrap (only the trial worktree writable)
-when `bwrap` is on PATH. The `swarm serve` of the smoke run is the core's own code and runs as the
-study does.
+failure there drops its commit. Each process of an executing step runs contained, through the
+core's `swarm contain` (core/clients/contain.py): an environment allowlist without the study's
+secrets, resource limits, its own process group killed at the timeout, and bubblewrap (only the
+trial worktree writable) when `bwrap` is on PATH. The `swarm serve` of the smoke run is the core's
+own code and runs as the study does.
 
 Each step's result and log is recorded; the first failure stops the rest. Only when every step that
 ran passed is the trial committed (researcher/workspace.py); otherwise the trial is thrown away and
@@ -46,8 +46,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from core.config import ContainLimits
 from researcher.brief import Brief
-from researcher.contain import Limits, run_contained
 from researcher.records import EXECUTING_STEPS, STATIC_STEPS, CodeVersion, Proposal, StepResult
 from researcher.workspace import EditError, Workspace, WorkspaceError
 
@@ -57,6 +57,10 @@ LOG_TAIL_LINES = 30
 IMPORT_TIMEOUT_S = 60.0
 # How often the smoke run checks whether `swarm serve` is up.
 _SERVE_POLL_S = 0.5
+# What `swarm contain` itself may take beyond its command's timeout (its own start-up, killing the
+# group); past it the validator kills `swarm contain`, and its command dies with it (PDEATHSIG).
+CONTAIN_GRACE_S = 30.0
+EXIT_TIMED_OUT = 124  # `swarm contain`'s exit code for a command past its --timeout (core/run/cli.py)
 
 # Run in a fresh interpreter inside the sandbox folder: import the entry file and check its contract.
 _IMPORT_CHECK = """
@@ -107,7 +111,7 @@ class Validator:
     workdir: Path  # the project folder: the brief's base config resolves here
     trials: Path  # where trial worktrees and smoke logs live (under the study's state)
     swarm: Path  # the `swarm` executable
-    limits: Limits = field(default_factory=Limits)  # for every process that runs the proposal's code
+    limits: ContainLimits = field(default_factory=ContainLimits)  # for every process that runs the proposal's code
     _against: list[str] = field(default_factory=lambda: ["--cached"], init=False, repr=False)  # what `_changed` diffs
 
     def validate(self, p: Proposal, parent_commit: str, emit: Callable[..., None],
@@ -246,14 +250,24 @@ class Validator:
         return "\n".join(logs)
 
     def _run(self, argv: list[str], cwd: Path, timeout: float, what: str, tree: Path) -> str:
-        """Run a step that executes the proposal's code, contained (researcher/contain.py): only `tree`
-        (the trial worktree) is writable, and the environment holds none of the study's secrets."""
-        code, output = run_contained(argv, cwd, timeout_s=timeout, writable=[tree], limits=self.limits)
-        output = output.strip()
-        if code is None:
+        """Run a step that executes the proposal's code, contained (`swarm contain`): only `tree` (the
+        trial worktree) is writable, and the environment holds none of the study's secrets."""
+        limits = [f for name, value in self.limits.model_dump().items()
+                  for f in (f"--{name.replace('_', '-')}", str(value))]
+        cmd = [str(self.swarm), "contain", "--cwd", str(cwd), "--writable", str(tree), "--timeout", f"{timeout:g}",
+               *limits, "--", *argv]
+        try:
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                  text=True, errors="replace", timeout=timeout + CONTAIN_GRACE_S)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
+            raise StepFailed(f"{what}: `swarm contain` did not end {CONTAIN_GRACE_S:.0f} s past its timeout "
+                             f"(killed)\n{out.strip()}") from None
+        code, output = done.returncode, done.stdout.strip()
+        if code == EXIT_TIMED_OUT:
             raise StepFailed(f"{what}: timed out after {timeout:.0f} s (its processes were killed)\n{output}")
         if code != 0:
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            how = f"killed by {signal.Signals(code - 128).name}" if code - 128 in _SIGNALS else f"exit code {code}"
             raise StepFailed(f"{what}: failed ({how})\n{output}")
         return f"{what}: ok\n{tail(output, 5)}"
 
@@ -309,6 +323,9 @@ class Validator:
                 "--group-size", "1", "--concurrency", str(n)]
         what = f"smoke episodes of {folder.relative_to(tree)}"
         return self._run(argv, tree, max(1.0, deadline - time.monotonic()), what, tree)
+
+
+_SIGNALS = {int(s) for s in signal.Signals}  # `swarm contain` exits 128+N for a command killed by signal N
 
 
 def _entry_name(folder: Path) -> str:

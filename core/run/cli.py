@@ -4,9 +4,11 @@
     swarm serve configs/tiny.yaml               # server and trainer from a run config
     swarm run configs/tiny.yaml                 # server, trainer and local clients, until the steps are done
     swarm status http://127.0.0.1:8000
+    swarm contain --writable tree --timeout 60 -- python -c 'print(1)'   # one command, contained
 
-Commands parse arguments and print; the work happens in `core.serve.server`, `core.run.processes` (run, serve), `core.clients.runner`
-and `core.clients.hotswap`.
+Commands parse arguments and print; the work happens in `core.serve.server`, `core.run.processes` (run, serve), `core.clients.runner`,
+`core.clients.hotswap` and `core.clients.contain`. Start-up stays light: torch and the server load only
+inside the commands that need them.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import gc
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
 import httpx
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from core.config import ConfigError, RunConfig, load_config
+from core.config import ConfigError, ContainLimits, RunConfig, load_config
+from core.clients.contain import bwrap, require_bwrap, run_contained
 from core.clients.sandbox import SandboxNotFound, locate, sandbox_roots
 
 app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
@@ -39,6 +44,9 @@ SERVE_STEPS = 1_000_000_000
 # closed (bench/startup.py). Nothing left then needs collecting, so the last pass is skipped by
 # freezing the heap; atexit handlers (logging, Ray, temporary folders) still run.
 atexit.register(gc.freeze)
+# `swarm contain`'s exit code when its command ran past --timeout (and its process group was killed):
+# the code of coreutils' `timeout`, which scripts already read that way.
+EXIT_TIMED_OUT = 124
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -134,6 +142,11 @@ def run(
     cfg.telemetry.tags.update(dict(t.split("=", 1) for t in tags))  # tag keys have dots: not overrides
     for c in cfg.clients:  # a missing sandbox stops the run here, before any model loads
         _located(c.agent, sandbox_roots(cfg.source_file))
+    try:  # so does `required` containment on a machine without bubblewrap
+        require_bwrap(cfg.containment.clients, "containment.clients")
+    except ConfigError as e:
+        console.print(f"[red]{e}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
     if dry_run:
         from core.run.plan import describe
 
@@ -205,6 +218,68 @@ def swap(
         sys.exit(drain_clients(sandbox, server, drain_version, admin_token=admin_token))
     sys.exit(swap_client(sandbox, server, concurrency=concurrency, admin_token=admin_token, register_timeout_s=timeout,
                          ab=ab))
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def contain(
+    argv: list[str] = typer.Argument(..., help="the command to run (after `--`)"),
+    writable: list[Path] = typer.Option([], "--writable", help="a folder it may write under bwrap (repeat); "
+                                        "everything else is read-only"),
+    cwd: Path = typer.Option(None, "--cwd", help="its working folder (default: this one)"),
+    env: list[str] = typer.Option([], "--env", help="K=V added to its allowlisted environment (repeat); a "
+                                  "credential's name is refused"),
+    timeout: float = typer.Option(0, "--timeout", min=0, help="kill its whole process group after this many "
+                                  f"seconds and exit {EXIT_TIMED_OUT}; 0: no limit"),
+    required: bool = typer.Option(False, "--required", help="refuse (exit 2) when bwrap is missing, instead of "
+                                  "running without the filesystem boundary"),
+    cpu_s: int = typer.Option(None, "--cpu-s", help=f"CPU seconds (default {ContainLimits().cpu_s}; 0: no limit)"),
+    address_space: int = typer.Option(None, "--address-space", help="bytes of virtual memory "
+                                      f"(default {ContainLimits().address_space})"),
+    file_size: int = typer.Option(None, "--file-size", help=f"largest file, bytes (default {ContainLimits().file_size})"),
+    processes: int = typer.Option(None, "--processes", help="processes beyond the user's "
+                                  f"(default {ContainLimits().processes})"),
+    open_files: int = typer.Option(None, "--open-files", help=f"open files (default {ContainLimits().open_files})"),
+):
+    """Run one command contained (docs/security.md): no credential in its environment, resource limits, its own
+    process group, bubblewrap when installed. Exits with its exit code (128+N when killed by signal N)."""
+    _setup_logging(False)
+    given = {"cpu_s": cpu_s, "address_space": address_space, "file_size": file_size, "processes": processes,
+             "open_files": open_files}
+    bad = [e for e in env if "=" not in e or not e.split("=", 1)[0]]
+    try:
+        if bad:
+            raise ConfigError(f"--env {bad[0]!r} must look like KEY=value")
+        require_bwrap("required" if required else "auto", "swarm contain --required")
+        limits = ContainLimits(**{k: v for k, v in given.items() if v is not None})
+    except ValidationError as e:  # a limit out of range: one line naming the option
+        why = "; ".join(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}" for err in e.errors())
+        console.print(f"[red]swarm contain: {why}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except ConfigError as e:
+        console.print(f"[red]swarm contain: {e}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    if bwrap() is None:
+        console.print("[yellow]swarm contain: bwrap is not on PATH: running without the filesystem boundary "
+                      "(apt-get install bubblewrap)[/yellow]", soft_wrap=True)
+
+    def stopped(sig: int, _frame: object) -> None:  # run_contained then kills the command's group on its way out
+        raise SystemExit(128 + sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stopped)
+    try:
+        code, _ = run_contained(argv, cwd or Path.cwd(), timeout_s=timeout or None, writable=writable,
+                                extra_env=dict(e.split("=", 1) for e in env), limits=limits, capture=False)
+    except ValueError as e:  # a credential passed with --env
+        console.print(f"[red]swarm contain: {e}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except OSError as e:
+        console.print(f"[red]swarm contain: cannot start {argv[0]}: {e}[/red]", soft_wrap=True)
+        raise typer.Exit(127) from None
+    if code is None:
+        console.print(f"swarm contain: timed out after {timeout:g} s; its process group was killed", soft_wrap=True)
+        raise typer.Exit(EXIT_TIMED_OUT)
+    raise typer.Exit(code if code >= 0 else 128 - code)
 
 
 @app.command()

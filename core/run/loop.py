@@ -3,7 +3,7 @@
 This is the one file that holds the whole RL loop:
 
     start the server (policies behind the gateway) and the configured clients (isolated ones as
-        processes that `core.run.supervisor` restarts when they die)
+        processes that `core.run.supervisor` restarts when they die, contained per `containment.clients`)
     repeat `trainer.steps` times, under the hang watchdog (`core.run.watchdog`):
         wait for `batch_groups` ready groups (episodes that clients finished; admission control
             refuses new groups beyond what the staleness budget can train, so none is wasted)
@@ -30,9 +30,11 @@ import asyncio
 import logging
 import threading
 import time
+from pathlib import Path
 
 from core.run import checkpoint
 from core.config import RunConfig
+from core.clients.contain import require_bwrap
 from core.episodes.registry import Batch
 from core.records import Episode
 from core.clients.runner import run_agent
@@ -53,7 +55,9 @@ CLIENT_DRAIN_S = 30.0  # how long clients get to finish in-flight episodes at th
 
 class CoreRun:
     def __init__(self, cfg: RunConfig, server: Server | None = None, trainers: dict[str, Trainer] | None = None):
-        """`trainers`: given by a placement that hosts them elsewhere (`core.ray.actors`), else built here."""
+        """`trainers`: given by a placement that hosts them elsewhere (`core.ray.actors`), else built here.
+        Raises ConfigError before any model loads when `containment.clients: required` and bwrap is missing."""
+        require_bwrap(cfg.containment.clients, "containment.clients")
         seed_everything(cfg.trainer.seed)
         self.cfg = cfg
         self.server = server or Server(cfg)
@@ -79,7 +83,7 @@ class CoreRun:
         self._clients_loop: asyncio.AbstractEventLoop | None = None
         self._client_threads: list[threading.Thread] = []
         # Isolated clients: restarted when they die; a client that keeps dying without work fails the run.
-        self.supervisor = Supervisor(self.server.registry.finished_by, self._give_up)
+        self.supervisor = Supervisor(self.server.registry.finished_by, self._give_up, cfg.containment)
         self._last = (time.time(), 0)  # (time, completion tokens served) at the previous step
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -126,7 +130,7 @@ class CoreRun:
                        "--kind", c.kind, "--workdir", str(workdir), "--split", c.split,
                        *(["--tasks", str(c.tasks)] if c.tasks else []), "--seed", f"{self.cfg.trainer.seed}/{i}",
                        *(["--episode-timeout", str(c.episode_timeout)] if c.episode_timeout is not None else [])]
-                self.supervisor.start(c.agent, cmd)
+                self.supervisor.start(c.agent, cmd, workdir, reads=[Path(spec)] if Path(spec).is_dir() else [])
         if local:
             agents = [(c, load_agent(c.agent, roots), f"{self.cfg.trainer.seed}/{i}")  # each client its own task order
                       for i, c in enumerate(self.cfg.clients) if not c.isolate]  # import errors surface before training starts

@@ -77,7 +77,8 @@ def plan(cfg: RunConfig) -> Plan:
                                c.ray.num_cpus * c.ray.replicas, 0.0, f"{c.ray.num_cpus} CPU each{extra}"))
             in_flight += c.concurrency * c.ray.replicas
         else:
-            rows.append(Placed(part, "its own process (swarm client)" if c.isolate else "a thread of this process"))
+            contained = f", contained: {cfg.containment.clients}" if cfg.containment.clients != "off" else ""
+            rows.append(Placed(part, f"its own process (swarm client{contained})" if c.isolate else "a thread of this process"))
             in_flight += c.concurrency
     if ray and cfg.clients and cfg.server.host in LOOPBACK and cfg.placement.address != "local":
         warnings.append(f"server.host is {cfg.server.host}: client actors on other nodes cannot reach it; "

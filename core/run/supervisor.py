@@ -11,14 +11,19 @@ up) ends the run with a clear error after MAX_DEATHS such deaths in a row, namin
 died and its last lines of output. A client that exits 0 is done (its episode budget is spent) and
 is not restarted.
 
+With `containment.clients` auto or required each client starts through `core.clients.contain`:
+an environment allowlist (the run's credentials never reach agent code), resource limits, its own
+process group (SIGTERM to drain and the final SIGKILL reach the whole group), bubblewrap with only
+its working folder writable. That is one wrapper process per client start, nothing per episode.
+
 Episodes a dead client left open are not this module's concern: they expire by lease on the server
 and are never trained. It deliberately does not run agents (`core.clients.runner`) or in-process clients.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -27,8 +32,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from core.clients.contain import Contained, die_with_parent, popen_contained
 from core.clients.sdk import backoff_delay
+from core.config import ContainmentConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +45,19 @@ log = logging.getLogger(__name__)
 MAX_DEATHS = 5
 POLL_S = 0.2  # how often the supervisor looks at its processes
 TAIL_LINES = 5  # a dead client's last output lines, quoted in the give-up error
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# Looked up once here: the child runs `_die_with_parent` between fork and exec, where loading a library
-# could deadlock on a lock another thread of the run held at the fork.
-_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+# Passed to a contained client beside the allowlist: the run's import path, so the client imports the
+# same `core` as the run that started it (not whatever an installed copy points at).
+CLIENT_ENV = ("PYTHONPATH",)
 
 
 @dataclass
 class ClientProcess:
     name: str  # the agent spec, as the config names it
     cmd: list[str]
+    workdir: Path | None = None  # its working folder: the one folder a contained client may write
+    reads: list[Path] = field(default_factory=list)  # folders a contained client reads (its sandbox's), bound read-only
     proc: subprocess.Popen | None = None
+    contained: Contained | None = None  # set when it runs contained: its group, scratch HOME, cgroup
     started: float = 0.0
     deaths: int = 0  # in a row without a finished episode (SIGKILLs from outside not counted)
     restart_at: float | None = None  # when a dead client starts again
@@ -56,17 +66,23 @@ class ClientProcess:
 
 
 class Supervisor:
-    def __init__(self, finished_by: Callable[[], dict[str, int]], on_give_up: Callable[[str], None]):
+    def __init__(self, finished_by: Callable[[], dict[str, int]], on_give_up: Callable[[str], None],
+                 containment: ContainmentConfig | None = None):
         self.finished_by = finished_by  # the registry's finished episodes per client id (ids end in `-<pid>`)
         self.on_give_up = on_give_up
+        self.containment = containment or ContainmentConfig()
         self.clients: list[ClientProcess] = []
         self.restarts = 0
         self._lock = threading.Lock()
-        self._stopping = threading.Event()
+        self._stopping = threading.Event()  # no more restarts
+        # The watcher thread ends only after the stop's drain: clients it restarted die with it (PDEATHSIG).
+        self._ended = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, name: str, cmd: list[str]) -> None:
-        client = ClientProcess(name, cmd)
+    def start(self, name: str, cmd: list[str], workdir: Path | None = None, reads: list[Path] = ()) -> None:
+        """Start and look after a client; `workdir` (created) is where it runs and, contained, all it may
+        write; `reads`: what it must read (its sandbox folder), visible even under /tmp (`contain.wrap`)."""
+        client = ClientProcess(name, cmd, workdir, list(reads))
         with self._lock:
             self._spawn(client)
             self.clients.append(client)
@@ -81,31 +97,47 @@ class Supervisor:
 
     def stop(self, drain_s: float) -> None:
         """SIGTERM every client (each drains its episodes), wait up to `drain_s`, then kill what is left."""
-        self._stopping.set()
+        with self._lock:  # a restart under way finishes first; none starts after this
+            self._stopping.set()
+            clients = [c for c in self.clients if c.proc is not None]
+        for c in clients:
+            if c.proc.poll() is None:
+                _signal(c, signal.SIGTERM)
+        deadline = time.monotonic() + drain_s
+        for c in clients:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(c, signal.SIGKILL)
+                c.proc.wait()
+            if c.contained is not None:
+                c.contained.close()
+        self._ended.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        with self._lock:
-            procs = [c.proc for c in self.clients if c.proc is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + drain_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
 
     def _spawn(self, client: ClientProcess) -> None:
-        client.proc = subprocess.Popen(client.cmd, stderr=subprocess.PIPE, text=True, errors="replace",
-                                       preexec_fn=_die_with_parent if _prctl is not None else None)
+        if client.contained is not None:  # a restart: what the dead one left (group, scratch HOME) goes first
+            client.contained.close()
+            client.contained = None
+        if client.workdir is not None:
+            client.workdir.mkdir(parents=True, exist_ok=True)
+        if self.containment.clients == "off":
+            client.proc = subprocess.Popen(client.cmd, stderr=subprocess.PIPE, text=True, errors="replace",
+                                           preexec_fn=die_with_parent(signal.SIGTERM))
+        else:
+            cwd = client.workdir or Path.cwd()
+            client.contained = popen_contained(
+                client.cmd, cwd, writable=[cwd], readable=client.reads, limits=self.containment.limits,
+                extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
+                stderr=subprocess.PIPE, text=True, errors="replace")
+            client.proc = client.contained.proc
         client.started, client.restart_at = time.monotonic(), None
         threading.Thread(target=_relay, args=(client.proc, client.tail), daemon=True,
                          name=f"client-{client.proc.pid}-stderr").start()
 
     def _watch(self) -> None:
-        while not self._stopping.wait(POLL_S):
+        while not self._ended.wait(POLL_S):
             with self._lock:
                 for client in self.clients:
                     if not self._stopping.is_set():
@@ -148,10 +180,13 @@ class Supervisor:
                     client.name, pid, how, lived, worked, delay)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the run dies, even by SIGKILL, so no client outlives its run
-    (a resumed run starts its own). Linux's PR_SET_PDEATHSIG; elsewhere the orphans give up on their own."""
-    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def _signal(client: ClientProcess, sig: int) -> None:
+    """`sig` to a client: to its whole process group when contained (under bwrap the command is not bwrap's
+    own process, and bwrap passes no signal on), else to its process."""
+    if client.contained is not None:
+        client.contained.signal(sig)
+    else:
+        client.proc.send_signal(sig)
 
 
 def _relay(proc: subprocess.Popen, tail: deque[str]) -> None:

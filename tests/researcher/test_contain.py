@@ -1,6 +1,7 @@
-"""Contained proposal code: it sees no secret, writes only its worktree (under bwrap), and a fork bomb,
-a memory hog or a hang is stopped by the limits. Real processes; bwrap from Debian's `bubblewrap`
-(the Makefile's test set-up installs it; the filesystem test skips only where it is absent)."""
+"""Contained proposal code (core/clients/contain.py, which validation reaches through `swarm contain`): it
+sees no secret, writes only its worktree (under bwrap), and a fork bomb, a memory hog or a hang is stopped
+by the limits. Real processes; bwrap from Debian's `bubblewrap` (the Makefile's test set-up installs it;
+the filesystem test skips only where it is absent)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from researcher import contain
-from researcher.contain import Limits, contained_env, run_contained
+from core.clients import contain
+from core.clients.contain import contained_env, run_contained
+from core.config import ContainLimits as Limits
 from researcher.launcher import run_env
 
 SECRETS = {"OPENAI_API_KEY": "sk-secret-openai", "MLFLOW_TRACKING_TOKEN": "mlflow-secret",

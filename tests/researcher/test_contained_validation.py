@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from researcher.contain import Limits
+from core.config import ContainLimits as Limits
 from researcher.records import Edit
 from tests.researcher.test_contain import SECRETS
 from tests.researcher.test_workspace import _proposal, _validator, project, ws  # noqa: F401 (fixtures)

@@ -1,0 +1,267 @@
+"""Containment: how the core runs a process that runs agent or LLM-written code.
+
+`popen_contained(argv, cwd, writable=..., extra_env=..., limits=...)` starts one such process, and
+`run_contained` runs one to its end or a timeout, with:
+- an environment allowlist (`contained_env`): PATH, LANG and a few harmless settings, a temporary
+  HOME and TMPDIR, plus what the caller passes (what the client needs: its server URL comes on its
+  command line, its episode keys from the server). Secrets are never passed: any name
+  `core.config.is_secret` calls a credential (`*_API_KEY`, `*_TOKEN`, `*_PASSWORD`, MLflow tracking
+  credentials, `SWARMRL_ADMIN_TOKEN`, cloud credentials); a caller passing one is a bug (ValueError);
+- resource limits set between fork and exec (`core.config.ContainLimits`): CPU seconds, address
+  space, file size, processes (on top of those the user already runs), open files; when running as
+  root, where the kernel does not apply the process limit, a pids cgroup of its own when one can be made;
+- its own session and process group, killed whole at the timeout or on `kill()`; it dies with the
+  thread that started it (PR_SET_PDEATHSIG), so nothing outlives its starter;
+- bubblewrap when `bwrap` is on PATH: a read-only view of / (system, venv, project), a writable bind
+  of the folders it may write (its worktree or working folder) and a private /tmp, its own pid
+  namespace (nothing survives the sandbox), all capabilities dropped. Without bwrap it runs
+  uncontained by the filesystem (the limits above still apply), said once per process
+  (`log.warning`); `require_bwrap` turns that into an error for `required` containment.
+
+Who uses it: `swarm run`'s supervisor for its client processes (`containment.clients`), and
+`swarm contain`, the command through which the researcher's validation runs proposal code.
+It does not decide what to run or judge output, and it is no defence against kernel exploits:
+see docs/security.md for what each boundary holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.config import ConfigError, ContainLimits, ContainMode, is_secret
+
+log = logging.getLogger(__name__)
+
+# Passed through from the starter's environment when set: none of them is a secret.
+PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
+              "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONHASHSEED")
+_CGROUP_PIDS = Path("/sys/fs/cgroup/pids")  # cgroup v1's pids hierarchy (v2: the unified tree, below)
+_CGROUP_V2 = Path("/sys/fs/cgroup")
+_warned_uncontained = False
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up once here: the child runs the preexec hook between fork and exec, where loading a library
+# could deadlock on a lock another thread of the parent held at the fork.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+BWRAP_FIX = "apt-get install bubblewrap"
+
+
+def bwrap() -> str | None:
+    return shutil.which("bwrap")
+
+
+def require_bwrap(mode: ContainMode, what: str) -> None:
+    """`required` containment on a machine without bwrap: a one-line ConfigError naming the fix."""
+    if mode == "required" and bwrap() is None:
+        raise ConfigError(f"{what} is required to run under bubblewrap, but `bwrap` is not on PATH: "
+                          f"{BWRAP_FIX} (or set it to auto to run without the filesystem boundary)")
+
+
+def die_with_parent(sig: int):
+    """A preexec hook: `sig` reaches the child when the thread that started it ends (Linux's
+    PR_SET_PDEATHSIG, even if the parent was SIGKILLed); elsewhere nothing (orphans end on their own)."""
+    def apply() -> None:
+        if _prctl is not None:
+            _prctl(PR_SET_PDEATHSIG, sig)
+    return apply
+
+
+def contained_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The allowlisted environment: PASSED_ENV from ours, HOME and TMPDIR under `home`, then `extra`."""
+    env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+    env.setdefault("PATH", os.defpath)
+    env.update(HOME=str(home), TMPDIR=str(home / "tmp"), PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")
+    for key, value in (extra or {}).items():
+        if is_secret(key):
+            raise ValueError(f"{key} looks like a credential; contained code is never given one")
+        env[key] = value
+    return env
+
+
+def _user_processes() -> int:
+    """Processes (threads count too, for RLIMIT_NPROC) this user runs now, read from /proc."""
+    uid, n = os.getuid(), 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    n += len(os.listdir(entry / "task"))
+            except OSError:
+                continue
+    return n
+
+
+def _pids_cgroup(limit: int) -> Path | None:
+    """A fresh pids cgroup holding at most `limit` tasks, when this process may make one (as root in most
+    containers); None otherwise. The child joins it before exec."""
+    for root in (_CGROUP_PIDS, _CGROUP_V2):
+        if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
+            continue
+        try:
+            group = Path(tempfile.mkdtemp(prefix="swarmrl-contained-", dir=root))
+        except OSError:
+            continue
+        try:
+            (group / "pids.max").write_text(str(limit))
+            return group
+        except OSError:  # no pids controller here (v2 without it enabled)
+            _remove_cgroup(group)
+    return None
+
+
+def _remove_cgroup(group: Path | None, wait_s: float = 5.0) -> None:
+    """Remove a pids cgroup once its tasks are gone (killed ones take a moment to leave it)."""
+    deadline = time.monotonic() + wait_s
+    while group is not None:
+        try:
+            group.rmdir()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                log.warning("could not remove the cgroup %s (tasks still in it)", group)
+                return
+            time.sleep(0.05)
+
+
+def _preexec(limits: ContainLimits, nproc: int, group: Path | None):
+    orphaned = die_with_parent(signal.SIGKILL)
+
+    def apply() -> None:
+        orphaned()
+        if group is not None:
+            with open(group / "cgroup.procs", "w") as fh:
+                fh.write(str(os.getpid()))
+        cpu = limits.cpu_s or resource.RLIM_INFINITY  # 0: no CPU-time limit (a client that lives as long as its run)
+        for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, limits.address_space),
+                            (resource.RLIMIT_FSIZE, limits.file_size), (resource.RLIMIT_NPROC, nproc),
+                            (resource.RLIMIT_NOFILE, limits.open_files)):
+            resource.setrlimit(what, (value, value))
+    return apply
+
+
+def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Sequence[Path] = ()) -> list[str]:
+    """`argv` under bubblewrap (read-only /, `writable` and a private /tmp writable, own pid namespace,
+    no capabilities), or unchanged when bwrap is missing (said once). The private /tmp hides the real
+    one, so what it must read from there (a sandbox folder under /tmp) is named in `readable`: bound
+    read-only again (so is `cwd`), before the writable binds (a writable folder inside a readable one
+    stays writable)."""
+    global _warned_uncontained
+    exe = bwrap()
+    if exe is None:
+        if not _warned_uncontained:
+            log.warning("bwrap (bubblewrap) is not on PATH: proposal code runs uncontained by the filesystem "
+                        "(environment allowlist and resource limits still apply); install bubblewrap to contain it")
+            _warned_uncontained = True
+        return list(argv)
+    binds: list[str] = []
+    for folder in (*readable, cwd):  # its working folder, writable or not, must be there to start in
+        real = str(Path(folder).resolve())
+        binds += ["--ro-bind", real, real]
+    for folder in writable:
+        real = str(Path(folder).resolve())
+        binds += ["--bind", real, real]
+    return [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds,
+            "--unshare-pid", "--die-with-parent", "--cap-drop", "ALL", "--chdir", str(Path(cwd).resolve()),
+            "--", *argv]
+
+
+@dataclass
+class Contained:
+    """A started contained process and what must be cleaned up after it."""
+
+    proc: subprocess.Popen
+    scratch: Path
+    group: Path | None
+    wrapped: bool = False  # started under bwrap: `proc` is bwrap, the command runs in its pid namespace
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to every process of its group (SIGTERM asks a client to drain). Under bwrap all but
+        bwrap itself: bwrap passes no signal on and dies of a SIGTERM, taking the command with it
+        (--die-with-parent) before it could drain; its namespace's processes are in the same group."""
+        if not self.wrapped or sig == signal.SIGKILL:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            return
+        for pid in _group_members(self.proc.pid):
+            if pid != self.proc.pid:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:  # gone since the listing
+                    pass
+
+    def kill(self) -> None:
+        """SIGKILL its whole process group (under bwrap, the pid namespace dies with it)."""
+        self.signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        """Kill what is left of its group (a process it left behind, once it exited) and clean up after it.
+        The group's id stays reserved while any member lives, so this never reaches another process."""
+        self.kill()
+        self.proc.wait()
+        _remove_cgroup(self.group)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] = (), readable: Sequence[Path] = (),
+                    extra_env: Mapping[str, str] | None = None, limits: ContainLimits = ContainLimits(),
+                    **popen: object) -> Contained:
+    """Start `argv` contained (module docstring); the caller waits on `.proc` and calls `.close()`."""
+    scratch = Path(tempfile.mkdtemp(prefix="swarmrl-contained-"))
+    (scratch / "tmp").mkdir()
+    env = contained_env(scratch, extra_env)
+    nproc = _user_processes() + limits.processes
+    group = _pids_cgroup(limits.processes) if os.getuid() == 0 else None
+    cmd = wrap(argv, cwd, [*writable, scratch], readable)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_preexec(limits, nproc, group), **popen)  # type: ignore[arg-type]
+    except BaseException:
+        _remove_cgroup(group)
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return Contained(proc, scratch, group, wrapped=cmd != list(argv))  # `wrap` changes argv only for bwrap
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The pids of process group `pgid`, read from /proc (a stop-time look-up, never per episode)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def run_contained(argv: Sequence[str], cwd: Path, *, timeout_s: float | None, writable: Sequence[Path] = (),
+                  extra_env: Mapping[str, str] | None = None, limits: ContainLimits = ContainLimits(),
+                  capture: bool = True) -> tuple[int | None, str]:
+    """Run `argv` contained until it exits or `timeout_s` passes (then its group is killed; None: no timeout).
+    -> (exit code, or None when it timed out; its stdout and stderr together, or "" when not `capture`d:
+    then it writes to ours). Its group is killed too when this call ends by an exception (a signal)."""
+    output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") if capture else {}
+    started = popen_contained(argv, cwd, writable=writable, extra_env=extra_env, limits=limits, **output)
+    try:
+        out, _ = started.proc.communicate(timeout=timeout_s)
+        return started.proc.returncode, out or ""
+    except subprocess.TimeoutExpired:
+        started.kill()
+        out, _ = started.proc.communicate()
+        return None, out or ""
+    finally:
+        started.close()

@@ -1,0 +1,40 @@
+"""The researcher's launcher turns client containment on for runs of a proposal's code (a launch with a
+commit) and leaves a base-config launch as the person configured it; the switch it passes is one the core's
+config schema accepts. Reads the real argv the launcher builds."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from core.config import load_config
+from researcher.launcher import Launcher, LaunchTarget, contain_mode
+from researcher.records import Launch
+
+ROOT = Path(__file__).resolve().parents[2]
+SWITCH = "containment.clients="
+
+
+def _argv(tmp_path: Path, commit: str) -> list[str]:
+    target = LaunchTarget(command=["swarm", "run"], workdir=ROOT, tracking_uri=f"sqlite:///{tmp_path / 'm.db'}",
+                          experiment="e", study="s")
+    launcher = Launcher(target, tmp_path / "state", grace_s=1, emit=lambda *a, **k: None)
+    launch = Launch(key="p1-s0", proposal_id="p1", seed=0, steps=2, commit=commit,
+                    config_path=str(ROOT / "configs" / "tiny.yaml"))
+    return launcher.argv(launch)
+
+
+def _overrides(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+
+
+def test_a_launch_of_proposal_code_contains_its_clients(tmp_path):
+    switches = [o for o in _overrides(_argv(tmp_path, "abc123")) if o.startswith(SWITCH)]
+    assert switches == [SWITCH + contain_mode()]
+    assert contain_mode() == ("required" if shutil.which("bwrap") else "auto")
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", switches)  # the core's schema takes the switch
+    assert cfg.containment.clients == contain_mode()
+
+
+def test_a_base_config_launch_is_left_as_configured(tmp_path):
+    assert not [o for o in _overrides(_argv(tmp_path, "")) if o.startswith(SWITCH)]
