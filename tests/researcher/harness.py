@@ -93,9 +93,10 @@ class Project:
     """A test's studies folder and MLflow store, with the repository as the working folder."""
 
     tmp: Path
+    server: str | None = None  # a real `mlflow server`'s URL to use instead of the test's own SQLite file
 
     def __post_init__(self) -> None:
-        if not (self.tmp / "mlflow.db").exists():
+        if self.server is None and not (self.tmp / "mlflow.db").exists():
             shutil.copyfile(empty_store(), self.tmp / "mlflow.db")
 
     @property
@@ -104,7 +105,7 @@ class Project:
 
     @property
     def tracking_uri(self) -> str:
-        return f"sqlite:///{self.tmp / 'mlflow.db'}"
+        return self.server or f"sqlite:///{self.tmp / 'mlflow.db'}"
 
     def env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "HF_HUB_OFFLINE": "1",

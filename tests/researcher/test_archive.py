@@ -27,7 +27,7 @@ def test_a_study_moved_aside_frees_its_name_and_review_board(tmp_path: Path) -> 
     studies = tmp_path / "studies"
     paths, meta = _start(studies, "demo")
     open_board(meta).publish(Proposal(id="r1-0", round=1, planner="heuristic", hypothesis="an old hypothesis", rationale="an old rationale",
-                                      expected_effect="no effect", overrides={}), "")
+                                      expected_effect="no effect", overrides={}), {})
     with pytest.raises(StudyError, match="already exists"):
         _start(studies, "demo")
     moved = archive(studies, "demo")

@@ -162,8 +162,8 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
         proposal_run = next(r for r in project.runs("llm") if r.data.tags.get("swarmrl.proposal") == "r1-1"
                             and r.data.tags.get("swarmrl.kind") == "code")
         assert proposal_run.info.status == "SCHEDULED"
-        artifacts = {a.path for a in MlflowClient(project.tracking_uri).list_artifacts(proposal_run.info.run_id)}
-        assert {"proposal.diff", "validation.log"} <= artifacts
+        artifacts = {a.path for a in MlflowClient(project.tracking_uri).list_artifacts(proposal_run.info.run_id, "proposal")}
+        assert {"proposal/code.diff", "proposal/validation.log"} <= artifacts
         _approve_by_tag(project, "llm", "r1-1")
         _approve_by_tag(project, "llm", "r1-3")
         values = project.wait_done("llm")

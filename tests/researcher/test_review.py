@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -28,13 +29,16 @@ def board(client: MlflowClient) -> ReviewBoard:
     return ReviewBoard(client, f"study-{study}", study)
 
 
+BASE = {"trainer.lr": "1e-05", "trainer.steps": "8"}  # a flattened base config, as the review node passes it
+
+
 def proposal(pid: str = "r1-1") -> Proposal:
     return Proposal(id=pid, round=1, planner="heuristic", hypothesis="higher lr learns faster",
                     rationale="lr 1e-5 is tiny", overrides={"trainer.lr": 0.001}, expected_effect="reward up")
 
 
 def test_published_proposal_is_a_scheduled_run_with_review_tags(board: ReviewBoard) -> None:
-    run_id = board.publish(proposal(), "trainer.lr: 1e-05 -> 0.001")
+    run_id = board.publish(proposal(), BASE)
     run = board.client.get_run(run_id)
     assert run.info.status == "SCHEDULED"
     tags = run.data.tags
@@ -43,12 +47,43 @@ def test_published_proposal_is_a_scheduled_run_with_review_tags(board: ReviewBoa
     assert tags["review.diff"] == "trainer.lr: 1e-05 -> 0.001"
     assert "higher lr learns faster" in tags["mlflow.note.content"]
     assert run.data.params == {"trainer.lr": "0.001"}
-    assert board.publish(proposal(), "trainer.lr: 1e-05 -> 0.001") == run_id  # idempotent
+    assert board.publish(proposal(), BASE) == run_id  # idempotent
     assert len(board.board()) == 1
 
 
+def _note(board: ReviewBoard, run_id: str) -> str:
+    return board.client.get_run(run_id).data.tags["mlflow.note.content"]
+
+
+def test_the_note_shows_the_config_diff_as_a_table_of_base_and_proposed_values(board: ReviewBoard) -> None:
+    p = proposal().model_copy(update={"overrides": {"trainer.lr": 0.001, "trainer.steps": 8, "trainer.beta": "a|b"}})
+    note = _note(board, board.publish(p, BASE))
+    lines = note.splitlines()
+    header = lines.index("| key | base value | proposed value |")
+    assert lines[header + 1] == "|---|---|---|"
+    # Only what changes, sorted; a key the base lacks says so; a `|` in a value cannot split its cell.
+    assert lines[header + 2:header + 4] == ["| `trainer.beta` | (unset) | a\\|b |", "| `trainer.lr` | 1e-05 | 0.001 |"]
+    assert lines[header + 4] == ""
+    for part in ("**Hypothesis:** higher lr learns faster", "**Rationale:** lr 1e-5 is tiny",
+                 "**Expected effect:** reward up"):
+        assert part in note
+
+
+def test_the_note_says_how_to_approve_or_veto_in_the_ui_and_with_the_cli(board: ReviewBoard) -> None:
+    note = _note(board, board.publish(proposal(), BASE))
+    assert "set `review.status` to `approved` or `vetoed`" in note and "first add `review.reason`" in note
+    assert f"`researcher study approve {board.study} r1-1`" in note
+    assert f"`researcher study veto {board.study} r1-1 --reason \"...\"`" in note
+
+
+def test_a_baseline_note_says_it_changes_no_config(board: ReviewBoard) -> None:
+    p = proposal().model_copy(update={"overrides": {"trainer.lr": "1e-05"}})  # the base value: no change
+    note = _note(board, board.publish(p, BASE))
+    assert "No config change." in note and "| key |" not in note
+
+
 def test_cli_decision_is_recorded_with_who_when_why_and_is_final(board: ReviewBoard) -> None:
-    board.publish(proposal(), "d")
+    board.publish(proposal(), BASE)
     board.decide(Decision(proposal_id="r1-1", verdict="vetoed", by="ada", reason="too risky"))
     tags = board.client.get_run(board.find("r1-1").info.run_id).data.tags
     assert (tags["review.status"], tags["review.by"], tags["review.reason"]) == ("vetoed", "ada", "too risky")
@@ -66,7 +101,7 @@ def test_unknown_proposal_cannot_be_decided(board: ReviewBoard) -> None:
 
 
 def test_a_tag_edited_as_in_the_ui_is_a_decision(board: ReviewBoard) -> None:
-    run_id = board.publish(proposal(), "d")
+    run_id = board.publish(proposal(), BASE)
     assert board.collect(["r1-1"]) == []
     board.client.set_tag(run_id, "review.status", "Approved ")
     [d] = board.collect(["r1-1"])
@@ -79,14 +114,14 @@ def test_a_tag_edited_as_in_the_ui_is_a_decision(board: ReviewBoard) -> None:
 
 
 def test_a_mistyped_status_is_flagged_on_the_run_and_stays_pending(board: ReviewBoard) -> None:
-    run_id = board.publish(proposal(), "d")
+    run_id = board.publish(proposal(), BASE)
     board.client.set_tag(run_id, "review.status", "aproved")
     assert board.collect(["r1-1"]) == []
     assert "unknown review.status 'aproved'" in board.client.get_run(run_id).data.tags["review.error"]
 
 
 def test_closing_logs_the_summary_and_finishes_the_run(board: ReviewBoard) -> None:
-    run_id = board.publish(proposal(), "d")
+    run_id = board.publish(proposal(), BASE)
     board.close("r1-1", Summary(n=2, mean=0.5, std=0.1, ci_low=0.4, ci_high=0.6))
     run = board.client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -94,8 +129,8 @@ def test_closing_logs_the_summary_and_finishes_the_run(board: ReviewBoard) -> No
 
 
 def test_a_later_edit_of_a_decided_tag_is_recorded_as_ignored_and_changes_nothing(board: ReviewBoard) -> None:
-    run_id = board.publish(proposal(), "d")
-    board.publish(proposal("r1-2"), "d")
+    run_id = board.publish(proposal(), BASE)
+    board.publish(proposal("r1-2"), BASE)
     board.decide(Decision(proposal_id="r1-1", verdict="approved", by="ada", reason="worth a look"))
     board.client.set_tag(board.find("r1-2").info.run_id, "review.status", "vetoed")  # a UI decision, no by/at
     taken = board.collect(["r1-1", "r1-2"])  # what the study took up
@@ -155,3 +190,20 @@ def test_a_brief_may_auto_approve_validated_code_changes_but_never_invalid_ones(
     assert client.get_run(board.find("r1-1").info.run_id).data.tags["review.status"] == "approved"
     assert client.get_run(board.find("r1-2").info.run_id).data.tags["review.status"] == "invalid"
     assert not [e for e in events if e[0] == "review.pending"]  # nothing left for a person
+
+
+def test_a_code_proposal_carries_its_diff_and_validation_log_as_named_artifacts(board: ReviewBoard, tmp_path) -> None:
+    code = CodeVersion.model_validate({**_validated("r1-1", True), "diff": "-MAX_TOKENS = 12\n+MAX_TOKENS = 16\n"})
+    run_id = board.publish(_code_proposal("r1-1"), BASE, code)
+    listed = {a.path for a in board.client.list_artifacts(run_id, "proposal")}
+    assert listed == {"proposal/code.diff", "proposal/validation.log"}
+    diff = Path(board.client.download_artifacts(run_id, "proposal/code.diff", str(tmp_path))).read_text()
+    assert diff == code.diff
+    note = _note(board, run_id)
+    assert "artifact `proposal/code.diff`" in note and "`proposal/validation.log`" in note
+    assert "```diff\n-MAX_TOKENS = 12\n+MAX_TOKENS = 16\n" in note and "No config change." in note
+
+
+def test_an_invalid_code_proposal_asks_nobody_to_decide(board: ReviewBoard) -> None:
+    note = _note(board, board.publish(_code_proposal("r1-2"), BASE, CodeVersion.model_validate(_validated("r1-2", False))))
+    assert "INVALID at step import" in note and "How to decide" not in note
