@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -181,6 +181,7 @@ class ContainLimits(Strict):
 
 
 ContainMode = Literal["off", "auto", "required"]
+CONTAIN_MODES: tuple[ContainMode, ...] = get_args(ContainMode)
 
 
 class ContainmentConfig(Strict):

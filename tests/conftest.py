@@ -75,6 +75,7 @@ LONGEST_FIRST = (
     "tests/researcher/test_study.py",
     "tests/researcher/test_code_study.py",
     "tests/researcher/test_live_swap.py",
+    "tests/researcher/test_review_ui.py",  # 100 s: a study beside a real mlflow server and chromium
     "tests/core/test_chaos.py",
     "tests/core/test_ray.py",
     "tests/core/test_resume_mlflow.py",

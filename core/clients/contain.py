@@ -11,15 +11,18 @@
   space, file size, processes (on top of those the user already runs), open files; when running as
   root, where the kernel does not apply the process limit, a pids cgroup of its own when one can be made;
 - its own session and process group, killed whole at the timeout or on `kill()`; it dies with the
-  thread that started it (PR_SET_PDEATHSIG), so nothing outlives its starter;
+  thread that started it (PR_SET_PDEATHSIG), so nothing outlives its starter, unless it is started
+  `detached` (a client `swarm swap` starts outlives that command: it ends when the server drains it);
 - bubblewrap when `bwrap` is on PATH: a read-only view of / (system, venv, project), a writable bind
-  of the folders it may write (its worktree or working folder) and a private /tmp, its own pid
+  of the folders it may write (its worktree or working folder) and a private /tmp, the admin token
+  files its caller names masked (`core.clients.hotswap.token_files`), its own pid
   namespace (nothing survives the sandbox), all capabilities dropped. Without bwrap it runs
   uncontained by the filesystem (the limits above still apply), said once per process
   (`log.warning`); `require_bwrap` turns that into an error for `required` containment.
 
-Who uses it: `swarm run`'s supervisor for its client processes (`containment.clients`), and
-`swarm contain`, the command through which the researcher's validation runs proposal code.
+Who uses it: `swarm run`'s supervisor for its client processes (`containment.clients`), `swarm swap
+--contain` for the client it starts, and `swarm contain`, the command through which the researcher's
+validation runs proposal code.
 It does not decide what to run or judge output, and it is no defence against kernel exploits:
 see docs/security.md for what each boundary holds.
 """
@@ -47,6 +50,9 @@ log = logging.getLogger(__name__)
 # Passed through from the starter's environment when set: none of them is a secret.
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM",
               "OMP_NUM_THREADS", "VIRTUAL_ENV", "PYTHONHASHSEED")
+# Passed to a contained client beside the allowlist: its starter's import path, so the client imports
+# the same `core` as the run or swap that started it (not whatever an installed copy points at).
+CLIENT_ENV = ("PYTHONPATH",)
 _CGROUP_PIDS = Path("/sys/fs/cgroup/pids")  # cgroup v1's pids hierarchy (v2: the unified tree, below)
 _CGROUP_V2 = Path("/sys/fs/cgroup")
 _warned_uncontained = False
@@ -55,6 +61,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # could deadlock on a lock another thread of the parent held at the fork.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 BWRAP_FIX = "apt-get install bubblewrap"
+CGROUP_SWEEP_AGE_S = 60.0  # an empty cgroup older than this was left by a detached process that ended
 
 
 def bwrap() -> str | None:
@@ -108,6 +115,7 @@ def _pids_cgroup(limit: int) -> Path | None:
     for root in (_CGROUP_PIDS, _CGROUP_V2):
         if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
             continue
+        _sweep_cgroups(root)
         try:
             group = Path(tempfile.mkdtemp(prefix="swarmrl-contained-", dir=root))
         except OSError:
@@ -118,6 +126,18 @@ def _pids_cgroup(limit: int) -> Path | None:
         except OSError:  # no pids controller here (v2 without it enabled)
             _remove_cgroup(group)
     return None
+
+
+def _sweep_cgroups(root: Path) -> None:
+    """Remove the empty pids cgroups that detached processes left when they ended (nobody waits on them to
+    remove theirs). The kernel refuses to remove one with tasks in it; one made in the last minute is left
+    alone, as its process may not have joined it yet."""
+    for group in root.glob("swarmrl-contained-*"):
+        try:
+            if time.time() - group.stat().st_mtime > CGROUP_SWEEP_AGE_S:
+                group.rmdir()
+        except OSError:
+            continue
 
 
 def _remove_cgroup(group: Path | None, wait_s: float = 5.0) -> None:
@@ -134,11 +154,12 @@ def _remove_cgroup(group: Path | None, wait_s: float = 5.0) -> None:
             time.sleep(0.05)
 
 
-def _preexec(limits: ContainLimits, nproc: int, group: Path | None):
+def _preexec(limits: ContainLimits, nproc: int, group: Path | None, detached: bool):
     orphaned = die_with_parent(signal.SIGKILL)
 
     def apply() -> None:
-        orphaned()
+        if not detached:
+            orphaned()
         if group is not None:
             with open(group / "cgroup.procs", "w") as fh:
                 fh.write(str(os.getpid()))
@@ -150,12 +171,14 @@ def _preexec(limits: ContainLimits, nproc: int, group: Path | None):
     return apply
 
 
-def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Sequence[Path] = ()) -> list[str]:
+def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Sequence[Path] = (),
+         detached: bool = False, hidden: Sequence[Path] = ()) -> list[str]:
     """`argv` under bubblewrap (read-only /, `writable` and a private /tmp writable, own pid namespace,
-    no capabilities), or unchanged when bwrap is missing (said once). The private /tmp hides the real
+    no capabilities; it dies with its starter unless `detached`), or unchanged when bwrap is missing (said once). The private /tmp hides the real
     one, so what it must read from there (a sandbox folder under /tmp) is named in `readable`: bound
     read-only again (so is `cwd`), before the writable binds (a writable folder inside a readable one
-    stays writable)."""
+    stays writable). What is `hidden` (the admin token files the user could read) is masked last: a folder
+    by an empty tmpfs, a file by /dev/null."""
     global _warned_uncontained
     exe = bwrap()
     if exe is None:
@@ -171,9 +194,12 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
     for folder in writable:
         real = str(Path(folder).resolve())
         binds += ["--bind", real, real]
+    for path in map(Path, hidden):
+        real = str(path.resolve())
+        binds += ["--tmpfs", real] if path.is_dir() else ["--ro-bind", "/dev/null", real] if path.exists() else []
+    tied = [] if detached else ["--die-with-parent"]
     return [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds,
-            "--unshare-pid", "--die-with-parent", "--cap-drop", "ALL", "--chdir", str(Path(cwd).resolve()),
-            "--", *argv]
+            "--unshare-pid", *tied, "--cap-drop", "ALL", "--chdir", str(Path(cwd).resolve()), "--", *argv]
 
 
 @dataclass
@@ -217,17 +243,20 @@ class Contained:
 
 def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] = (), readable: Sequence[Path] = (),
                     extra_env: Mapping[str, str] | None = None, limits: ContainLimits = ContainLimits(),
+                    detached: bool = False, scratch: Path | None = None, hidden: Sequence[Path] = (),
                     **popen: object) -> Contained:
-    """Start `argv` contained (module docstring); the caller waits on `.proc` and calls `.close()`."""
-    scratch = Path(tempfile.mkdtemp(prefix="swarmrl-contained-"))
-    (scratch / "tmp").mkdir()
+    """Start `argv` contained (module docstring); the caller waits on `.proc` and calls `.close()`.
+    `detached`: it outlives its starter, which never closes it, so its HOME goes in `scratch` (a folder
+    beside its log, say) instead of a temporary one nobody would remove. `hidden`: masked under bubblewrap."""
+    scratch = scratch or Path(tempfile.mkdtemp(prefix="swarmrl-contained-"))
+    (scratch / "tmp").mkdir(parents=True, exist_ok=True)
     env = contained_env(scratch, extra_env)
     nproc = _user_processes() + limits.processes
     group = _pids_cgroup(limits.processes) if os.getuid() == 0 else None
-    cmd = wrap(argv, cwd, [*writable, scratch], readable)
+    cmd = wrap(argv, cwd, [*writable, scratch], readable, detached, hidden)
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_preexec(limits, nproc, group), **popen)  # type: ignore[arg-type]
+                                preexec_fn=_preexec(limits, nproc, group, detached), **popen)  # type: ignore[arg-type]
     except BaseException:
         _remove_cgroup(group)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -250,12 +279,13 @@ def _group_members(pgid: int) -> list[int]:
 
 def run_contained(argv: Sequence[str], cwd: Path, *, timeout_s: float | None, writable: Sequence[Path] = (),
                   extra_env: Mapping[str, str] | None = None, limits: ContainLimits = ContainLimits(),
-                  capture: bool = True) -> tuple[int | None, str]:
+                  capture: bool = True, hidden: Sequence[Path] = ()) -> tuple[int | None, str]:
     """Run `argv` contained until it exits or `timeout_s` passes (then its group is killed; None: no timeout).
     -> (exit code, or None when it timed out; its stdout and stderr together, or "" when not `capture`d:
     then it writes to ours). Its group is killed too when this call ends by an exception (a signal)."""
     output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") if capture else {}
-    started = popen_contained(argv, cwd, writable=writable, extra_env=extra_env, limits=limits, **output)
+    started = popen_contained(argv, cwd, writable=writable, extra_env=extra_env, limits=limits, hidden=hidden,
+                              **output)
     try:
         out, _ = started.proc.communicate(timeout=timeout_s)
         return started.proc.returncode, out or ""

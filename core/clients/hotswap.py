@@ -22,6 +22,11 @@ serving client of another version named as their successor (nothing of V left: n
 
 `swap` signals only the client it started itself, and only when the swap fails after starting it.
 
+`contain` (`swarm swap --contain auto|required`) starts the new client as `swarm run` starts its contained
+ones (`core.clients.contain`, docs/security.md): no credential in its environment, resource limits, under
+bubblewrap only `$SWARMRL_STATE/<client id>/` (its working folder and HOME) writable. It is detached:
+the server's drain ends it, not this command's exit. A study swaps proposal code in this way.
+
 Server files: `swarm run` writes `<run folder>/server.json` (the run folder is the parent of
 `trainer.checkpoint_dir`) holding the URL and the path of a 0600 file with the admin token, and both
 `swarm run` and `swarm serve` leave the same under `$SWARMRL_STATE/servers/<port>.json`, so a swap
@@ -39,6 +44,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -47,9 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from core.clients.contain import CLIENT_ENV, Contained, popen_contained, require_bwrap
 from core.clients.sdk import SwarmClient, SwarmError
 from core.clients.sandbox import load_agent, locate, safe_name
 from core.clients.venvs import client_python
+from core.config import ContainMode, ContainmentConfig
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +115,12 @@ def write_server_files(url: str, token: str, run_folder: Path | None) -> list[Pa
                                          "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
         written += [info, token_file]
     return written
+
+
+def token_files(run_folder: Path | None = None) -> list[Path]:
+    """Where this machine's servers keep their admin token files (this user can read them): what a
+    contained process must not see (`core.clients.contain`, masked under bubblewrap)."""
+    return [pid_dir() / "servers", *([Path(run_folder) / "admin_token"] if run_folder else [])]
 
 
 def write_token_file(token: str) -> Path:
@@ -179,6 +193,7 @@ class _NewClient:
     client_id: str
     proc: subprocess.Popen
     log_path: Path
+    contained: Contained | None = None  # started contained: its group is signalled, not bwrap alone
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -189,7 +204,10 @@ class _NewClient:
     def stop(self) -> None:
         """SIGTERM the client this swap started (the only process swap ever signals)."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            if self.contained is not None:
+                self.contained.signal(signal.SIGTERM)
+            else:
+                self.proc.terminate()
 
 
 # Loads a sandbox in its own interpreter (its venv, when it declares requirements) and prints its name and version.
@@ -214,7 +232,8 @@ def _probe(spec: str, python: str) -> tuple[str, str]:
     return name, version
 
 
-def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: int | None) -> _NewClient:
+def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: int | None,
+           contain: ContainMode = "off", run_folder: Path | None = None) -> _NewClient:
     client_id = f"{name}-{socket.gethostname()}-swap-{secrets.token_hex(3)}"
     cmd = [python, "-m", "core.run.cli", "client", spec, "--server", url, "--client-id", client_id,
            "--concurrency", str(concurrency or old["concurrency"]), "--group-size", str(old["group_size"]),
@@ -222,9 +241,28 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
     log_path = pid_dir() / f"{safe_name(client_id)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
-        proc = subprocess.Popen(cmd, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    return _NewClient(client_id, proc, log_path)
+        if contain == "off":
+            proc = subprocess.Popen(cmd, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+            return _NewClient(client_id, proc, log_path)
+        workdir = log_path.with_suffix("")  # beside its log: what it may write, and its HOME
+        workdir.mkdir(exist_ok=True)
+        folder = [Path(spec).resolve()] if Path(spec).is_dir() else []  # read from there (under /tmp too)
+        if folder:  # it starts in its working folder, where a relative path would not lead
+            cmd[cmd.index(spec)] = str(folder[0])
+        started = popen_contained(cmd, workdir, writable=[workdir], readable=folder, detached=True,
+                                  scratch=workdir / ".home", limits=ContainmentConfig().limits,
+                                  hidden=token_files(run_folder),
+                                  extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
+                                  stdout=log_file, stderr=subprocess.STDOUT)
+    return _NewClient(client_id, started.proc, log_path, started)
+
+
+def _run_folder(server: str) -> Path | None:
+    """The run folder `server` names (a folder, or its server.json), whose admin token file a contained
+    client must not read; None for a URL."""
+    path = Path(server)
+    return path if path.is_dir() else path.parent if path.is_file() else None
 
 
 def _until(predicate, timeout_s: float, new: _NewClient | None = None) -> bool:
@@ -253,15 +291,16 @@ def _proven(clients: list[dict], client_id: str) -> bool:
 
 def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token: str | None = None,
          settle_s: float = SWAP_SETTLE_S, register_timeout_s: float = REGISTER_TIMEOUT_S,
-         drain_wait_s: float = DRAIN_WAIT_S, ab: bool = False) -> int:
-    """Hot swap (with `ab`, an A/B start that drains nobody); -> the exit code (0 swapped, 1 the new client
-    failed, 2 refused before starting anything)."""
+         drain_wait_s: float = DRAIN_WAIT_S, ab: bool = False, contain: ContainMode = "off") -> int:
+    """Hot swap (with `ab`, an A/B start that drains nobody; `contain`: the new client runs contained); -> the
+    exit code (0 swapped, 1 the new client failed, 2 refused before starting anything)."""
     try:
+        require_bwrap(contain, "swarm swap --contain")
         url, token = resolve_server(server, admin_token)
         spec = locate(spec)  # sandbox:NAME -> its folder, so the new client runs the same code wherever it starts
         python = client_python(spec)  # the sandbox's own venv when it declares requirements (built once)
         name, version = _probe(spec, python)  # fail before touching the running client if the new code does not load
-    except (SwapError, ValueError, RuntimeError, OSError) as e:
+    except (SwapError, ValueError, RuntimeError, OSError) as e:  # a ConfigError (no bwrap) is a ValueError
         log.error("swap refused: %s; the running client is left alone", e)
         return EXIT_REFUSED
     admin = _Admin(url, token)
@@ -277,7 +316,7 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
         admin.drain(name, [])  # checks the token: a wrong one must not leave two clients running
         if ab and concurrency is None:  # as many episodes in flight as all the old clients: a 50/50 split
             concurrency = sum(c["concurrency"] for c in old)
-        new = _start(spec, python, url, name, old[0], concurrency)
+        new = _start(spec, python, url, name, old[0], concurrency, contain, _run_folder(server))
         log.info("started the new client %s (pid %d, version %s); waiting for it to register", new.client_id,
                  new.proc.pid, version)
         if not _until(lambda: _proven(admin.clients(name), new.client_id), register_timeout_s, new):

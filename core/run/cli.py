@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from core.config import ConfigError, ContainLimits, RunConfig, load_config
+from core.config import CONTAIN_MODES, ConfigError, ContainLimits, RunConfig, load_config
 from core.clients.contain import bwrap, require_bwrap, run_contained
 from core.clients.sandbox import SandboxNotFound, locate, sandbox_roots
 
@@ -208,6 +208,9 @@ def swap(
                             "summed concurrency: a 50/50 split); the swap is recorded, nobody drains"),
     drain_version: str = typer.Option(None, "--drain-version", help="end an A/B: drain SANDBOX's (a name or folder) "
                                       "clients of this version, a client of another version their successor"),
+    contain: str = typer.Option("off", "--contain", help="off | auto | required: start the new client contained "
+                                "(docs/security.md), as containment.clients does for a run's clients; required "
+                                "refuses without bubblewrap"),
 ):
     """Hot-swap a sandbox's clients through the server: start the new code with the old one's kind and group size,
     wait until it has registered, then have the server drain the old clients (they may run anywhere)."""
@@ -216,8 +219,11 @@ def swap(
 
     if drain_version is not None:
         sys.exit(drain_clients(sandbox, server, drain_version, admin_token=admin_token))
+    if contain not in CONTAIN_MODES:
+        console.print(f"[red]swarm swap: --contain must be one of {', '.join(CONTAIN_MODES)}, not {contain!r}[/red]")
+        sys.exit(2)
     sys.exit(swap_client(sandbox, server, concurrency=concurrency, admin_token=admin_token, register_timeout_s=timeout,
-                         ab=ab))
+                         ab=ab, contain=contain))
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -267,9 +273,12 @@ def contain(
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stopped)
+    from core.clients.hotswap import token_files  # here, as in `swap`: the other commands start without it
+
     try:
         code, _ = run_contained(argv, cwd or Path.cwd(), timeout_s=timeout or None, writable=writable,
-                                extra_env=dict(e.split("=", 1) for e in env), limits=limits, capture=False)
+                                extra_env=dict(e.split("=", 1) for e in env), limits=limits, capture=False,
+                                hidden=token_files())
     except ValueError as e:  # a credential passed with --env
         console.print(f"[red]swarm contain: {e}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None

@@ -35,6 +35,7 @@ from pathlib import Path
 from core.run import checkpoint
 from core.config import RunConfig
 from core.clients.contain import require_bwrap
+from core.clients.hotswap import token_files
 from core.episodes.registry import Batch
 from core.records import Episode
 from core.clients.runner import run_agent
@@ -83,7 +84,8 @@ class CoreRun:
         self._clients_loop: asyncio.AbstractEventLoop | None = None
         self._client_threads: list[threading.Thread] = []
         # Isolated clients: restarted when they die; a client that keeps dying without work fails the run.
-        self.supervisor = Supervisor(self.server.registry.finished_by, self._give_up, cfg.containment)
+        self.supervisor = Supervisor(self.server.registry.finished_by, self._give_up, cfg.containment,
+                                     hidden=token_files(run_folder(cfg.trainer.checkpoint_dir)))
         self._last = (time.time(), 0)  # (time, completion tokens served) at the previous step
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -30,11 +30,11 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.clients.contain import Contained, die_with_parent, popen_contained
+from core.clients.contain import CLIENT_ENV, Contained, die_with_parent, popen_contained
 from core.clients.sdk import backoff_delay
 from core.config import ContainmentConfig
 
@@ -45,9 +45,6 @@ log = logging.getLogger(__name__)
 MAX_DEATHS = 5
 POLL_S = 0.2  # how often the supervisor looks at its processes
 TAIL_LINES = 5  # a dead client's last output lines, quoted in the give-up error
-# Passed to a contained client beside the allowlist: the run's import path, so the client imports the
-# same `core` as the run that started it (not whatever an installed copy points at).
-CLIENT_ENV = ("PYTHONPATH",)
 
 
 @dataclass
@@ -67,10 +64,11 @@ class ClientProcess:
 
 class Supervisor:
     def __init__(self, finished_by: Callable[[], dict[str, int]], on_give_up: Callable[[str], None],
-                 containment: ContainmentConfig | None = None):
+                 containment: ContainmentConfig | None = None, hidden: Sequence[Path] = ()):
         self.finished_by = finished_by  # the registry's finished episodes per client id (ids end in `-<pid>`)
         self.on_give_up = on_give_up
         self.containment = containment or ContainmentConfig()
+        self.hidden = list(hidden)  # masked from contained clients (the admin token files)
         self.clients: list[ClientProcess] = []
         self.restarts = 0
         self._lock = threading.Lock()
@@ -128,7 +126,7 @@ class Supervisor:
         else:
             cwd = client.workdir or Path.cwd()
             client.contained = popen_contained(
-                client.cmd, cwd, writable=[cwd], readable=client.reads, limits=self.containment.limits,
+                client.cmd, cwd, writable=[cwd], readable=client.reads, limits=self.containment.limits, hidden=self.hidden,
                 extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
                 stderr=subprocess.PIPE, text=True, errors="replace")
             client.proc = client.contained.proc

@@ -6,6 +6,8 @@ before any model loads. Real runs of the tiny model with a sandbox written here;
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,16 +41,23 @@ async def rollout(task, llm):
         except OSError as e:
             tried[target] = type(e).__name__
     Path("writes.json").write_text(json.dumps(tried))
+    seen = {{}}
+    for secret in {reads!r}:  # the admin token files this user could read
+        try:
+            seen[secret] = Path(secret).read_text()
+        except OSError as e:
+            seen[secret] = type(e).__name__
+    Path("reads.json").write_text(json.dumps(seen))
     reply = await llm.chat.completions.create(model=llm.model, messages=[{{"role": "user", "content": task["prompt"]}}],
                                               max_tokens=4)
     return float(len(reply.choices[0].message.content or "") % 3)
 """
 
 
-def _sandbox(tmp_path: Path, targets: list[str]) -> Path:
+def _sandbox(tmp_path: Path, targets: list[str], reads: list[str] = ()) -> Path:
     folder = tmp_path / "nosy"
     folder.mkdir()
-    (folder / "agent.py").write_text(AGENT.format(targets=targets))
+    (folder / "agent.py").write_text(AGENT.format(targets=targets, reads=list(reads)))
     return folder
 
 
@@ -88,7 +97,9 @@ def test_under_bwrap_a_client_cannot_write_outside_its_working_folder_and_the_ru
     outside = tmp_path / "outside"
     outside.mkdir()
     sandbox = _sandbox(tmp_path, [str(outside / "planted.txt"), str(tmp_path / "nosy" / "agent.py"),
-                                  str(ROOT / "planted.txt")])
+                                  str(ROOT / "planted.txt")], reads=[str(tmp_path / "run" / "admin_token")])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "admin_token").write_text("the-runs-admin-token")  # as `swarm run` leaves it, 0600
     agent_text = (sandbox / "agent.py").read_text()
     try:
         core, workdir = _train(tmp_path, sandbox, "required", steps=1)
@@ -97,6 +108,8 @@ def test_under_bwrap_a_client_cannot_write_outside_its_working_folder_and_the_ru
         assert len(tried) == 3 and "wrote" not in tried.values(), tried  # each write raised in the agent
         assert not (outside / "planted.txt").exists() and not (ROOT / "planted.txt").exists()
         assert (sandbox / "agent.py").read_text() == agent_text  # its own code is read-only too
+        seen = json.loads((workdir / "reads.json").read_text())[str(tmp_path / "run" / "admin_token")]
+        assert seen in ("", "PermissionError"), seen  # masked by /dev/null: never the token
     finally:
         (ROOT / "planted.txt").unlink(missing_ok=True)  # should containment fail, the project stays clean
 
@@ -155,3 +168,75 @@ def test_the_dry_run_plan_says_which_clients_run_contained():
     shown = describe(load_config(ROOT / "configs" / "tiny.yaml", ["containment.clients=auto"]))
     assert "its own process (swarm client, contained: auto)" in shown
     assert "contained" not in describe(load_config(ROOT / "configs" / "tiny.yaml"))
+
+
+def _swarm(*args: str, env: dict, cwd: Path = ROOT, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "core.run.cli", *args], cwd=cwd, env=env, text=True, **popen)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_a_client_swapped_in_with_contain_sees_no_credential_and_writes_only_its_own_folder(tmp_path, live_server):
+    """A study swaps proposal code into its live run with `swarm swap --ab --contain required`: the new
+    client is detached from the swap (it serves on after the command exits) and still contained."""
+    server = live_server()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for version in ("v1", "v2", "old-cwd"):
+        (tmp_path / version).mkdir()
+    old = _sandbox(tmp_path / "v1", [])  # the same sandbox (`nosy`) in two versions
+    state = tmp_path / "state"
+    token = state / "servers" / "4242.token"  # another server's, as `swarm serve` leaves it on this machine
+    token.parent.mkdir(parents=True)
+    token.write_text("another-servers-admin-token")
+    new = _sandbox(tmp_path / "v2", [str(outside / "planted.txt"), str(tmp_path / "v2" / "nosy" / "agent.py"),
+                                     str(ROOT / "planted.txt")], reads=[str(token)])
+    env = {**os.environ, **SECRETS, "SWARMRL_STATE": str(state), "PYTHONPATH": str(ROOT)}
+    # Eval episodes: a server without a trainer holds back train ones once two batches wait (back-pressure).
+    old_client = _swarm("client", str(old), "--server", server.url, "--group-size", "2", "--kind", "eval", env=env,
+                        cwd=tmp_path / "old-cwd", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    new_pid = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "old-cwd" / "writes.json").is_file():  # an episode done: it has registered
+            assert time.monotonic() < deadline and old_client.poll() is None, "the old client did not start"
+            time.sleep(0.2)
+        swap = _swarm("swap", str(new), "--server", server.url, "--admin-token", server.admin_token, "--ab",
+                      "--contain", "required", env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = swap.communicate(timeout=300)
+        assert swap.returncode == 0, err[-3000:]
+        found = re.search(r"new client (\S+) \(pid (\d+)", out)
+        assert found, out
+        client_id, new_pid = found.group(1), int(found.group(2))
+        workdir = state / client_id
+        assert (workdir / "writes.json").is_file(), sorted(p.name for p in state.iterdir())
+        assert os.getpgid(new_pid) == new_pid  # alive after `swarm swap` exited: detached, its own group
+        seen = json.loads((workdir / "env.json").read_text())
+        assert not set(SECRETS) & set(seen), sorted(seen)
+        assert not any(v in json.dumps(seen) for v in SECRETS.values())
+        assert seen["HOME"] == str(workdir / ".home")
+        tried = json.loads((workdir / "writes.json").read_text())
+        assert len(tried) == 3 and "wrote" not in tried.values(), tried
+        assert not (outside / "planted.txt").exists() and not (ROOT / "planted.txt").exists()
+        assert json.loads((workdir / "reads.json").read_text()) == {str(token): "FileNotFoundError"}  # masked
+    finally:
+        if new_pid is not None:
+            os.killpg(new_pid, signal.SIGKILL)
+        old_client.kill()
+        old_client.wait()
+        (ROOT / "planted.txt").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("mode, search_path, message", [
+    ("required", "empty", "swarm swap --contain is required to run under bubblewrap"),
+    ("sealed", "inherited", "--contain must be one of off, auto, required, not 'sealed'"),
+])
+def test_swarm_swap_refuses_a_containment_it_cannot_give_before_starting_anything(tmp_path, mode, search_path, message):
+    env = {**os.environ, "SWARMRL_STATE": str(tmp_path / "state"), "PYTHONPATH": str(ROOT)}
+    env["PATH"] = str(tmp_path) if search_path == "empty" else env["PATH"]  # empty: a PATH without bwrap
+    swap = _swarm("swap", "sandbox:letters", "--server", "http://127.0.0.1:9", "--admin-token", "t", "--contain", mode,
+                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = swap.communicate(timeout=120)
+    assert swap.returncode == 2, err
+    assert message in " ".join(err.split()), err
+    assert not (tmp_path / "state").exists() or not list((tmp_path / "state").glob("*.log"))

@@ -66,7 +66,7 @@ def server(monkeypatch: pytest.MonkeyPatch, tmp_path) -> _Server:
     fake = _Server(table)
     started = []
 
-    def start(spec, python, url, name, old, concurrency):
+    def start(spec, python, url, name, old, concurrency, *_containment):
         started.append(concurrency)
         table.register(_reg("new", "v2", concurrency=concurrency or old["concurrency"]).model_copy(
             update={"kind": old["kind"], "group_size": old["group_size"]}), "")
