@@ -5,8 +5,9 @@ launcher like any run (its workspace sandboxes as isolated clients at the base c
 outlives a killed study and is adopted on resume. Its run folder holds the core's `server.json`
 (URL and admin-token file). A `hot_swap` proposal's commit is checked out into a folder of its own
 (`runs/live/swaps/<proposal>/`) and each edited sandbox is swapped in as an A/B with
-`swarm swap <folder>/sandboxes/<name> --server <live run folder> --ab`: the new client serves beside
-the old ones (open episodes split about 50/50), the core records the swap (`ab`, its `to_spec` our
+`swarm swap <folder>/sandboxes/<name> --server <live run folder> --ab --contain <mode>`: the new client
+runs proposal code, so it starts contained (`launcher.contain_mode`), and serves beside the old ones
+(open episodes split about 50/50), the core records the swap (`ab`, its `to_spec` our
 folder; tag `swarmrl.sandbox_swap.<n>`) and drains nobody. We tag the live MLflow run
 `swarmrl.swap.<n>` = JSON {step, from_version, to_version, proposal}. `ab_steps` reads both
 versions' per-step rewards (`reward/<sandbox>/version/<v>`) over the steps after the swap where both
@@ -37,7 +38,7 @@ import httpx
 from mlflow.tracking import MlflowClient
 
 from researcher.analysis import read_history
-from researcher.launcher import Launcher, log_tail, write_json
+from researcher.launcher import Launcher, contain_mode, log_tail, write_json
 from researcher.records import SwapSide
 from researcher.workspace import Workspace
 
@@ -133,8 +134,8 @@ class LiveRun:
 
     def _run_swap(self, path: Path, intent: dict, spec: str, run_id: str | None) -> dict:
         log_path = path.with_name(f"{intent['proposal_id']}.log")
-        # Not yet `--contain`: a client in its own pid namespace registers a pid the study cannot watch (issue 22 note).
-        argv = [str(self.swarm), "swap", spec, "--server", str(self.folder), "--ab"]
+        # Proposal code: its client runs contained, as in a proposal's own core runs (docs/security.md).
+        argv = [str(self.swarm), "swap", spec, "--server", str(self.folder), "--ab", "--contain", contain_mode()]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)  # a killed study must not take a half-done swap along

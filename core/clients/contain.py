@@ -53,6 +53,7 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "HF_HUB_OFFLIN
 # Passed to a contained client beside the allowlist: its starter's import path, so the client imports
 # the same `core` as the run or swap that started it (not whatever an installed copy points at).
 CLIENT_ENV = ("PYTHONPATH",)
+HOST_PID_ENV = "SWARMRL_HOST_PID"  # set by `wrap` inside bubblewrap's pid namespace: see `host_pid`
 _CGROUP_PIDS = Path("/sys/fs/cgroup/pids")  # cgroup v1's pids hierarchy (v2: the unified tree, below)
 _CGROUP_V2 = Path("/sys/fs/cgroup")
 _warned_uncontained = False
@@ -198,8 +199,19 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
         real = str(path.resolve())
         binds += ["--tmpfs", real] if path.is_dir() else ["--ro-bind", "/dev/null", real] if path.exists() else []
     tied = [] if detached else ["--die-with-parent"]
-    return [exe, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds,
+    # In its own pid namespace the command sees itself as pid 2, a pid nobody outside can watch; the host pid
+    # of bwrap (which lives exactly as long as the namespace) is given to it instead, as $SWARMRL_HOST_PID:
+    # a shell that execs bwrap keeps its pid, so `$$` is known before bwrap starts.
+    return ["/bin/sh", "-c", f'exec "$0" --setenv {HOST_PID_ENV} "$$" "$@"', exe,
+            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds,
             "--unshare-pid", *tied, "--cap-drop", "ALL", "--chdir", str(Path(cwd).resolve()), "--", *argv]
+
+
+def host_pid() -> int:
+    """This process's pid as its starter sees it: bwrap's host pid under bubblewrap (`wrap`), else our own.
+    A client registers it and ends its client id with it, so the supervisor and `swarm status` can watch it."""
+    given = os.environ.get(HOST_PID_ENV, "")
+    return int(given) if given.isdigit() else os.getpid()
 
 
 @dataclass

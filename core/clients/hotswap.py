@@ -25,7 +25,7 @@ serving client of another version named as their successor (nothing of V left: n
 `contain` (`swarm swap --contain auto|required`) starts the new client as `swarm run` starts its contained
 ones (`core.clients.contain`, docs/security.md): no credential in its environment, resource limits, under
 bubblewrap only `$SWARMRL_STATE/<client id>/` (its working folder and HOME) writable. It is detached:
-the server's drain ends it, not this command's exit. (A study does not pass it yet: docs/security.md.)
+the server's drain ends it, not this command's exit. A study swaps proposal code in this way.
 
 Server files: `swarm run` writes `<run folder>/server.json` (the run folder is the parent of
 `trainer.checkpoint_dir`) holding the URL and the path of a 0600 file with the admin token, and both

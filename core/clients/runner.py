@@ -12,7 +12,7 @@ episode. A rollout that blocks its event loop cannot be cancelled: its heartbeat
 the server expires its episodes by lease instead.
 
 `run_client` is `swarm client`: the runner as its own OS process. It registers with the server
-(id, sandbox, code version, pid, host, kind, group size) and renews that registration as a
+(id, sandbox, code version, host pid (`contain.host_pid`), host, kind, group size) and renews that registration as a
 heartbeat; when the answer orders a drain (`swarm swap` took over with new code), it drains exactly
 as on SIGTERM: in-flight episodes for at most one lease, then aborts what is left and exits 0. A
 second SIGTERM, or SIGINT, exits at once. Both hold whether the server is up or gone. It also
@@ -38,6 +38,7 @@ import openai
 from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, ServerUnreachable, SwarmClient, SwarmError, backoff_delay
 from core.clients.deadline import EPISODE_TIMEOUT_S, EpisodeTimeout, rollout_source, within_limit
 from core.clients.sandbox import Agent, Outcome, load_agent, task_order
+from core.clients.contain import host_pid
 from core.clients.hotswap import PidFile
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ async def run_agent(
     Raises `ClientGaveUp` after `max_consecutive_failures` failed episodes in a row (0: never)."""
     stop = stop or asyncio.Event()
     stats = stats or RunnerStats()
-    client = SwarmClient(url, client_id=client_id or f"{agent.name}-{os.getpid()}", client_version=agent.version,
+    client = SwarmClient(url, client_id=client_id or f"{agent.name}-{host_pid()}", client_version=agent.version,
                          unreachable_s=UNREACHABLE_S)
     gate = FailureGate(max_consecutive_failures)
     slots = asyncio.Semaphore(concurrency)
@@ -318,7 +319,7 @@ class Registration:
 def new_client_id(name: str) -> str:
     """Unique per process and readable in `swarm status`: sandbox, host, a random part (pids are reused),
     and the pid last (`core.run.supervisor` credits a process's finished episodes by that suffix)."""
-    return f"{name}-{socket.gethostname()}-{secrets.token_hex(2)}-{os.getpid()}"
+    return f"{name}-{socket.gethostname()}-{secrets.token_hex(2)}-{host_pid()}"
 
 
 def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, group_size: int | None = None,
@@ -342,7 +343,7 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
             finally:
                 probe.close()
         registration = Registration(url, {
-            "client_id": client_id, "sandbox": agent.name, "version": agent.version, "pid": os.getpid(),
+            "client_id": client_id, "sandbox": agent.name, "version": agent.version, "pid": host_pid(),
             "host": socket.gethostname(), "kind": kind, "group_size": group_size, "concurrency": concurrency,
             "spec": spec}, stats)
         registration.beat()

@@ -100,12 +100,12 @@ def _trained_ids(run_id: str, after_step: int) -> set[str]:
     return ids
 
 
-@pytest.mark.slow
 def _full_groups(saved: checkpoint.Checkpoint) -> list:
     """The checkpoint's buffered groups that had all their episodes (ready to train at the resume)."""
     return [g for g in saved.buffered if len(g) >= g[0].group_size]
 
 
+@pytest.mark.slow
 def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_own(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -137,7 +137,11 @@ def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_ow
                           json={"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert call.status_code == 200, call.text
         deadline = time.time() + 600  # generous: on a loaded machine start-up alone takes minutes
-        while ((saved := checkpoint.load_latest(ckpt)) is None or saved.step < 2 or not _full_groups(saved)) \
+        # Both clients registered before the crash: a client that cannot reach its server when it starts gives
+        # up at once (exit 2, by design), and on a loaded machine one may still be importing when the other
+        # alone has fed two steps.
+        while ((saved := checkpoint.load_latest(ckpt)) is None or saved.step < 2 or not _full_groups(saved)
+               or len(httpx.get(url + "/swarm/v1/status", timeout=30).json()["clients"]) < 2) \
                 and time.time() < deadline:
             time.sleep(0.2)
         server.send_signal(signal.SIGKILL)

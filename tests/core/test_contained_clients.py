@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from core.clients import contain
@@ -104,6 +105,11 @@ def test_under_bwrap_a_client_cannot_write_outside_its_working_folder_and_the_ru
     try:
         core, workdir = _train(tmp_path, sandbox, "required", steps=1)
         assert core.step == 1 and core.failure is None
+        # Its episodes are credited to the process the supervisor started (bwrap, the host pid the client ends
+        # its id with), not to pid 2 of its namespace: a client that works is not counted as crash-looping.
+        started = {c.proc.pid for c in core.supervisor.clients}
+        credited = core.server.registry.finished_by()
+        assert credited and all(cid.rsplit("-", 1)[1] in {str(p) for p in started} for cid in credited), credited
         tried = json.loads((workdir / "writes.json").read_text())
         assert len(tried) == 3 and "wrote" not in tried.values(), tried  # each write raised in the agent
         assert not (outside / "planted.txt").exists() and not (ROOT / "planted.txt").exists()
@@ -211,6 +217,11 @@ def test_a_client_swapped_in_with_contain_sees_no_credential_and_writes_only_its
         workdir = state / client_id
         assert (workdir / "writes.json").is_file(), sorted(p.name for p in state.iterdir())
         assert os.getpgid(new_pid) == new_pid  # alive after `swarm swap` exited: detached, its own group
+        # It registered the pid its starter sees (bwrap's), not pid 2 of its own namespace: the pid a study
+        # watches exit.
+        [listed] = [c for c in httpx.get(f"{server.url}/swarm/v1/status", timeout=10).json()["clients"]
+                    if c["client_id"] == client_id]
+        assert listed["pid"] == new_pid
         seen = json.loads((workdir / "env.json").read_text())
         assert not set(SECRETS) & set(seen), sorted(seen)
         assert not any(v in json.dumps(seen) for v in SECRETS.values())
