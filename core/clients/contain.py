@@ -15,7 +15,7 @@
   `detached` (a client `swarm swap` starts outlives that command: it ends when the server drains it);
 - bubblewrap when `bwrap` is on PATH: a read-only view of / (system, venv, project), a writable bind
   of the folders it may write (its worktree or working folder) and a private /tmp, the admin token
-  files its caller names masked (`core.clients.hotswap.token_files`), its own pid
+  files its caller names masked (`core.clients.server_files.token_files`), its own pid
   namespace (nothing survives the sandbox), all capabilities dropped. Without bwrap it runs
   uncontained by the filesystem (the limits above still apply), said once per process
   (`log.warning`); `require_bwrap` turns that into an error for `required` containment.

@@ -39,7 +39,7 @@ from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, ServerUnreachable
 from core.clients.deadline import EPISODE_TIMEOUT_S, EpisodeTimeout, rollout_source, within_limit
 from core.clients.sandbox import Agent, Outcome, load_agent, task_order
 from core.clients.contain import host_pid
-from core.clients.hotswap import PidFile
+from core.clients.server_files import PidFile
 
 log = logging.getLogger(__name__)
 

@@ -273,7 +273,7 @@ def contain(
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stopped)
-    from core.clients.hotswap import token_files  # here, as in `swap`: the other commands start without it
+    from core.clients.server_files import token_files  # here, as in `swap`: the other commands start without it
 
     try:
         code, _ = run_contained(argv, cwd or Path.cwd(), timeout_s=timeout or None, writable=writable,

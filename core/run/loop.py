@@ -35,7 +35,7 @@ from pathlib import Path
 from core.run import checkpoint
 from core.config import RunConfig
 from core.clients.contain import require_bwrap
-from core.clients.hotswap import token_files
+from core.clients.server_files import token_files
 from core.episodes.registry import Batch
 from core.records import Episode
 from core.clients.runner import run_agent

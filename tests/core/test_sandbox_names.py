@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from core.clients.hotswap import PidFile, client_stem
+from core.clients.server_files import PidFile, client_stem
 from core.clients.sandbox import SandboxNotFound, load_agent, locate, safe_name
 
 AGENT = "def tasks(split):\n    yield {'id': 't'}\n\nasync def rollout(task, llm):\n    return 1.0\n"
