@@ -12,8 +12,9 @@ per step, steps with zero advantage (swarmrl skips their update, TRL does not), 
 of the first and last 3 steps, the achieved fraction of a compute limit built from the issue's
 measurements of this CPU, and for swarmrl the mean gap between the trainer's and the engine's
 logprobs of the same tokens (`train/behaviour_logp_diff`, the training-inference mismatch a dtype
-brings); then each arm's reward by step, and `vs_trl: onpolicy_ratio=<x> async_ratio=<y>` (completions/s over TRL's,
-full fine-tune). TRL comes from the optional `bench` extra: `make bench-setup`.
+brings), and the seconds of steps each arm took to reach a rolling 3-step mean reward of 0.5; then each
+arm's reward by step, and `vs_trl: onpolicy_ratio=<x> async_ratio=<y> time_to_reward_ratio=<z>`
+(completions/s over TRL's, full fine-tune; TRL's seconds to that reward over on-policy swarmrl's). TRL comes from the optional `bench` extra: `make bench-setup`.
 
     .venv/bin/python bench/vs_trl.py [--arms trl swarmrl-onpolicy ...] [--steps 12] [--threads 1]
                                      [--parallel 1] [--deadline-s SECONDS]
@@ -45,6 +46,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import addition  # noqa: E402  (bench/ is the script's folder, so the task imports by name in every arm)
 
 PROMPTS, GENERATIONS = 2, 8
+# Learning per second: seconds until the rolling 3-step mean reward reaches 0.5 (issue 23), TRL's over ours.
+TARGET_REWARD, REWARD_WINDOW = 0.5, 3
 LR_FULL, LR_LORA = 1e-5, 1e-4
 LORA = {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
 # The issue's measurements of this CPU (2 cores): matmul throughput and memory bandwidth. The limit
@@ -220,7 +223,20 @@ def summary(arm: str, r: dict) -> dict:
             "last3": statistics.mean(r["rewards"][-3:]),
             "limit": limit_s(ARMS[arm][1], r["params"], r["prompt_tokens"], tokens) / s_step,
             "wasted": r.get("wasted_frac", float("nan")), "steps": len(r["step_s"]), "partial": not r.get("complete"),
-            "rewards": r["rewards"], "logp_diff": _finite_mean(r.get("logp_diff", []))}
+            "rewards": r["rewards"], "logp_diff": _finite_mean(r.get("logp_diff", [])),
+            "to_reward_s": time_to_reward(r["rewards"], r["step_s"])}
+
+
+def time_to_reward(rewards: list[float], step_s: list[float], target: float = TARGET_REWARD,
+                   window: int = REWARD_WINDOW) -> float:
+    """Seconds of steps until the rolling `window`-step mean reward first reaches `target` (nan: never):
+    learning per second, which completions per second alone does not show."""
+    spent = 0.0
+    for i, seconds in enumerate(step_s):
+        spent += seconds
+        if i + 1 >= window and statistics.mean(rewards[i + 1 - window:i + 1]) >= target:
+            return spent
+    return float("nan")
 
 
 def _finite_mean(xs: list[float]) -> float:
@@ -308,24 +324,29 @@ def main() -> None:
     else:
         rows = run_arms(args)
     print(f"\n{'arm':<22} {'s/step':>6} {'compl/s':>7} {'train s':>7} {'rollout s':>9} {'0-adv':>5} {'RSS GB':>6} "
-          f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6} {'|dlogp|':>8}")
+          f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6} {'|dlogp|':>8} {'to 0.5 s':>8}")
     for r in rows:
         print(f"{r['arm']:<22} {r['s_step']:>6.2f} {r['cps']:>7.2f} {r['train_s']:>7.2f} {r['rollout_s']:>9.2f} "
               f"{r['zero_adv']:>2}/{r['steps']:<2} {r['rss_gb']:>6.2f} {r['first3']:>8.3f} {r['last3']:>7.3f} "
-              f"{r['limit']:>5.2f} {r['wasted']:>6.3f} {r['logp_diff']:>8.5f}" + ("  (partial: stopped at the deadline)" if r["partial"] else ""))
+              f"{r['limit']:>5.2f} {r['wasted']:>6.3f} {r['logp_diff']:>8.5f} {r['to_reward_s']:>8.0f}" + ("  (partial: stopped at the deadline)" if r["partial"] else ""))
     ran = f"re-printed from {args.from_dir}" if args.from_dir else (
         f"torch threads {args.threads}; {args.parallel} arm(s) at a time; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores at the end")
     print(f"{ran}; limit = achieved fraction of the compute limit (see FLOPS); "
           "0-adv = steps whose every group had one reward (swarmrl skips the update, TRL does not); "
-          "|dlogp| = mean |trainer - behaviour logprob| per trained token (train/behaviour_logp_diff)")
+          "|dlogp| = mean |trainer - behaviour logprob| per trained token (train/behaviour_logp_diff); "
+          f"to {TARGET_REWARD} s = seconds of steps until the rolling {REWARD_WINDOW}-step mean reward reached "
+          f"{TARGET_REWARD} (nan: never)")
     print("\nmean reward by step (the reward curves):")
     for r in rows:
         print(f"{r['arm']:<22} " + " ".join(f"{x:.3f}" for x in r["rewards"]))
     by = {r["arm"]: r for r in rows}
     ratio = {k: by[k]["cps"] / by["trl"]["cps"] if k in by and "trl" in by else float("nan")
              for k in ("swarmrl-onpolicy", "swarmrl-async")}
-    print(f"vs_trl: onpolicy_ratio={ratio['swarmrl-onpolicy']:.2f} async_ratio={ratio['swarmrl-async']:.2f}")
+    learned = (by["trl"]["to_reward_s"] / by["swarmrl-onpolicy"]["to_reward_s"]
+               if "trl" in by and "swarmrl-onpolicy" in by else float("nan"))  # nan when either never got there
+    print(f"vs_trl: onpolicy_ratio={ratio['swarmrl-onpolicy']:.2f} async_ratio={ratio['swarmrl-async']:.2f} "
+          f"time_to_reward_ratio={learned:.2f}")
 
 
 if __name__ == "__main__":
