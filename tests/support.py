@@ -1,4 +1,4 @@
-"""Shared test helpers: starting servers in-process, and teaching the tiny model to call a tool."""
+"""Shared test helpers: starting servers and whole runs in-process, and teaching the tiny model to call a tool."""
 
 from __future__ import annotations
 
@@ -29,6 +29,18 @@ GREEDY_MARGIN = 3.0  # logits: far above kernel rounding (~1e-4), so no near-tie
 CHECK_EVERY = 25  # a margin check costs about one training step over all examples
 MAX_FIT_STEPS = 2000  # it fits in ~200-400 steps here; 2000 only bounds a machine where it never would
 USER_PROMPTS = ["What is 2 + 3?", "Add 2 and 3.", "Please compute 2+3", "2 plus 3?", "sum of two and three"]
+
+
+def train_in_process(core, on_step=None) -> None:
+    """A `core.run.loop.CoreRun` from start to end in this process, as `swarm run` drives it: its server
+    and clients up, trained to its last step (or its failure), then both stopped whatever happened."""
+    core.server.start()
+    try:
+        core.start_clients()
+        core.train(on_step=on_step)
+    finally:
+        core.stop_clients()
+        core.server.stop()
 
 
 def serve_policies(policies: dict[str, Policy] | None = None, **overrides) -> Server:

@@ -20,6 +20,7 @@ from core.config import load_config
 from core.episodes.registry import unbalanced
 from core.run.loop import CoreRun
 from core.serve.server import free_port
+from tests.support import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 BALANCED = {"opened": 10, "finished": 6, "aborted": 1, "expired": 1, "trained": 4, "stale": 1,
@@ -65,13 +66,7 @@ def test_a_client_that_keeps_crashing_fails_the_run_with_its_last_words(tmp_path
     cfg = load_config(overrides=["server.port=0", "trainer.steps=2", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
                                  f"clients=[{{agent: '{crashy}', isolate: true, concurrency: 1}}]"])
     core = CoreRun(cfg)
-    core.server.start()
-    try:
-        core.start_clients()
-        core.train()  # returns when the supervisor gives up: the run fails instead of waiting forever
-    finally:
-        core.stop_clients()
-        core.server.stop()
+    train_in_process(core)  # returns when the supervisor gives up: the run fails instead of waiting forever
     assert core.step == 0 and core.supervisor.restarts == 1
     why = str(core.failure)
     assert why.startswith(f"client {crashy} died 2 times in a row without finishing an episode "

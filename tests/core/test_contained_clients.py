@@ -22,6 +22,7 @@ from core.config import ConfigError, load_config
 from core.run.loop import CoreRun
 from core.run.plan import describe
 from tests.researcher.test_contain import SECRETS
+from tests.support import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = """
@@ -69,13 +70,7 @@ def _train(tmp_path: Path, sandbox: Path, mode: str, steps: int = 2) -> tuple[Co
         f"trainer.checkpoint_dir={tmp_path / 'run' / 'checkpoints'}", f"containment.clients={mode}",
         f"clients=[{{agent: '{sandbox}', concurrency: 2}}]"])
     core = CoreRun(cfg)
-    core.server.start()
-    try:
-        core.start_clients()
-        core.train()
-    finally:
-        core.stop_clients()
-        core.server.stop()
+    train_in_process(core)
     return core, tmp_path / "run" / "clients" / f"0-{sandbox.name}"
 
 

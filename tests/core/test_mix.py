@@ -17,6 +17,7 @@ from core.episodes.registry import EpisodeError, Registry
 from core.records import Call
 from core.run.loop import CoreRun
 from core.episodes.wire import OpenEpisode
+from tests.support import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -193,13 +194,7 @@ def test_a_real_run_at_mix_3_to_1_trains_groups_in_that_ratio(tmp_path):
         return batch
 
     core.server.registry.take_batch = recording_take
-    core.server.start()
-    try:
-        core.start_clients()
-        core.train()
-    finally:
-        core.stop_clients()
-        core.server.stop()
+    train_in_process(core)
     assert len(batches) == steps
     trained = {"letters": 0, "arith": 0}
     for batch in batches:

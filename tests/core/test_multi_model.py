@@ -24,6 +24,7 @@ from core.config import flatten, load_config
 from core.run.loop import CoreRun
 from core.serve.server import Server
 from core.run.telemetry import Telemetry
+from tests.support import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ("drafter", "reviewer")
@@ -58,13 +59,7 @@ def duo_run(tmp_path_factory):
 
     core.server.registry.take_batch = recording_take
     core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run"})
-    core.server.start()
-    try:
-        core.start_clients()
-        core.train(on_step=lambda step, m: steps.append(dict(m)))
-    finally:
-        core.stop_clients()
-        core.server.stop()
+    train_in_process(core, on_step=lambda step, m: steps.append(dict(m)))
     path = core.checkpoint()
     core.telemetry.close("FINISHED")
     assert core.failure is None and core.step == STEPS, f"the shared run stopped at step {core.step}: {core.failure!r}"

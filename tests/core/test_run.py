@@ -17,6 +17,7 @@ from core.run import checkpoint
 from core.config import ConfigError, load_config
 from core.run.loop import CoreRun
 from core.run.telemetry import PROCESS_TAG, RunOwner
+from tests.support import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,13 +31,7 @@ def test_tiny_policy_learns_the_dense_reward(tmp_path):
     cfg = _tiny(tmp_path, "trainer.steps=20")
     core = CoreRun(cfg)
     rewards = []
-    core.server.start()
-    try:
-        core.start_clients()
-        core.train(on_step=lambda step, m: rewards.append(m["reward/mean"]))
-    finally:
-        core.stop_clients()
-        core.server.stop()
+    train_in_process(core, on_step=lambda step, m: rewards.append(m["reward/mean"]))
     assert len(rewards) == 20
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.15, rewards  # measured: about 0.15 over the first 4 steps, 0.4 over the last 4

@@ -49,6 +49,19 @@ Integration test study.
 
 
 @functools.cache
+def letters_code(smoke_episodes: int) -> str:
+    """The brief lines of a code study of the letters agent (its reward read-only), smoke-tested on the tiny
+    model: for the study tests that patch `sandboxes/letters/agent.py`."""
+    return f"""search_space:
+  agent: {{kind: code, paths: [sandboxes/letters/agent.py]}}
+code:
+  editable: [sandboxes/letters/]
+  readonly: [sandboxes/letters/reward.py]
+  smoke_model: tiny
+  smoke_episodes: {smoke_episodes}
+"""
+
+
 def swarm_ready() -> bool:
     """Whether the core's `swarm run` can run here (it is built in parallel with the researcher)."""
     if not SWARM.exists() or not (ROOT / "configs" / "tiny.yaml").is_file():

@@ -26,7 +26,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from researcher.store import owner_pid, study_paths
-from tests.researcher.harness import Project, require_swarm
+from tests.researcher.harness import Project, letters_code, require_swarm
 from tests.researcher.test_code_study import AGENT, _approve_by_tag, _patch, _wait_status
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -40,14 +40,7 @@ run:
   overrides: {trainer.steps: 100000, trainer.batch_groups: 1, trainer.group_size: 2, engine.default_max_tokens: 8}
   live: true
   swap_window: 2
-search_space:
-  agent: {kind: code, paths: [sandboxes/letters/agent.py]}
-code:
-  editable: [sandboxes/letters/]
-  readonly: [sandboxes/letters/reward.py]
-  smoke_model: tiny
-  smoke_episodes: 2
-seeds: [0]
+""" + letters_code(2) + """seeds: [0]
 launch: {grace_s: 90}
 monitor: {poll_s: 0.5, collapse_drop: null}
 review: {poll_s: 0.5}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from researcher.store import study_paths
-from tests.researcher.harness import Project, require_swarm
+from tests.researcher.harness import Project, letters_code, require_swarm
 from tests.researcher.test_code_study import AGENT, _core_run_tags, _patch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -29,14 +29,7 @@ budget: {max_runs: 20, max_rounds: 1}
 run:
   base_config: configs/tiny.yaml
   overrides: {trainer.steps: 2, trainer.batch_groups: 1}
-search_space:
-  agent: {kind: code, paths: [sandboxes/letters/agent.py]}
-code:
-  editable: [sandboxes/letters/]
-  readonly: [sandboxes/letters/reward.py]
-  smoke_model: tiny
-  smoke_episodes: 2
-seeds: [0, 1, 2]
+""" + letters_code(2) + """seeds: [0, 1, 2]
 approval: {config_only: auto, code_change: auto}
 launch: {concurrency: 2}
 monitor: {poll_s: 0.5, collapse_drop: null}

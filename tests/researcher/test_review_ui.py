@@ -24,7 +24,7 @@ import pytest
 
 from bench.soak_procs import MlflowServer
 from researcher.store import experiment_name
-from tests.researcher.harness import BIN, Project, require_swarm
+from tests.researcher.harness import BIN, Project, letters_code, require_swarm
 from tests.researcher.test_code_study import AGENT, _patch, _wait_status
 
 # A server start (~40 s on a busy 2-core machine), validation, a smoke run and one core run.
@@ -40,14 +40,7 @@ budget: {max_runs: 6, max_rounds: 4}
 run:
   base_config: configs/tiny.yaml
   overrides: {trainer.steps: 2, trainer.batch_groups: 1}
-search_space:
-  agent: {kind: code, paths: [sandboxes/letters/agent.py]}
-code:
-  editable: [sandboxes/letters/]
-  readonly: [sandboxes/letters/reward.py]
-  smoke_model: tiny
-  smoke_episodes: 1
-seeds: [0]
+""" + letters_code(1) + """seeds: [0]
 approval: {config_only: human, code_change: human}
 launch: {concurrency: 2}
 monitor: {poll_s: 0.5, collapse_drop: null}
