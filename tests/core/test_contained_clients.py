@@ -33,8 +33,21 @@ def tasks(split):
     for i in range(4):
         yield {{"id": f"{{split}}-{{i}}", "prompt": "say a"}}
 
+def _put(name, value):
+    # Every episode rewrites these: a rename, so the test never reads one half written.
+    part = f"{{name}}.{{id(value)}}.part"  # one per call: a group's episodes run side by side
+    Path(part).write_text(json.dumps(value))
+    os.replace(part, name)
+
 async def rollout(task, llm):
-    Path("env.json").write_text(json.dumps(dict(os.environ)))  # the cwd: the client's own working folder
+    _put("env.json", dict(os.environ))  # the cwd: the client's own working folder
+    seen = {{}}
+    for secret in {reads!r}:  # the admin token files this user could read
+        try:
+            seen[secret] = Path(secret).read_text()
+        except OSError as e:
+            seen[secret] = type(e).__name__
+    _put("reads.json", seen)
     tried = {{}}
     for target in {targets!r}:
         try:
@@ -42,14 +55,7 @@ async def rollout(task, llm):
             tried[target] = "wrote"
         except OSError as e:
             tried[target] = type(e).__name__
-    Path("writes.json").write_text(json.dumps(tried))
-    seen = {{}}
-    for secret in {reads!r}:  # the admin token files this user could read
-        try:
-            seen[secret] = Path(secret).read_text()
-        except OSError as e:
-            seen[secret] = type(e).__name__
-    Path("reads.json").write_text(json.dumps(seen))
+    _put("writes.json", tried)  # last: once it is there, so are the others
     reply = await llm.chat.completions.create(model=llm.model, messages=[{{"role": "user", "content": task["prompt"]}}],
                                               max_tokens=4)
     return float(len(reply.choices[0].message.content or "") % 3)
