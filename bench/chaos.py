@@ -15,6 +15,10 @@ seconds for the next kill. The run must:
 - keep its books balanced at every kill and at the end (`core.episodes.registry.unbalanced`):
   opened = finished + aborted + expired + open, finished = trained + stale-dropped + buffered.
 
+`--min-kills K` keeps the run training past `--steps` until K kills have landed (at most
+`EXTRA_STEPS_CAP` more steps): on a loaded machine a killed client's restart can outlast the few steps a
+test asks for, and a test of kills must see the kills it counts on, not a race between the two.
+
 It prints the counts and, last, `chaos: steps=<n> kills=<k> partial_trained=<p> balance=ok|FAIL`,
 computed from what happened; the exit code is 0 only when all three hold.
 """
@@ -43,6 +47,7 @@ from core.episodes.registry import EpisodeError, unbalanced  # noqa: E402
 from core.run.loop import CoreRun  # noqa: E402
 
 CLIENTS = ["sandbox:letters", "sandbox:letters", "sandbox:arith"]  # three processes over two sandboxes
+EXTRA_STEPS_CAP = 50  # --min-kills: how far past --steps the run may go waiting for its kills, then it fails
 RESTART_WAIT_S = 60.0  # a killed client is back well within this (start-up is seconds), else the bench says so
 SNAPSHOT_RETRY_S = 0.2  # how often the chaos thread looks for a client with an open episode
 
@@ -115,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lease", type=float, default=4.0, help="server.lease_s: how soon a killed client's episodes expire")
     ap.add_argument("--between", type=int, default=2, help="episodes finished between two kills (so the run moves)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-kills", type=int, default=0, help="train past --steps until this many kills have landed")
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # `sandbox:NAME` resolves under ./sandboxes
     clients = ", ".join(f"{{agent: '{a}', isolate: true, concurrency: 4}}" for a in CLIENTS)
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
-        f"trainer.steps={args.steps}", "trainer.batch_groups=2", "trainer.group_size=2", "trainer.checkpoint_every=0",
+        f"trainer.steps={args.steps + (EXTRA_STEPS_CAP if args.min_kills else 0)}", "trainer.batch_groups=2", "trainer.group_size=2", "trainer.checkpoint_every=0",
         f"trainer.checkpoint_dir={tempfile.mkdtemp(prefix='swarmrl-chaos-')}", f"server.lease_s={args.lease}",
         "server.port=0", f"clients=[{clients}]"])
     run = CoreRun(cfg)
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run.start_clients()
         chaos.thread.start()
-        run.train()
+        run.train(on_step=lambda step, _: step >= args.steps and chaos.kills >= args.min_kills and run.stop.set())
     finally:
         chaos.stop.set()
         chaos.thread.join(timeout=RESTART_WAIT_S + 5)
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  run failed: {run.failure}")
     balance = "ok" if not broken and not chaos.unbalanced else "FAIL"
     print(f"chaos: steps={run.step} kills={chaos.kills} partial_trained={len(partial)} balance={balance}", flush=True)
-    done = run.step == args.steps and run.failure is None
+    done = run.step >= args.steps and chaos.kills >= args.min_kills and run.failure is None
     return 0 if done and not partial and balance == "ok" else 1
 
 

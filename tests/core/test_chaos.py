@@ -39,14 +39,15 @@ def test_the_books_name_the_identity_that_breaks():
 @pytest.mark.slow
 def test_chaos_bench_kills_clients_mid_episode_and_the_run_completes_with_balanced_books():
     # The two clients left keep the run going while a killed one restarts, so the next kill follows the
-    # restart at once (`--between 0`): waiting for more episodes as well, a run can end after one kill.
+    # restart at once (`--between 0`). On a loaded machine one restart can still outlast 6 steps: the run
+    # trains on until its second kill (`--min-kills 2`) rather than race it.
     done = subprocess.run([sys.executable, "bench/chaos.py", "--steps", "6", "--kill-every", "1", "--lease", "10",
-                           "--between", "0"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                           "--between", "0", "--min-kills", "2"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     out = done.stdout
     last = out.strip().splitlines()[-1]
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     m = re.fullmatch(r"chaos: steps=(\d+) kills=(\d+) partial_trained=(\d+) balance=(\w+)", last)
-    assert m and m.group(1) == "6" and int(m.group(2)) >= 2 and m.group(3) == "0" and m.group(4) == "ok", last
+    assert m and int(m.group(1)) >= 6 and int(m.group(2)) >= 2 and m.group(3) == "0" and m.group(4) == "ok", last
     rows = dict(re.findall(r"^  (\S[^\n]*?)  +(\S[^\n]*)$", out, re.M))
     count = {k: int(v) for k, v in rows.items() if v.isdigit()}
     assert count["opened"] == count["finished"] + count["aborted"] + count["expired"] + count["open at the end"]
@@ -95,6 +96,17 @@ def _trained_ids(run_id: str, after_step: int) -> set[str]:
     return ids
 
 
+def _qualifies(saved: checkpoint.Checkpoint | None) -> bool:
+    return saved is not None and saved.step >= 2 and bool(_full_groups(saved))
+
+
+def _ready_to_crash(url: str, ckpt: Path) -> bool:
+    """Both clients registered (a client that cannot reach its server when it starts gives up at once,
+    exit 2 by design) and a checkpoint worth resuming from."""
+    return _qualifies(checkpoint.load_latest(ckpt)) and \
+        len(httpx.get(url + "/swarm/v1/status", timeout=30).json()["clients"]) >= 2
+
+
 def _full_groups(saved: checkpoint.Checkpoint) -> list:
     """The checkpoint's buffered groups that had all their episodes (ready to train at the resume)."""
     return [g for g in saved.buffered if len(g) >= g[0].group_size]
@@ -132,17 +144,21 @@ def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_ow
                           json={"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert call.status_code == 200, call.text
         deadline = time.time() + 600  # generous: on a loaded machine start-up alone takes minutes
-        # Both clients registered before the crash: a client that cannot reach its server when it starts gives
-        # up at once (exit 2, by design), and on a loaded machine one may still be importing when the other
-        # alone has fed two steps.
-        while ((saved := checkpoint.load_latest(ckpt)) is None or saved.step < 2 or not _full_groups(saved)
-               or len(httpx.get(url + "/swarm/v1/status", timeout=30).json()["clients"]) < 2) \
-                and time.time() < deadline:
+        # Both clients registered before the crash (on a loaded machine one may still be importing when the
+        # other alone has fed two steps). The kill must land on a checkpoint that holds a finished buffered group, but a step may land
+        # between looking and killing: the server is frozen (SIGSTOP) while the latest checkpoint is read
+        # again, and killed only if that one still qualifies; otherwise it thaws and the wait goes on.
+        while True:
+            assert time.time() < deadline, "no checkpoint with a finished buffered group after step 2, 2 clients"
+            if _ready_to_crash(url, ckpt):
+                server.send_signal(signal.SIGSTOP)
+                if _qualifies(saved := checkpoint.load_latest(ckpt)):
+                    break
+                server.send_signal(signal.SIGCONT)
             time.sleep(0.2)
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=30)
-        saved = checkpoint.load_latest(ckpt)  # what the resume starts from (a step may have landed meanwhile)
-        assert saved is not None and _full_groups(saved), "the crash left no finished buffered group to check"
+        assert checkpoint.load_latest(ckpt).path == saved.path  # frozen, then killed: nothing landed between
         full = {e.id for g in _full_groups(saved) for e in g}
         buffered = {e.id for g in saved.buffered for e in g}
 
