@@ -103,7 +103,14 @@ def read_state(paths: StudyPaths, name: str) -> tuple[dict[str, Any], tuple[str,
     with _compiled(paths, None) as app:
         snap = app.get_state(thread_config(name))
         waiting = [pid for i in snap.interrupts for pid in (i.value or {}).get("pending", [])]
-        return dict(snap.values or {}), tuple(snap.next), waiting
+        return dict(snap.values or {}), unfinished(snap), waiting
+
+
+def unfinished(snap: Any) -> tuple[str, ...]:
+    """The nodes still to run or to finish. Not LangGraph's `snap.next`: that leaves out a node whose
+    writes are saved while the checkpoint after it is not yet, so a study read (or killed) in that window
+    would look done; its tasks hold every node of the step."""
+    return tuple(t.name for t in snap.tasks)
 
 
 def wait_for_decisions(board: ReviewBoard, pending: list[str], poll_s: float, stop: threading.Event,
@@ -135,7 +142,7 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
         with _compiled(paths, ctx) as app:
             snap = app.get_state(cfg)
             fresh = not snap.values
-            if not fresh and not snap.next:
+            if not fresh and not unfinished(snap):
                 values = dict(snap.values)
                 return StudyProgress(done=True, stop_reason=values.get("stop_reason", ""), report=values.get("report"),
                                state=values)
@@ -158,7 +165,7 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
                 app.invoke(command, cfg, durability="sync")
                 fresh, command = False, None
                 snap = app.get_state(cfg)
-                if not snap.next:
+                if not unfinished(snap):
                     values = dict(snap.values)
                     emit("study.done", study=meta.name, stop_reason=values.get("stop_reason", ""))
                     return StudyProgress(done=True, stop_reason=values.get("stop_reason", ""),

@@ -88,3 +88,25 @@ def test_status_answers_without_mlflow_or_the_graph(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "phase execute, round 1; not running" in out.stdout and "trainer steps" in out.stdout
     assert "pending reviews" not in out.stdout and out.stdout.strip().endswith("loaded []")
+
+
+def test_a_node_whose_writes_are_saved_before_the_next_checkpoint_is_not_read_as_done(tmp_path: Path) -> None:
+    """Between a node saving its writes and the checkpoint after it, LangGraph's `next` leaves that node
+    out: a study in the middle of its launches read as finished (a test's wait returned with a run still
+    going), and a study killed in that window would resume as done. `read_state` counts it."""
+    paths = study_paths(tmp_path, "s")
+    paths.state.mkdir(parents=True)
+    cfg = runner.thread_config("s")
+    with SqliteSaver.from_conn_string(str(paths.db)) as saver:
+        app = build_graph(None).compile(checkpointer=saver)
+        for node, writes in [("__start__", {"study": "s"}), ("plan", {"round": 1, "proposals": [PROPOSAL]}),
+                             ("review", {"decisions": [DECISION]}), ("prepare", {"launches": []}),
+                             ("live", {}), ("launch", {"launches": []})]:
+            app.update_state(cfg, writes, as_node=node)
+        [monitor] = app.get_state(cfg).tasks
+        assert monitor.name == "monitor" and runner.read_state(paths, "s")[1] == ("monitor",)
+        saver.put_writes(saver.get_tuple(cfg).config, [("launches", [])], task_id=monitor.id)
+        assert app.get_state(cfg).next == ()  # LangGraph's own answer: nothing left
+    values, nxt, waiting = runner.read_state(paths, "s")
+    assert values["round"] == 1 and nxt == ("monitor",) and waiting == []
+    assert snapshot.read_state(paths, "s") is None  # the direct reader leaves such writes to LangGraph
