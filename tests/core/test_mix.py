@@ -111,6 +111,34 @@ def test_a_batch_waits_for_an_owed_sandbox_with_a_group_coming_and_not_for_one_g
     assert _count(reg.take_batch({"policy": 0}, max_staleness=0)) == {"a": 4}
 
 
+def _finish_until_refused(reg: Registry, sandbox: str, limit: int = 50) -> int:
+    for i in range(limit):
+        try:
+            finish_group(reg, sandbox, f"{sandbox}{i}")
+        except EpisodeError as e:
+            assert e.code == "mix_quota", e
+            return i
+    raise AssertionError(f"{sandbox} finished {limit} groups without a refusal")
+
+
+def test_a_mixed_sandbox_whose_clients_have_not_registered_yet_keeps_its_share_for_a_lease():
+    clock = Clock()
+    reg = Registry(lease_s=60, default_group_size=1, batch_groups=4, mix={"a": 3.0, "b": 1.0}, clock=clock)
+    # a's clients are still starting: b, alone so far, is held to its quarter and trains nothing alone
+    held = _finish_until_refused(reg, "b")
+    assert held < 4 and reg.take_batch({"policy": 0}, max_staleness=0) is None
+    for i in range(3):
+        finish_group(reg, "a", f"a{i}")
+    assert _count(reg.take_batch({"policy": 0}, max_staleness=0)) == {"a": 3, "b": 1}
+    # a sandbox that never shows up holds the others for one lease from the start, not for ever
+    late = Registry(lease_s=60, default_group_size=1, batch_groups=4, mix={"a": 3.0, "b": 1.0}, clock=clock)
+    held = _finish_until_refused(late, "b")
+    clock.now += 61
+    for i in range(held, 4):  # the whole mix is b's now
+        finish_group(late, "b", f"b{i}")
+    assert _count(late.take_batch({"policy": 0}, max_staleness=0)) == {"b": 4}
+
+
 def test_a_group_dropped_whole_as_stale_fills_no_slot_and_no_quota():
     reg = Registry(lease_s=60, default_group_size=1, batch_groups=2, mix={"a": 1.0, "b": 1.0}, clock=Clock())
     finish_group(reg, "b", "old", version=0)
@@ -144,7 +172,7 @@ def test_admission_gives_each_active_sandbox_its_share_of_the_room():
     clock = Clock()
     reg = Registry(lease_s=10, default_group_size=1, batch_groups=4, mix={"a": 3.0, "b": 1.0}, clock=clock)
     reg.admit_within(max_staleness=0)  # room for one step: four groups
-    # Only a is active: it may use the whole room.
+    clock.now += 11  # a lease since the start and b never asked: only a is active, it may use the whole room
     first = [reg.open(OpenEpisode(sandbox="a", task_id=f"a{i}"), {"policy": 0})[0] for i in range(4)]
     with pytest.raises(EpisodeError) as e:
         reg.open(OpenEpisode(sandbox="b", task_id="b0"), {"policy": 0})
