@@ -34,7 +34,7 @@ bench-setup: $(STAMP)
 # side (`loadgroup`; tests/conftest.py keeps tests sharing a module fixture together). Each worker has
 # its own MLflow store, client state and Ray temp dir (tests/conftest.py). `logical`: one per logical
 # CPU (`auto` counts physical cores, 1 on a 2-vCPU VM with hyperthreads). TEST_WORKERS=0: serial.
-# A third worker on 2 cores was not faster (1630 s against 1572 s): the suite is CPU-bound.
+# A third worker on 2 cores was not faster (1266 s against 1214 s, docs/benchmarks.md): the suite is CPU-bound.
 TEST_WORKERS ?= logical
 TEST_DIST    := -n $(TEST_WORKERS) --dist loadgroup
 
