@@ -45,6 +45,7 @@ import httpx  # noqa: E402
 from core.config import load_config  # noqa: E402
 from core.episodes.registry import EpisodeError, unbalanced  # noqa: E402
 from core.run.loop import CoreRun  # noqa: E402
+from core.run.signals import on_signals  # noqa: E402
 
 CLIENTS = ["sandbox:letters", "sandbox:letters", "sandbox:arith"]  # three processes over two sandboxes
 EXTRA_STEPS_CAP = 50  # --min-kills: how far past --steps the run may go waiting for its kills, then it fails
@@ -140,17 +141,17 @@ def main(argv: list[str] | None = None) -> int:
 
     run.server.registry.take_batch = recording_take_batch
     chaos = Chaos(run, args.kill_every, args.between, args.seed)
-    signal.signal(signal.SIGTERM, lambda *_: run.stop.set())  # stop cleanly: clients stopped, counts printed
     started = time.perf_counter()
     run.server.start()
-    try:
-        run.start_clients()
-        chaos.thread.start()
-        run.train(on_step=lambda step, _: step >= args.steps and chaos.kills >= args.min_kills and run.stop.set())
-    finally:
-        chaos.stop.set()
-        chaos.thread.join(timeout=RESTART_WAIT_S + 5)
-        run.stop_clients()
+    with on_signals(run.stop.set, (signal.SIGTERM,)):  # stop cleanly: clients stopped, counts printed
+        try:
+            run.start_clients()
+            chaos.thread.start()
+            run.train(on_step=lambda step, _: step >= args.steps and chaos.kills >= args.min_kills and run.stop.set())
+        finally:
+            chaos.stop.set()
+            chaos.thread.join(timeout=RESTART_WAIT_S + 5)
+            run.stop_clients()
     try:
         status, broken = books(run.server.url)
     finally:

@@ -17,7 +17,6 @@ The RL loop itself lives in `core.run.loop`; this module adds no training logic.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import threading
 from contextlib import contextmanager
@@ -31,6 +30,7 @@ from core.config import RunConfig, flatten
 from core.run.loop import CoreRun
 from core.run.placement import core_run
 from core.run.plan import PlacementError
+from core.run.signals import on_signals
 from core.serve.server import Server
 from core.clients.server_files import remove_server_files, write_server_files, write_token_file
 from core.run.telemetry import ResumePoint, RunStatus, Telemetry, TelemetryError
@@ -60,49 +60,48 @@ def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, p
         log.error("cannot resume: %s", e)
         core.server.close()
         return 1
-    previous = {sig: signal.signal(sig, lambda *_: core.stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     status: RunStatus = "FAILED"
     advertised: list[Path] = []
-    try:
-        core.server.start()
-        # <run folder>/server.json: where outside tools (`swarm swap`, the researcher) find the URL and token
-        advertised = write_server_files(core.server.url, core.server.admin_token, run_folder(cfg.trainer.checkpoint_dir))
-        announce_admin_token(core.server, advertised[1])
-        print(f"swarm server file: {advertised[0]}", flush=True)
-        log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
-        # Clients first, the MLflow run second: client processes take a second or two to import and
-        # register, on the other core, while this one opens the run (start-up, bench/startup.py).
-        # Their episodes wait in the registry; no step trains before the run exists.
-        core.start_clients()
+    with on_signals(core.stop.set):  # a stop after the current step
         try:
-            core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "core-run", **cfg.telemetry.tags},
-                                       resume=point)
-        except TelemetryError as e:  # no MLflow run to write a status to: say why and stop
-            log.error("cannot %s: %s", "resume" if resume else "start", e)
-            return 1
-        if run_id_file is not None:  # the same id after a resume that reopened the run: one run per launch
-            Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(run_id_file).write_text(core.telemetry.run_id)
-        if progress:
-            with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
-                core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
-        else:
-            core.train(on_step=lambda step, m: log.info("step %d reward %s", step, reward_text(m)))
-        status = _outcome(core)
-        core.checkpoint()  # also after a client crash: the trainer's state is sound, and a fixed sandbox resumes here
-    except Exception:
-        log.exception("core run failed at step %d", core.step)
-        status = "FAILED"
-    finally:
-        try:
-            core.stop_clients()
-            core.server.stop()
-        finally:  # the run's status is written whatever happened above, so no run is left RUNNING
-            remove_server_files(advertised)
-            if core.telemetry is not None:
-                core.telemetry.close(status)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            core.server.start()
+            # <run folder>/server.json: where outside tools (`swarm swap`, the researcher) find the URL and token
+            folder = run_folder(cfg.trainer.checkpoint_dir)
+            advertised = write_server_files(core.server.url, core.server.admin_token, folder)
+            announce_admin_token(core.server, advertised[1])
+            print(f"swarm server file: {advertised[0]}", flush=True)
+            log.info("serving at %s; training %d steps", core.server.url, cfg.trainer.steps)
+            # Clients first, the MLflow run second: client processes take a second or two to import and
+            # register, on the other core, while this one opens the run (start-up, bench/startup.py).
+            # Their episodes wait in the registry; no step trains before the run exists.
+            core.start_clients()
+            try:
+                tags = {"swarmrl.kind": "core-run", **cfg.telemetry.tags}
+                core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), tags, resume=point)
+            except TelemetryError as e:  # no MLflow run to write a status to: say why and stop
+                log.error("cannot %s: %s", "resume" if resume else "start", e)
+                return 1
+            if run_id_file is not None:  # the same id after a resume that reopened the run: one run per launch
+                Path(run_id_file).parent.mkdir(parents=True, exist_ok=True)
+                Path(run_id_file).write_text(core.telemetry.run_id)
+            if progress:
+                with _progress_bar(cfg.trainer.steps, core.step) as (bar, task):
+                    core.train(on_step=lambda step, m: bar.update(task, completed=step, **_progress_fields(m)))
+            else:
+                core.train(on_step=lambda step, m: log.info("step %d reward %s", step, reward_text(m)))
+            status = _outcome(core)
+            core.checkpoint()  # also after a client crash: the trainer's state is sound; a fixed sandbox resumes here
+        except Exception:
+            log.exception("core run failed at step %d", core.step)
+            status = "FAILED"
+        finally:
+            try:
+                core.stop_clients()
+                core.server.stop()
+            finally:  # the run's status is written whatever happened above, so no run is left RUNNING
+                remove_server_files(advertised)
+                if core.telemetry is not None:
+                    core.telemetry.close(status)
     return EXIT_CODES[status]
 
 
@@ -154,17 +153,13 @@ def serve(cfg: RunConfig, train: bool) -> None:
 def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
     if not train:
         # Our handler, so uvicorn's re-raised SIGTERM ends `serve_forever` and the server files go (`serve`).
-        previous = {sig: signal.signal(sig, lambda *_: server.request_exit()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with on_signals(server.request_exit):
             server.serve_forever()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
         return
     core = CoreRun(cfg, server)
     core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
 
-    def stop_serving(*_: object) -> None:
+    def stop_serving() -> None:
         core.stop.set()
         server.request_exit()
 
@@ -183,21 +178,19 @@ def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
 
     # uvicorn answers a signal by shutting down, then re-raises it to the handler it found: ours, so
     # a SIGTERM does not end the process before the run's status is written.
-    previous = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
     server.on_shutdown = stop_serving  # /admin/shutdown ends the server, not only the trainer
     thread = threading.Thread(target=train_until_stopped, daemon=True, name="trainer")
     status: RunStatus = "FAILED"
-    try:
-        thread.start()
-        server.serve_forever()
-        core.stop.set()
-        thread.join(timeout=TRAINER_JOIN_S)
-        status = _outcome(core)
-    finally:
-        core.stop.set()
-        core.telemetry.close(status)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with on_signals(stop_serving):
+        try:
+            thread.start()
+            server.serve_forever()
+            core.stop.set()
+            thread.join(timeout=TRAINER_JOIN_S)
+            status = _outcome(core)
+        finally:
+            core.stop.set()
+            core.telemetry.close(status)
 
 
 @contextmanager
