@@ -95,9 +95,8 @@ class Registry(Admission):
         self._ready: deque[list[Episode]] = deque()
         self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
         self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
-        # sandbox -> its last train open attempt: who shares admission room and who a batch waits for. A mix
-        # sandbox counts as asking from the start for one lease: batches taken before its clients register
-        # would give its share away for good (3:1 trained 8:16 when the 3-share client was 1.3 s late).
+        # sandbox -> its last train open attempt (who shares room, who a batch waits for). A mix sandbox asks from
+        # the start for one lease: batches taken before its clients register would give its share away for good.
         self._seen: dict[str, float] = dict.fromkeys(self.mix, clock())
         self.paused = False
         self.max_staleness: int | None = None  # None: no admission control (`admit_within` turns it on)
