@@ -31,6 +31,7 @@ from rich.table import Table
 from core.config import CONTAIN_MODES, ConfigError, ContainLimits, RunConfig, load_config
 from core.clients.contain import bwrap, require_bwrap, run_contained
 from core.clients.sandbox import SandboxNotFound, locate, sandbox_roots
+from core.run import warm
 
 app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -105,6 +106,9 @@ def serve(
     if cfg.placement.kind != "local":  # Ray actors are placed by `swarm run` (the driver); serve hosts here
         console.print("[red]placement.kind ray is for `swarm run`; `swarm serve` hosts its models in this process[/red]")
         raise typer.Exit(2)
+    code = warm.delegate()  # with $SWARMRL_WARM: forked from a warm process, imports done (core.run.warm)
+    if code is not None:
+        raise typer.Exit(code)
     from core.run.processes import serve as serve_run
 
     serve_run(cfg, train=train if train is not None else config is not None)
@@ -156,10 +160,42 @@ def run(
             console.print(f"[red]{e}[/red]")
             raise typer.Exit(2) from None
         raise typer.Exit(0)
+    code = warm.delegate()
+    if code is not None:
+        raise typer.Exit(code)
     from core.run.processes import run as run_core
 
     code = run_core(cfg, resume=resume, run_id_file=run_id_file, progress=not quiet)
     raise typer.Exit(code)
+
+
+@app.command(name="warm")
+def warm_command(socket: Path = typer.Option(..., "--socket", help="the Unix socket to listen on (made 0600)")):
+    """Import what `swarm run` and `swarm serve` need once, then fork them from here: each with
+    SWARMRL_WARM=SOCKET in its environment skips its imports (core.run.warm). Stops on SIGTERM or Ctrl-C."""
+    _setup_logging(False)  # its environment defaults, as a cold start sets them before these imports
+    logging.root.handlers.clear()  # a forked command configures its own logging
+    before = dict(os.environ)
+    import core.run.processes  # noqa: F401  the imports every fork shares
+
+    try:
+        warm.WarmServer(socket, _forked, before).serve()
+    except (OSError, RuntimeError) as e:
+        console.print(f"[red]swarm warm: {e}[/red]", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def _forked(args: list[str]) -> int:
+    """A `swarm` command in a child of `swarm warm`, run from the top as a cold start runs it."""
+    global console
+    console = Console(stderr=True)  # rich read the terminal and $COLUMNS of the warm process at import
+    try:
+        app(args=args, prog_name="swarm")
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    return 0
 
 
 @app.command()

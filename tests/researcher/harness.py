@@ -6,6 +6,7 @@ as in `make demo`), while their state and MLflow store live in the test's tempor
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
@@ -62,22 +63,6 @@ code:
 """
 
 
-def swarm_ready() -> bool:
-    """Whether the core's `swarm run` can run here (it is built in parallel with the researcher)."""
-    if not SWARM.exists() or not (ROOT / "configs" / "tiny.yaml").is_file():
-        return False
-    probe = subprocess.run([sys.executable, "-c", "import core.run.loop"], cwd=ROOT, capture_output=True)
-    return probe.returncode == 0
-
-
-def require_swarm() -> None:
-    """Skip the calling test while the core's `swarm run` cannot run here (checked once per session)."""
-    import pytest
-
-    if not swarm_ready():
-        pytest.skip("the core's `swarm run` is not available yet")
-
-
 # A study whose every choice is a function of its config, not of sampling noise: more groups per
 # step log more samples, so two runs of it must propose, launch and decide the same things.
 DETERMINISTIC = {"metric": "train/samples", "space": "trainer.batch_groups: {kind: choice, values: [2, 3]}"}
@@ -90,6 +75,26 @@ def write_brief(folder: Path, name: str = "brief", *, approval: str = "auto", ro
     path.write_text(TINY_BRIEF.format(approval=approval, rounds=rounds, seeds=seeds, title=title, metric=metric,
                                       space=space))
     return path
+
+
+@functools.cache
+def warm_socket() -> str:
+    """A `swarm warm` process for this test process's studies, started at the first one: their dozens of
+    tiny `swarm run`s fork from it instead of importing torch, transformers and MLflow each (core.run.warm;
+    ~6 of a 2-step run's ~8 s of CPU). tests/core/test_warm.py checks that a forked run is a cold one."""
+    folder = Path(tempfile.mkdtemp(prefix="swarmrl-tests-warm-"))
+    path, log = folder / "warm.sock", folder / "warm.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(SWARM), "warm", "--socket", str(path)], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    atexit.register(proc.terminate)  # after the folder's removal is registered: atexit runs last-in first-out
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"`swarm warm` did not come up:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return str(path)
 
 
 @functools.cache
@@ -122,7 +127,7 @@ class Project:
 
     def env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, "MLFLOW_TRACKING_URI": self.tracking_uri, "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200", **extra}
+                "TOKENIZERS_PARALLELISM": "false", "COLUMNS": "200", "SWARMRL_WARM": warm_socket(), **extra}
 
     def cli(self, *args: str, timeout: float = 600, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
         argv = [str(BIN / "researcher"), "study", "--studies-dir", str(self.studies), *args]

@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 
 from researcher.store import owner_pid, study_paths
 from researcher.views import proposal_view
-from tests.researcher.harness import ROOT, Project, require_swarm
+from tests.researcher.harness import ROOT, Project
 from tests.researcher.scripted_llm import ScriptedLLM, serve
 
 # Each study validates code (a smoke run against `swarm serve`) and trains: minutes on a busy 2-core machine.
@@ -131,7 +131,6 @@ def _edit(search: str, replace: str, priority: int) -> dict:
 
 
 def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(project: Project) -> None:
-    require_swarm()
     before = _checkout_hash()
     brief = project.tmp / "code.md"
     brief.write_text(BRIEF.format(rounds=1, execute="false"))
@@ -197,7 +196,6 @@ def test_llm_code_proposal_is_validated_reviewed_run_at_its_commit_and_reported(
 
 
 def test_manual_study_runs_peoples_proposals_survives_kill_9_and_refuses_bad_patches(project: Project) -> None:
-    require_swarm()
     before = _checkout_hash()
     tmp = project.tmp
     brief = tmp / "manual.md"

@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 
 from researcher.records import ExperimentResult
 from researcher.store import owner_pid, study_paths
-from tests.researcher.harness import Project, require_swarm
+from tests.researcher.harness import Project
 
 # A whole study is a dozen tiny runs; on a busy 2-core machine that outlasts the default timeout.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
@@ -76,11 +76,6 @@ async def rollout(task, llm):
                                               max_tokens=4)
     return float(len(reply.choices[0].message.content or ''))
 """
-
-
-@pytest.fixture(autouse=True)
-def _needs_swarm() -> None:
-    require_swarm()
 
 
 @pytest.fixture

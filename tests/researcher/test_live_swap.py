@@ -26,7 +26,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from researcher.store import owner_pid, study_paths
-from tests.researcher.harness import Project, letters_code, require_swarm
+from tests.researcher.harness import Project, letters_code
 from tests.researcher.test_code_study import AGENT, _approve_by_tag, _patch, _wait_status
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -74,7 +74,6 @@ def _status(run_dir: Path) -> dict | None:
 
 
 def test_a_hot_swap_into_the_live_run_survives_kill_9_and_happens_once(project: Project) -> None:
-    require_swarm()
     tmp = project.tmp
     brief = tmp / "live.md"
     brief.write_text(BRIEF)

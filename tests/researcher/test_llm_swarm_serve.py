@@ -17,7 +17,7 @@ import pytest
 from researcher.graph import typed_values
 from researcher.planner.types import PlanContext, PlannerError
 from researcher.planner.llm import LlmPlanner
-from tests.researcher.harness import BIN, require_swarm
+from tests.researcher.harness import BIN
 from tests.researcher.helpers import make_brief, wait_until_up
 from tests.researcher.scripted_llm import free_port
 
@@ -26,7 +26,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def swarm_serve(tmp_path: Path) -> Iterator[str]:
-    require_swarm()
     port = free_port()
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:

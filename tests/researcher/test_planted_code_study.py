@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from researcher.store import study_paths
-from tests.researcher.harness import Project, letters_code, require_swarm
+from tests.researcher.harness import Project, letters_code
 from tests.researcher.test_code_study import AGENT, _core_run_tags, _patch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -51,7 +51,6 @@ def _wait_for(path: Path, text: str, timeout: float = 300) -> None:
 
 
 def test_a_manual_study_recommends_the_patch_with_a_real_effect_confirmed_at_its_commit(tmp_path: Path) -> None:
-    require_swarm()
     project = Project(tmp_path)
     brief = tmp_path / "planted.md"
     brief.write_text(BRIEF)

@@ -19,7 +19,7 @@ from researcher.launcher import LaunchTarget
 from researcher.ray_jobs import RayJobLauncher, submission_id
 from researcher.records import Launch
 from tests.ray_cluster import local_ray_cluster
-from tests.researcher.harness import ROOT, SWARM, Project, require_swarm, write_brief
+from tests.researcher.harness import ROOT, SWARM, Project, write_brief
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +28,6 @@ pytestmark = pytest.mark.slow
 def dashboard():
     with local_ray_cluster(num_cpus=2, dashboard=True) as (_, url):
         yield url
-
-
-@pytest.fixture(autouse=True)
-def _needs_swarm() -> None:
-    require_swarm()
 
 
 def test_a_study_launches_its_runs_as_ray_jobs_and_reads_their_metrics(dashboard, tmp_path: Path) -> None:

@@ -13,16 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.researcher.harness import BIN, ROOT, Project, require_swarm, write_brief
+from tests.researcher.harness import BIN, ROOT, Project, write_brief
 from tests.researcher.scripted_llm import free_port
 from tests.researcher.helpers import wait_until_up
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _needs_swarm() -> None:
-    require_swarm()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import pytest
 
 from bench.soak_procs import MlflowServer
 from researcher.store import experiment_name
-from tests.researcher.harness import BIN, Project, letters_code, require_swarm
+from tests.researcher.harness import BIN, Project, letters_code
 from tests.researcher.test_code_study import AGENT, _patch, _wait_status
 
 # A server start (~40 s on a busy 2-core machine), validation, a smoke run and one core run.
@@ -126,7 +126,6 @@ def _history_row(history: str, pid: str) -> list[str]:
 
 
 def test_a_reviewer_approves_and_vetoes_proposals_in_the_mlflow_ui(tmp_path: Path, server: str) -> None:
-    require_swarm()
     _require_browser()
     from playwright.sync_api import expect, sync_playwright
 

@@ -10,14 +10,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.researcher.harness import DETERMINISTIC, ROOT, Project, lineage, require_swarm, write_brief
+from tests.researcher.harness import DETERMINISTIC, ROOT, Project, lineage, write_brief
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _needs_swarm() -> None:
-    require_swarm()
 
 
 @pytest.fixture
