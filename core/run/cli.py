@@ -176,9 +176,10 @@ def warm_command(socket: Path = typer.Option(..., "--socket", help="the Unix soc
     _setup_logging(False)  # its environment defaults, as a cold start sets them before these imports
     logging.root.handlers.clear()  # a forked command configures its own logging
     before = dict(os.environ)
-    import core.run.processes  # noqa: F401  the imports every fork shares
-
     try:
+        warm.claim(socket)  # before the imports: a second warm process on one socket fails at once
+        import core.run.processes  # noqa: F401  the imports every fork shares
+
         warm.WarmServer(socket, _forked, before).serve()
     except (OSError, RuntimeError) as e:
         console.print(f"[red]swarm warm: {e}[/red]", soft_wrap=True)

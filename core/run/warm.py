@@ -27,6 +27,7 @@ import io
 import json
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -84,16 +85,24 @@ def delegate() -> int | None:
     request = {"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
                "identity": _identity(dict(os.environ))}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    replies = sock.makefile("rb")  # its reads wait for the connection below; closing it closes the socket
     try:
         sock.connect(path)
         body = json.dumps(request).encode()
-        socket.send_fds(sock, [_HEADER.pack(len(body)) + body], [0, 1, 2])
-        reply = _read_line(sock)
-    except OSError as e:
+        message = _HEADER.pack(len(body)) + body
+        sent = socket.send_fds(sock, [message], [0, 1, 2])
+        if sent < len(message):  # not sendall(b""): a refusal may already have closed the other end
+            sock.sendall(message[sent:])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        reply = _reply(replies)
+    except (OSError, ValueError) as e:
+        replies.close()
         sock.close()
         _warn(f"the warm process at {path} did not answer ({e}); starting cold")
         return None
     if "pid" not in reply:
+        replies.close()
         sock.close()
         _warn(f"the warm process at {path} cannot run this command ({reply.get('refused', reply)}); starting cold")
         return None
@@ -101,10 +110,11 @@ def delegate() -> int | None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # os.kill takes no lock: safe in a handler
         signal.signal(sig, lambda signum, _frame: _kill(pid, signum))
     try:
-        end = _read_line(sock)
-    except OSError:
+        end = _reply(replies)
+    except (OSError, ValueError):
         end = {}
     finally:
+        replies.close()
         sock.close()
     if "signal" in end:  # die of the child's signal, as its parent would see a cold run die
         _die_of(int(end["signal"]))
@@ -137,28 +147,31 @@ def _kill(pid: int, sig: int) -> None:
 
 
 def _wait_gone(pid: int) -> None:
-    while Path(f"/proc/{pid}").exists() and "zombie" not in _proc_state(pid):
-        time.sleep(0.2)
-
-
-def _proc_state(pid: int) -> str:
+    """Until process `pid` (not our child: its parent is the warm process) has ended."""
     try:
-        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0].lower()
-    except (OSError, IndexError):
-        return "zombie"
+        handle = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    select.select([handle], [], [])
+    os.close(handle)
 
 
-def _read_line(sock: socket.socket) -> dict:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = sock.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return json.loads(data) if data.strip() else {}
+def _reply(replies: io.BufferedReader) -> dict:
+    """The warm process's next message (one JSON line); {} when it closed the connection."""
+    line = replies.readline(MAX_REQUEST)
+    return json.loads(line) if line.strip() else {}
 
 
 # --- the warm process -------------------------------------------------------------------------------
+
+def claim(path: Path) -> None:
+    """Make `path` free for a new warm process: a dead one's socket is removed; a live one's is an error."""
+    if path.exists():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(str(path)) == 0:
+                raise RuntimeError(f"another warm process listens at {path}")
+        path.unlink()
+
 
 @dataclass
 class _Child:
@@ -182,8 +195,7 @@ class WarmServer:
         self.stopping = False
 
     def serve(self) -> None:
-        if self.path.exists():
-            self.path.unlink()  # a stale socket of a warm process that is gone; a live one would still own it
+        claim(self.path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(self.path))
         os.chmod(self.path, 0o600)
@@ -244,16 +256,12 @@ class WarmServer:
     def _request(self, conn: socket.socket) -> tuple[dict, list[int]]:
         conn.settimeout(REQUEST_TIMEOUT_S)
         data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
-        if len(fds) != 3:
-            for fd in fds:
-                os.close(fd)
-            raise ValueError(f"expected 3 descriptors (stdin, stdout, stderr), got {len(fds)}")
         try:
-            if len(data) < _HEADER.size:
-                raise ValueError("no request header")
-            (size,) = _HEADER.unpack_from(data)
-            if size > MAX_REQUEST:
-                raise ValueError(f"a request of {size} bytes (the limit is {MAX_REQUEST})")
+            if len(fds) != 3:
+                raise ValueError(f"expected 3 descriptors (stdin, stdout, stderr), got {len(fds)}")
+            size = _HEADER.unpack_from(data)[0] if len(data) >= _HEADER.size else -1
+            if not 0 <= size <= MAX_REQUEST:
+                raise ValueError(f"no request header, or a request over {MAX_REQUEST} bytes")
             body = data[_HEADER.size:]
             while len(body) < size:
                 chunk = conn.recv(size - len(body))

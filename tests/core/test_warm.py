@@ -36,6 +36,12 @@ class Warm:
     def forked_pids(self) -> list[int]:
         return [int(p) for p in re.findall(r"forked pid (\d+)", self.log.read_text())]
 
+    def forked_since(self, before: list[int]) -> int:
+        """The one run forked since `before` was read (a run that started cold fails here)."""
+        new = self.forked_pids()[len(before):]
+        assert len(new) == 1, self.log.read_text()[-2000:]
+        return new[0]
+
 
 @pytest.fixture(scope="module")
 def warm_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Warm]:
@@ -98,7 +104,7 @@ def test_a_run_forked_from_the_warm_process_trains_logs_and_exits_zero_after_a_g
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert "starting cold" not in out and "step 2 reward" in out, out[-3000:]
-    assert len(warm_process.forked_pids()) == len(before) + 1, warm_process.log.read_text()
+    warm_process.forked_since(before)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert run.info.status == "FINISHED" and "reward/mean" in run.data.metrics
@@ -107,29 +113,39 @@ def test_a_run_forked_from_the_warm_process_trains_logs_and_exits_zero_after_a_g
 
 def test_ctrl_c_to_the_launcher_reaches_the_forked_run_which_checkpoints_and_exits_130(
         warm_process: Warm, tmp_path: Path) -> None:
+    before = warm_process.forked_pids()
     proc = _run(tmp_path, warm_process.socket, "--set", "trainer.steps=1000")
     _wait_for(proc, "step 2 ")
+    forked = warm_process.forked_since(before)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]  # what a cold `swarm run` exits with (test_run.py)
     assert checkpoint.load_latest(tmp_path / "ckpt").step >= 2
-    assert all(_gone(pid) for pid in warm_process.forked_pids())
+    assert _gone(forked)
 
 
 def test_a_killed_launcher_takes_its_forked_run_with_it_and_a_killed_run_its_launcher(
         warm_process: Warm, tmp_path: Path) -> None:
+    before = warm_process.forked_pids()
     first = _run(tmp_path / "a", warm_process.socket, "--set", "trainer.steps=1000")
     _wait_for(first, "step 1 ")
-    forked = warm_process.forked_pids()[-1]
+    forked = warm_process.forked_since(before)
     first.kill()
     first.wait(timeout=30)
     assert _gone(forked), f"forked run {forked} outlived its killed launcher"
+    before = warm_process.forked_pids()
     second = _run(tmp_path / "b", warm_process.socket, "--set", "trainer.steps=1000")
     _wait_for(second, "step 1 ")
-    forked = warm_process.forked_pids()[-1]
-    os.kill(forked, signal.SIGKILL)
+    os.kill(warm_process.forked_since(before), signal.SIGKILL)
     second.communicate(timeout=60)
     assert second.returncode == -signal.SIGKILL  # the launcher dies of its run's signal, as a cold run would
+
+
+def test_a_second_warm_process_on_a_live_socket_refuses_to_start(warm_process: Warm) -> None:
+    done = subprocess.run([str(SWARM), "warm", "--socket", str(warm_process.socket)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "another warm process listens at" in done.stderr, done.stderr
+    assert warm_process.socket.exists()
 
 
 def test_a_launcher_whose_import_time_environment_differs_starts_cold_and_says_which_variable(
