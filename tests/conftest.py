@@ -64,24 +64,26 @@ def live_server():
         server.stop()
 
 
-# The modules holding the longest tests, longest first (`pytest --durations`, 2-core machine, 2026-12-02
-# 06:35 UTC: 271, 251, 200, 157, 149 s, ...). xdist hands tests out in collection order, so starting
-# these first lets the short ones fill in at the end; collected last, one worker ran the final study test alone.
+# The modules holding the longest tests, longest first (`pytest --durations`, 3 workers on a 2-core machine,
+# 2026-12-04 21:26 UTC, the study tests' runs forked from `swarm warm`: 195, 178, 150, 135, 101 s, ...).
+# xdist hands tests out in collection order, so starting these first lets the short ones fill in at the
+# end; collected last, one worker once ran the final study test alone.
 LONGEST_FIRST = (
-    "tests/researcher/test_soak.py",  # the 3-minute soak (bench/soak.py --minutes 3), 2026-12-03
-    "tests/researcher/test_planted_code_study.py",  # 165 s (2026-12-03); collected late, it ran alone at the end
-    "tests/researcher/test_decision_study.py",
-    "tests/test_readme.py",
-    "tests/researcher/test_study.py",
-    "tests/researcher/test_code_study.py",
-    "tests/researcher/test_live_swap.py",
-    "tests/researcher/test_review_ui.py",  # 100 s: a study beside a real mlflow server and chromium
+    "tests/researcher/test_soak.py",  # the 3-minute soak (bench/soak.py --minutes 3)
+    "tests/test_readme.py",  # 178 s: the README's commands, cold as a user runs them
+    "tests/researcher/test_study.py",  # kill -9 in every node 150 s
+    "tests/researcher/test_decision_study.py",  # five study tests, ~260 s in all
     "tests/core/test_chaos.py",
-    "tests/core/test_ray.py",
-    "tests/core/test_resume_mlflow.py",
+    "tests/researcher/test_code_study.py",
+    "tests/researcher/test_planted_code_study.py",
+    "tests/researcher/test_live_swap.py",
+    "tests/researcher/test_review_ui.py",  # a study beside a real mlflow server and chromium
     "tests/researcher/test_ray_jobs.py",
-    "tests/researcher/test_review_rest.py",
+    "tests/core/test_resume_mlflow.py",
     "tests/core/test_gateway.py",
+    "tests/core/test_ray.py",
+    "tests/core/test_warm.py",
+    "tests/researcher/test_review_rest.py",
 )
 
 

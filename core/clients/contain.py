@@ -189,7 +189,7 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
             _warned_uncontained = True
         return list(argv)
     binds: list[str] = []
-    for folder in (*readable, cwd):  # its working folder, writable or not, must be there to start in
+    for folder in (*_own_code_under_tmp(), *readable, cwd):  # its working folder must be there to start in
         real = str(Path(folder).resolve())
         binds += ["--ro-bind", real, real]
     for folder in writable:
@@ -205,6 +205,13 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
     return ["/bin/sh", "-c", f'exec "$0" --setenv {HOST_PID_ENV} "$$" "$@"', exe,
             "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds,
             "--unshare-pid", *tied, "--cap-drop", "ALL", "--chdir", str(Path(cwd).resolve()), "--", *argv]
+
+
+def _own_code_under_tmp() -> list[Path]:
+    """This Python and the folders it imports from, where they live under /tmp (a venv or a checkout
+    there): the private /tmp would hide them, and a contained client is our Python running our code."""
+    roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *sys.path) if p}  # "": the cwd, not code
+    return sorted(r for r in roots if r.is_relative_to("/tmp") and r != Path("/tmp") and r.exists())
 
 
 def host_pid() -> int:

@@ -30,6 +30,19 @@ def test_it_runs_the_command_without_credentials_and_returns_its_exit_code(tmp_p
         assert value not in done.stdout
 
 
+def test_code_its_starter_imports_from_under_tmp_is_visible_to_the_contained_command(tmp_path):
+    # bubblewrap gives the command a private /tmp; a venv or checkout there (tmp_path is under /tmp) is bound back
+    code, work = tmp_path / "code", tmp_path / "work"
+    code.mkdir()
+    work.mkdir()
+    (code / "marker_module.py").write_text("WHERE = 'seen'\n")
+    assert str(tmp_path).startswith("/tmp/")
+    done = _contain("--env", f"PYTHONPATH={code}", "--", sys.executable, "-c",
+                    "import marker_module; print(marker_module.WHERE)", cwd=work,
+                    env={"PYTHONPATH": f"{ROOT}:{code}"})
+    assert done.returncode == 0 and "seen" in done.stdout, done.stderr
+
+
 def test_a_command_killed_by_a_signal_exits_128_plus_the_signal(tmp_path):
     done = _contain("--", sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)", cwd=tmp_path)
     assert done.returncode == 128 + 9, done.stderr
