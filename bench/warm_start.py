@@ -9,13 +9,14 @@ load average is printed with the table.
 
     .venv/bin/python bench/warm_start.py [--repeats 5] [--steps 2]
 
-It measures; the runs' MLflow store and checkpoints go to a temporary folder.
+It measures; the runs' MLflow store and checkpoints go to a temporary folder, removed at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,6 +81,7 @@ def main() -> None:
     finally:
         warm.terminate()
         warm.wait(timeout=30)
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"\n`swarm run configs/tiny.yaml`, {args.steps} steps, median of {args.repeats}; load average at the end "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; `swarm warm` itself took {warm_cost:.1f} s of CPU once")
     print(f"{'arm':<6} | {'wall s':>7} | {'CPU s':>7} | {'cold / arm, wall':>16} | {'cold / arm, CPU':>15}")
