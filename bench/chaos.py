@@ -26,8 +26,10 @@ computed from what happened; the exit code is 0 only when all three hold.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
+import shutil
 import signal
 import sys
 import tempfile
@@ -125,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.chdir(ROOT)  # `sandbox:NAME` resolves under ./sandboxes
     clients = ", ".join(f"{{agent: '{a}', isolate: true, concurrency: 4}}" for a in CLIENTS)
+    checkpoints = tempfile.mkdtemp(prefix="swarmrl-chaos-")
+    atexit.register(shutil.rmtree, checkpoints, ignore_errors=True)  # the bench reads nothing back from it
     cfg = load_config(ROOT / "configs" / "tiny.yaml", [
         f"trainer.steps={args.steps + (EXTRA_STEPS_CAP if args.min_kills else 0)}", "trainer.batch_groups=2", "trainer.group_size=2", "trainer.checkpoint_every=0",
-        f"trainer.checkpoint_dir={tempfile.mkdtemp(prefix='swarmrl-chaos-')}", f"server.lease_s={args.lease}",
+        f"trainer.checkpoint_dir={checkpoints}", f"server.lease_s={args.lease}",
         "server.port=0", f"clients=[{clients}]"])
     run = CoreRun(cfg)
     trained: dict[str, object] = {}
