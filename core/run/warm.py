@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NoReturn
 from pathlib import Path
 
 import core
@@ -125,7 +125,7 @@ def delegate() -> int | None:
     return 1
 
 
-def _die_of(sig: int) -> None:
+def _die_of(sig: int) -> NoReturn:
     """End this process by `sig` (its default action), or exit 128 + sig should that not end it."""
     if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
         signal.signal(sig, signal.SIG_DFL)
@@ -173,12 +173,6 @@ def claim(path: Path) -> None:
         path.unlink()
 
 
-@dataclass
-class _Child:
-    conn: socket.socket  # the launcher's connection: EOF means the launcher is gone
-    killed: bool = False
-
-
 class WarmServer:
     """Accepts launchers on a Unix socket and forks `command(argv)` for each (module docstring)."""
 
@@ -191,7 +185,8 @@ class WarmServer:
         # start's imports would set them again, so each child gets them on top of its launcher's.
         self.import_env = {k: v for k, v in os.environ.items() if k not in env_before_imports}
         self.stamp = source_stamp(Path(core.__file__).parent)
-        self.children: dict[int, _Child] = {}
+        # pid -> its launcher's connection (EOF: the launcher is gone), None once that launcher was killed
+        self.children: dict[int, socket.socket | None] = {}
         self.stopping = False
 
     def serve(self) -> None:
@@ -248,7 +243,7 @@ class WarmServer:
         finally:
             for fd in fds:
                 os.close(fd)
-        self.children[pid] = _Child(conn)
+        self.children[pid] = conn
         sel.register(conn, selectors.EVENT_READ, pid)
         _send(conn, {"pid": pid})
         _warn(f"warm: forked pid {pid} for `swarm {' '.join(map(str, request['argv'][1:3]))}` (launcher pid {_peer(conn)[0]})")
@@ -314,17 +309,17 @@ class WarmServer:
             traceback.print_exc()
         finally:
             _exit(code)
-        return 0  # never reached: _exit does not return
 
     def _launcher_readable(self, pid: int, sel: selectors.BaseSelector) -> None:
-        child = self.children[pid]
+        conn = self.children[pid]
         try:
-            gone = not child.conn.recv(1)
+            gone = not conn.recv(1)
         except OSError:
             gone = True
         if gone:  # the launcher was killed (it relays every other signal): so is its run
-            sel.unregister(child.conn)
-            child.killed = True
+            sel.unregister(conn)
+            conn.close()
+            self.children[pid] = None
             _kill(pid, signal.SIGKILL)
 
     def _reap(self, sel: selectors.BaseSelector) -> None:
@@ -335,14 +330,12 @@ class WarmServer:
                 return
             if pid == 0:
                 return
-            child = self.children.pop(pid, None)
-            if child is None:
-                continue
-            if not child.killed:
-                sel.unregister(child.conn)
+            conn = self.children.pop(pid, None)
+            if conn is not None:  # its launcher waits for the status
+                sel.unregister(conn)
                 code = os.waitstatus_to_exitcode(status)
-                _send(child.conn, {"signal": -code} if code < 0 else {"exit": code})
-            child.conn.close()
+                _send(conn, {"signal": -code} if code < 0 else {"exit": code})
+                conn.close()
 
 
 def _become(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
@@ -372,7 +365,7 @@ def _become(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
                                   line_buffering=True, write_through=unbuffered)
 
 
-def _exit(code: int) -> None:
+def _exit(code: int) -> NoReturn:
     """End the child as Python's own exit would: non-daemon threads joined, atexit run, streams flushed;
     a negative code is death by that signal."""
     try:
