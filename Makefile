@@ -105,7 +105,7 @@ test-fast: $(STAMP) bwrap-setup
 # Rerunnable: the previous demo study (folder and MLflow experiment) is moved aside under
 # studies/.previous/, then a fresh one runs and prints its report path.
 demo: $(STAMP)
-	$(BIN)/python -m researcher.archive demo
+	$(BIN)/python -m researcher.study.archive demo
 	$(BIN)/researcher study start studies/tiny-lr.md --name demo --planner heuristic
 
 core-demo: $(STAMP)

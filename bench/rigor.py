@@ -5,9 +5,9 @@ configuration plus Gaussian seed noise of standard deviation sigma, independent 
 worst case for a paired test: real runs sharing a seed are positively correlated, which helps it).
 Everything else is the study's real code, not a copy:
 - the heuristic planner (successive halving, brief defaults: 4 arms, eta 2) proposes, and
-  `researcher.baselines.needed` adds the baseline arms the plan node adds;
-- `researcher.analysis` turns runs into per-seed scores and verdicts (`experiment_result`, `judge`);
-- `researcher.confirmation` picks the recommendation and builds its confirmation round on held-out
+  `researcher.evidence.baselines.needed` adds the baseline arms the plan node adds;
+- `researcher.evidence.analysis` turns runs into per-seed scores and verdicts (`experiment_result`, `judge`);
+- `researcher.evidence.confirmation` picks the recommendation and builds its confirmation round on held-out
   seeds, judged by the same `analysis.judge`.
 The search space is one choice of four learning rates: the baseline, one arm with the planted
 effect, and two null arms.
@@ -17,7 +17,7 @@ prints detection (the planted arm judged `better` in the search, and recommended
 confirmation that replicated) and false keeps (a null arm judged `better`, or recommended).
 
 The in-run A/B of a hot swap (`ab_table`) is judged by the study's own
-`researcher.decision.judge_ab` on simulated per-step rewards of a learning run: a shared drifting
+`researcher.evidence.decision.judge_ab` on simulated per-step rewards of a learning run: a shared drifting
 curve and the weights' autocorrelated wander, common to both versions at a step, plus each
 version's episode noise. It prints A/B detection and false keeps per effect and window, beside the
 before/after verdict the A/B replaced. The last line holds the figures for the brief's defaults:
@@ -43,10 +43,11 @@ import time
 
 import rigor_live  # bench/rigor_live.py, beside this script
 
-from researcher import analysis, baselines, confirmation, decision
-from researcher.brief import Brief, parse_brief
-from researcher.planner.types import PlanContext
+from researcher.brief.loader import parse_brief
+from researcher.brief.schema import Brief
+from researcher.evidence import analysis, baselines, confirmation, decision
 from researcher.planner.heuristic import HeuristicPlanner
+from researcher.planner.types import PlanContext
 from researcher.records import Decision, ExperimentResult, Launch, Proposal
 
 BASE_LR, PLANTED_LR, NULL_LRS = 3.0e-3, 3.0e-2, (1.0e-3, 1.0e-2)

@@ -26,8 +26,8 @@ import httpx
 import yaml
 from mlflow.tracking import MlflowClient
 
-from researcher import decision
-from researcher.live_swaps import LiveRun
+from researcher.evidence import decision
+from researcher.runs.live_swaps import LiveRun
 
 ROOT = Path(__file__).resolve().parents[1]
 SWARM = [sys.executable, "-m", "core.run.cli"]

@@ -44,8 +44,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from bench.soak_books import check, core_runs, drift_tolerance_s, unlaunched  # noqa: E402
 from bench.soak_procs import MlflowServer, Watcher, cmdline, kill9, pids_matching  # noqa: E402
-from researcher.runner import read_state  # noqa: E402
-from researcher.store import study_paths  # noqa: E402
+from researcher.study.runner import read_state  # noqa: E402
+from researcher.study.store import study_paths  # noqa: E402
 
 BIN = Path(sys.executable).parent
 STUDY = "soak"

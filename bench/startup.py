@@ -38,7 +38,7 @@ STUDY = "startup-bench"
 STEP_LINE = "step 1 reward"  # what `swarm run` logs when its first step is done
 SETUP_STUDY = (  # creates the study the way `researcher study start` does, without running anything
     "import sys; from pathlib import Path; from researcher.planner.types import PlannerSpec; "
-    "from researcher.runner import new_study; "
+    "from researcher.study.runner import new_study; "
     "new_study(Path(sys.argv[1]), Path('studies/tiny-lr.md'), sys.argv[2], PlannerSpec(kind='heuristic'), Path.cwd(), sys.argv[3]); "
     # The tracking store is created here too: its one-time schema migrations would otherwise land on
     # whichever arm touches it first.
@@ -63,8 +63,8 @@ def commands(scratch: Path) -> dict[str, tuple[list[str], str | None]]:
     py = sys.executable
     return {
         "swarm --help": ([py, "-m", "core.run.cli", "--help"], None),
-        "researcher --help": ([py, "-m", "researcher.cli", "--help"], None),
-        "researcher study status": ([py, "-m", "researcher.cli", "study", "--studies-dir", str(scratch / "studies"),
+        "researcher --help": ([py, "-m", "researcher.cli.main", "--help"], None),
+        "researcher study status": ([py, "-m", "researcher.cli.main", "study", "--studies-dir", str(scratch / "studies"),
                                      "status", STUDY], None),
         "swarm run tiny: first step": ([py, "-m", "core.run.cli", "run", "configs/tiny.yaml", "-q",
                                         "--set", "trainer.steps=1",

@@ -2,11 +2,11 @@
 
 Runs and trainer steps are counted when a run is launched, at the steps it was asked for, so the
 count is the same whether or not the study was interrupted; the study's live run is one run too,
-its steps counted as it logs them (`researcher.live_watch` refreshes them). Compute time (`wall_s`)
+its steps counted as it logs them (`researcher.runs.live_watch` refreshes them). Compute time (`wall_s`)
 is the time some run was running: the union of the runs' [start, end] intervals, the live run's
 included. Time waiting for a person, and a downtime in which
 nothing ran (the machine rebooted), are free; a run's end is its last sign of life
-(`researcher.launcher`), not the moment a resumed study noticed it was gone. Tokens are
+(`researcher.runs.launcher`), not the moment a resumed study noticed it was gone. Tokens are
 what the llm planner's endpoint reported. GPU-hours are each launched run's wall time times the
 GPUs the brief says a run requests (`launch.gpus`; 0 on CPU). This module computes; it stops nothing itself.
 """
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from researcher.brief import Brief
+from researcher.brief.schema import Brief
 from researcher.records import Launch
 
 LAUNCHED = ("running", "finished", "failed", "stopped", "stalled")

@@ -13,10 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from researcher.decision import Confirmation, Verdict
-
-Ruling = Literal["approved", "vetoed"]  # a person's review decision (a statistical verdict is decision.Verdict)
-# Validation steps of a code proposal, in the order they run (see researcher/validation.py): the static
+Ruling = Literal["approved", "vetoed"]  # a person's review decision (a statistical one is a Verdict)
+# Validation steps of a code proposal, in the order they run (see researcher/code/validation.py): the static
 # ones read the code, the executing ones run it (after approval when a person must approve it).
 STATIC_STEPS = ("apply", "compile", "contract")
 EXECUTING_STEPS = ("import", "tests", "smoke")
@@ -26,6 +24,53 @@ DecisionSource = Literal["cli", "mlflow", "policy"]
 # `stopped`: stopped for any other reason (collapse, timeout, budget, a person).
 LaunchStatus = Literal["queued", "running", "finished", "failed", "stopped", "stalled", "skipped"]
 TERMINAL: frozenset[str] = frozenset({"finished", "failed", "stopped", "stalled", "skipped"})
+
+
+# A statistical verdict, as the decision rule (researcher.evidence.decision) gives it and the study keeps it.
+Result = Literal["better", "worse", "inconclusive", "incomplete"]
+
+
+class Verdict(BaseModel):
+    """A candidate against the baseline: what the study may claim, and the numbers behind it."""
+
+    result: Result
+    test: str  # the test's name: "paired t-test", "Welch's t-test", or "none" when none could run
+    effect: float | None = None  # mean(candidate) - mean(baseline), in the objective's units
+    ci: list[float] | None = None  # 95% confidence interval of the effect, [low, high]
+    p: float | None = None  # two-sided p-value of the test, before any correction
+    p_adjusted: float | None = None  # Holm–Bonferroni adjusted p across the round's candidates
+    n: int = 0  # finished seeds of the candidate
+    n_baseline: int = 0  # finished seeds of the baseline
+    baseline: str | None = None  # the baseline proposal's id
+    reason: str = ""  # why the result is what it is, in words for the report
+
+    def json_view(self) -> dict[str, object]:
+        """The machine-readable form of `show --json`: result, test, effect, ci, p."""
+        return {"result": self.result, "test": self.test, "effect": self.effect, "ci": self.ci,
+                "p": self.p if self.p_adjusted is None else self.p_adjusted}
+
+    def fmt(self) -> str:
+        """One line for reports and history: result, effect with CI, p and the test."""
+        if self.effect is None or self.ci is None:
+            return f"{self.result} ({self.reason})" if self.reason else self.result
+        p = self.p_adjusted if self.p_adjusted is not None else self.p
+        p_text = f"p={p:.3g}" + (" Holm-adjusted" if self.p_adjusted is not None else "") if p is not None else ""
+        return (f"{self.result}: effect {self.effect:+.4g} [95% CI {self.ci[0]:+.4g}, {self.ci[1]:+.4g}], "
+                f"{p_text}, {self.test}, n={self.n} vs {self.n_baseline}"
+                + (f" ({self.reason})" if self.reason else ""))
+
+
+class Confirmation(BaseModel):
+    """The outcome of re-running the recommendation and the baseline on held-out seeds."""
+
+    proposal_id: str  # the recommended experiment from the search
+    seeds: list[int]  # the held-out seeds both were re-run on
+    verdict: Verdict  # the confirmation's own verdict (no correction: one comparison)
+    replicated: bool = Field(description="the recommendation stands only when this is true")
+
+    def fmt(self) -> str:
+        head = "replicated" if self.replicated else "did not replicate"
+        return f"{head} on held-out seeds {self.seeds}: {self.verdict.fmt()}"
 
 
 def now_iso() -> str:
@@ -209,7 +254,7 @@ class SwapSide(BaseModel):
 
 
 class SwapResult(BaseModel):
-    """A hot swap of a proposal's code into the live run as an A/B, as done and as judged (researcher/live_swaps.py)."""
+    """A hot swap of a proposal's code into the live run as an A/B, as done and as judged (researcher/runs/live_swaps.py)."""
 
     proposal_id: str
     n: int  # the live server's swap number; tag `swarmrl.swap.<n>` on the live run

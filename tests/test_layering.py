@@ -20,6 +20,10 @@ FOUNDATION = {"core", "core.config", "core.models", "core.records", "core.auth",
 RAY_MAY_USE = {"core.run.loop", "core.run.plan", "core.run.checkpoint"}
 RAY_GATE = "core.run.placement"  # the one module that may import core.ray, and only inside a function
 RESEARCHER_MAY_USE = {"core.config", "core.mlflow_history"}
+# researcher/ by tier, top to bottom (researcher/__init__.py): a package imports its own modules, the
+# tiers below it and the foundation; packages of one tier do not import each other.
+RESEARCHER_TIERS = [{"cli"}, {"study"}, {"review", "runs", "planner"}, {"code", "evidence"}]
+RESEARCHER_FOUNDATION = {"researcher", "researcher.records", "researcher.brief", "researcher.budget", "researcher.lazy"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -60,6 +64,33 @@ def graph(root: Path) -> dict[str, list[tuple[str, bool]]]:
     return edges
 
 
+def researcher_tier(mod: str) -> tuple[int, str] | None:
+    """(tier index, package) of a researcher module; None for the foundation."""
+    parts = mod.split(".")
+    if parts[0] != "researcher" or len(parts) < 2 or ".".join(parts[:2]) in RESEARCHER_FOUNDATION:
+        return None
+    for i, tier in enumerate(RESEARCHER_TIERS):
+        if parts[1] in tier:
+            return i, parts[1]
+    raise AssertionError(f"{mod}: researcher/{parts[1]} is in no tier of RESEARCHER_TIERS nor the foundation")
+
+
+def researcher_violation(mod: str, target: str) -> str | None:
+    if target.startswith("core"):
+        return None if target in RESEARCHER_MAY_USE else f"{mod} -> {target}: the researcher uses only {sorted(RESEARCHER_MAY_USE)}"
+    if not target.startswith("researcher"):
+        return None
+    mine, theirs = researcher_tier(mod), researcher_tier(target)
+    if theirs is None or (mine is not None and mine[1] == theirs[1]):
+        return None
+    if mine is None:
+        return f"{mod} -> {target}: the researcher's foundation imports only the foundation"
+    if theirs[0] <= mine[0]:
+        where = "sits above it" if theirs[0] < mine[0] else "is its peer"
+        return f"{mod} -> {target}: researcher/{mine[1]} may not import researcher/{theirs[1]}, which {where}"
+    return None
+
+
 def layer(mod: str) -> int | None:
     """Index in LAYERS of a core module's package; None for the foundation and for non-core modules."""
     parts = mod.split(".")
@@ -71,8 +102,9 @@ def violations(edges: dict[str, list[tuple[str, bool]]]) -> list[str]:
     for mod, targets in edges.items():
         for target, lazy in targets:
             if mod.startswith("researcher"):
-                if target.startswith("core") and target not in RESEARCHER_MAY_USE:
-                    bad.append(f"{mod} -> {target}: the researcher uses only {sorted(RESEARCHER_MAY_USE)}")
+                problem = researcher_violation(mod, target)
+                if problem:
+                    bad.append(problem)
                 continue
             if not target.startswith("core"):
                 continue
@@ -163,14 +195,40 @@ def test_ray_outside_placement_and_researcher_internals_are_caught(tmp_path: Pat
         "core/run/__init__.py": "", "core/run/processes.py": "",
         "core/run/loop.py": "from core.ray import driver\n",
         "core/run/placement.py": "def f():\n    from core.ray.driver import x\n",
-        "researcher/cli.py": "from core.run.loop import CoreRun\n",
+        "researcher/cli/main.py": "from core.run.loop import CoreRun\n",
     })
     assert sorted(violations(edges)) == sorted([
         "core.ray.driver -> core.run.processes: core.ray may use only "
         "['core.run.checkpoint', 'core.run.loop', 'core.run.plan'] of core.run",
         "core.run.loop -> core.ray.driver: only core.run.placement imports core.ray, inside the function that needs it",
-        "researcher.cli -> core.run.loop: the researcher uses only ['core.config', 'core.mlflow_history']",
+        "researcher.cli.main -> core.run.loop: the researcher uses only ['core.config', 'core.mlflow_history']",
     ])
+
+
+def test_a_planted_researcher_back_import_is_caught(tmp_path: Path) -> None:
+    edges = _plant(tmp_path, {
+        "researcher/records.py": "", "researcher/brief/__init__.py": "", "researcher/brief/schema.py": "",
+        "researcher/cli/__init__.py": "", "researcher/cli/main.py": "",
+        "researcher/study/__init__.py": "", "researcher/study/runner.py": "from researcher.records import X\n",
+        "researcher/evidence/__init__.py": "",
+        "researcher/evidence/decision.py": "def f():\n    from researcher.study import runner\n",
+        "researcher/review/__init__.py": "", "researcher/review/report.py": "from researcher.runs import launcher\n",
+        "researcher/runs/__init__.py": "", "researcher/runs/launcher.py": "from researcher.brief.schema import Brief\n",
+        "researcher/code/__init__.py": "", "researcher/code/workspace.py": "import researcher.cli.main\n",
+    })
+    assert sorted(violations(edges)) == sorted([
+        "researcher.evidence.decision -> researcher.study.runner: researcher/evidence may not import researcher/study, which sits above it",
+        "researcher.review.report -> researcher.runs.launcher: researcher/review may not import researcher/runs, which is its peer",
+        "researcher.code.workspace -> researcher.cli.main: researcher/code may not import researcher/cli, which sits above it",
+    ])
+
+
+def test_researcher_has_few_top_level_modules_and_every_package_says_its_job() -> None:
+    top = [p for p in (ROOT / "researcher").glob("*.py")]
+    assert len(top) <= 6, f"researcher/ top level: {sorted(p.name for p in top)}"
+    for pkg in sorted({p for tier in RESEARCHER_TIERS for p in tier} | {"brief"}):
+        doc = ast.get_docstring(ast.parse((ROOT / "researcher" / pkg / "__init__.py").read_text()))
+        assert doc, f"researcher/{pkg}/__init__.py needs a docstring saying its one job"
 
 
 def test_a_planted_cycle_is_caught_even_through_a_function_level_import(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ The search (Jamieson & Talwalkar 2016, the core of Hyperband):
 2. Each next rung keeps the best 1/eta of the previous rung (mean over seeds; a failed or
    diverged experiment ranks last) and gives them eta times as many steps. Each survivor's
    baseline of the same length is not this planner's doing: the study graph adds one for any
-   planner's proposals (`researcher.baselines`), and verdicts use it (`researcher.decision`).
+   planner's proposals (`researcher.evidence.baselines`), and verdicts use it (`researcher.evidence.decision`).
 3. It ends when one configuration is left (beside its baseline). Whether it is recommended is
    not the planner's call: only a `better` verdict that replicates on held-out seeds is.
 
@@ -27,8 +27,8 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
-from researcher.brief import ChoiceParam, RangeParam
-from researcher.planner.types import Planned, PlanContext, PlanResult
+from researcher.brief.schema import ChoiceParam, RangeParam
+from researcher.planner.types import PlanContext, Planned, PlanResult
 from researcher.records import Proposal, ProposalDraft
 
 # A grid larger than this is sampled instead of enumerated, to keep planning instant.
@@ -124,7 +124,7 @@ class HeuristicPlanner:
             if rung == last_rung or len(members) <= 1:
                 return PlanResult([], done=True, note=self._final_note(ctx, ranked, baseline, rung))
             # The best 1/eta go on. Their baseline of the same length is the study graph's rule
-            # (`researcher.baselines`), not this planner's: every planner gets one.
+            # (`researcher.evidence.baselines`), not this planner's: every planner gets one.
             picks = [p.arm for p in ranked if p.arm not in vetoed][:sizes[rung + 1]]
             if not picks:
                 return PlanResult([], done=True, note=self._final_note(ctx, ranked, baseline, rung))

@@ -29,11 +29,11 @@ from typing import Any
 import openai
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from researcher.analysis import is_baseline
-from researcher.brief import ChoiceParam, RangeParam
-from researcher.planner.types import Planned, PlanContext, PlannerError, PlanResult
+from researcher.brief.schema import ChoiceParam, RangeParam
+from researcher.evidence.analysis import is_baseline
 from researcher.planner.code_context import describe_code, edit_problems
 from researcher.planner.endpoint import Endpoint, error_usage
+from researcher.planner.types import PlanContext, Planned, PlannerError, PlanResult
 from researcher.records import Proposal, ProposalDraft
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel
 
-from researcher.brief import Brief
+from researcher.brief.schema import Brief
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, ProposalDraft
 
 

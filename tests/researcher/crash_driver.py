@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from researcher.planner.types import PlannerSpec
-from researcher.runner import new_study, run_study
-from researcher.store import study_paths
+from researcher.study.runner import new_study, run_study
+from researcher.study.store import study_paths
 
 WAITING = 3
-atexit.register(gc.freeze)  # as researcher.cli does: no final collection over LangGraph and MLflow at exit
+atexit.register(gc.freeze)  # as researcher.cli.main does: no final collection over LangGraph and MLflow at exit
 
 
 def main() -> int:

@@ -21,8 +21,8 @@ from typing import Any
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from researcher.runner import read_state
-from researcher.store import study_paths
+from researcher.study.runner import read_state
+from researcher.study.store import study_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

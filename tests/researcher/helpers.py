@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from researcher.brief import Brief, parse_brief
+from researcher.brief.loader import parse_brief
+from researcher.brief.schema import Brief
 
 BASE_CONFIG = "trainer:\n  steps: 8\n  lr: 1.0e-5\n"
 

@@ -1,4 +1,4 @@
-"""The in-run A/B verdict (`researcher.decision.judge_ab`): both versions serve under the same weights at
+"""The in-run A/B verdict (`researcher.evidence.decision.judge_ab`): both versions serve under the same weights at
 every step after a swap, so the per-step difference is judged, never before against after.
 
 Rewards are simulated the way a learning run makes them: a shared rising curve plus the weights'
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from researcher.decision import compare, judge_ab
+from researcher.evidence.decision import compare, judge_ab
 
 WINDOW = 10
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from researcher.analysis import collapse, divergence, mean_curve, plateau, score, summarize
-from researcher.brief import MonitorSettings, Objective
+from researcher.brief.schema import MonitorSettings, Objective
+from researcher.evidence.analysis import collapse, divergence, mean_curve, plateau, score, summarize
 
 UP = Objective(metric="reward/mean", direction="maximize", window=2)
 DOWN = Objective(metric="train/loss", direction="minimize")

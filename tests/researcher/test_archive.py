@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from researcher.archive import PREVIOUS, archive, main
 from researcher.planner.types import PlannerSpec
 from researcher.records import Proposal
-from researcher.runner import new_study, open_board
-from researcher.store import StudyError, StudyLock, list_studies
+from researcher.study.archive import PREVIOUS, archive, main
+from researcher.study.runner import new_study, open_board
+from researcher.study.store import StudyError, StudyLock, list_studies
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from researcher import baselines
-from researcher.analysis import baseline_for, is_baseline
+from researcher.evidence import baselines
+from researcher.evidence.analysis import baseline_for, is_baseline
 from researcher.planner.llm import build_messages
 from researcher.records import Decision, Proposal
 from tests.researcher.test_planner_context import context, result

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from researcher.brief import BriefError, ChoiceParam, CodeArea, RangeParam, load_brief, parse_brief
+from researcher.brief.loader import load_brief, parse_brief
+from researcher.brief.schema import BriefError, ChoiceParam, CodeArea, RangeParam
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from researcher.budget import Spent
-from researcher.launcher import Launcher, LaunchTarget, last_alive
 from researcher.records import Launch
+from researcher.runs.launcher import Launcher, LaunchTarget, last_alive
 from tests.researcher.harness import empty_store
 
 

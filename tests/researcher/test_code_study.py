@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from researcher.store import owner_pid, study_paths
-from researcher.views import proposal_view
+from researcher.review.views import proposal_view
+from researcher.study.store import owner_pid, study_paths
 from tests.researcher.harness import ROOT, Project
 from tests.researcher.scripted_llm import ScriptedLLM, serve
 

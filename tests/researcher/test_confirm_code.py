@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from researcher import analysis, confirmation
-from researcher.brief import Objective
+from researcher.brief.schema import Objective
+from researcher.evidence import analysis, confirmation
 from researcher.records import CodeVersion, Launch, Proposal
 from tests.researcher.helpers import make_brief
 

@@ -14,7 +14,7 @@ import pytest
 from core.clients import contain
 from core.clients.contain import contained_env, run_contained
 from core.config import ContainLimits as Limits
-from researcher.launcher import run_env
+from researcher.runs.launcher import run_env
 
 SECRETS = {"OPENAI_API_KEY": "sk-secret-openai", "MLFLOW_TRACKING_TOKEN": "mlflow-secret",
            "MLFLOW_TRACKING_PASSWORD": "mlflow-password", "SWARMRL_ADMIN_TOKEN": "admin-secret",

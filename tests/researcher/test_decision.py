@@ -7,9 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from researcher import analysis, confirmation, decision
-from researcher.brief import Objective
-from researcher.decision import Candidate, Verdict, compare, confirm, held_out_seeds, holm, judge_round, recommend
+from researcher.brief.schema import Objective
+from researcher.evidence import analysis, confirmation, decision
+from researcher.evidence.decision import (
+    Candidate,
+    Verdict,
+    compare,
+    confirm,
+    held_out_seeds,
+    holm,
+    judge_round,
+    recommend,
+)
 from researcher.records import Launch, Proposal
 from tests.researcher.helpers import make_brief
 

@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from researcher.records import ExperimentResult
-from researcher.store import owner_pid, study_paths
+from researcher.study.store import owner_pid, study_paths
 from tests.researcher.harness import Project
 
 # A whole study is a dozen tiny runs; on a busy 2-core machine that outlasts the default timeout.

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from core.config import flatten
-from researcher.analysis import summarize
-from researcher.graph import typed_values
-from researcher.planner.types import PlanContext, PlanResult
+from researcher.evidence.analysis import summarize
 from researcher.planner.heuristic import HeuristicPlanner, candidate_arms, rung_sizes
+from researcher.planner.types import PlanContext, PlanResult
 from researcher.records import Decision, ExperimentResult, Proposal
+from researcher.study.graph import typed_values
 from tests.researcher.helpers import make_brief
 
 LR_CHOICE = "  trainer.lr:\n    kind: choice\n    values: [0.0, 1.0e-3, 1.0e-1, 3.0e-4]"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from researcher import inbox
 from researcher.planner.llm import LlmPlan
 from researcher.records import HOT_SWAP_NEEDS_CODE, Edit, Proposal, ProposalDraft
+from researcher.study import inbox
 
 DRAFT = {"hypothesis": "lr up helps", "rationale": "r r", "expected_effect": "e e", "overrides": {"trainer.lr": 0.1}}
 

@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 from core.config import load_config
-from researcher.launcher import Launcher, LaunchTarget, contain_mode
 from researcher.records import Launch
+from researcher.runs.launcher import Launcher, LaunchTarget, contain_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 SWITCH = "containment.clients="

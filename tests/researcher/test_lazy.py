@@ -36,6 +36,6 @@ def test_an_unknown_module_is_an_import_error_at_once():
 
 
 def test_the_researcher_command_line_loads_no_heavy_framework_until_a_command_needs_it():
-    probe = f"import sys, researcher.cli; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    probe = f"import sys, researcher.cli.main; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip() == "[]"

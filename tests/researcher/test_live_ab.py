@@ -1,4 +1,4 @@
-"""The live node's A/B (researcher/nodes/live.py, researcher/live_swaps.py) without a core run.
+"""The live node's A/B (researcher/study/nodes/live.py, researcher/runs/live_swaps.py) without a core run.
 
 A stand-in live server: `swarm swap --ab` records an A/B start, and the rewards both versions
 log at each step after it are given. What is checked is what the study does with them: the
@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from researcher.launcher import Launcher, LaunchTarget
-from researcher.live_swaps import LiveRun
-from researcher.nodes.live import LiveNode
 from researcher.records import Launch, Proposal, SwapSide
+from researcher.runs.launcher import Launcher, LaunchTarget
+from researcher.runs.live_swaps import LiveRun
+from researcher.study.nodes.live import LiveNode
 from tests.researcher.test_live_watch import RecordedMlflow, brief, launcher, live_process  # noqa: F401 (fixtures)
 
 SWAP_STEP = 30

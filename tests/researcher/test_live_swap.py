@@ -25,7 +25,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from researcher.store import owner_pid, study_paths
+from researcher.study.store import owner_pid, study_paths
 from tests.researcher.harness import Project, letters_code
 from tests.researcher.test_code_study import AGENT, _approve_by_tag, _patch, _wait_status
 

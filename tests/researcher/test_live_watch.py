@@ -1,4 +1,4 @@
-"""The study's watch of its live run (researcher/live_watch.py) on recorded histories, with the real launcher.
+"""The study's watch of its live run (researcher/runs/live_watch.py) on recorded histories, with the real launcher.
 
 The decision is tested on recorded metric histories: a NaN loss is a divergence, a step that stops
 moving for `monitor.stall_s` is a stall, spent steps or wall-clock stop the run but its being one
@@ -23,13 +23,13 @@ from types import SimpleNamespace
 import pytest
 from mlflow.tracking import MlflowClient
 
-from researcher.brief import Brief
+from researcher.brief.schema import Brief
 from researcher.budget import Spent
-from researcher.launcher import Launcher, LaunchTarget, find_process
-from researcher.live_watch import LiveWatch, ended, in_review, progressed, trouble
 from researcher.records import Launch
-from researcher.review import ReviewBoard
-from researcher.runner import wait_for_decisions
+from researcher.review.mlflow_review import ReviewBoard
+from researcher.runs.launcher import Launcher, LaunchTarget, find_process
+from researcher.runs.live_watch import LiveWatch, ended, in_review, progressed, trouble
+from researcher.study.runner import wait_for_decisions
 
 
 class RecordedMlflow:

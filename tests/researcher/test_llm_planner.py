@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from researcher.graph import typed_values
-from researcher.planner.types import PlanContext, PlannerError, choose_planner
 from researcher.planner.llm import PLAN_SCHEMA, LlmPlanner, extract_json
+from researcher.planner.types import PlanContext, PlannerError, choose_planner
 from researcher.records import Decision, Proposal
+from researcher.study.graph import typed_values
 from tests.researcher.helpers import make_brief
 from tests.researcher.scripted_llm import ScriptedLLM, serve
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from researcher.graph import typed_values
-from researcher.planner.types import PlanContext, PlannerError
 from researcher.planner.llm import LlmPlanner
+from researcher.planner.types import PlanContext, PlannerError
+from researcher.study.graph import typed_values
 from tests.researcher.harness import BIN
 from tests.researcher.helpers import make_brief, wait_until_up
 from tests.researcher.scripted_llm import free_port

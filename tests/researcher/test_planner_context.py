@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from researcher.decision import PAIRED, Verdict
-from researcher.nodes.base import typed_values
-from researcher.planner.types import PlanContext
+from researcher.evidence.decision import PAIRED, Verdict
 from researcher.planner.llm import LlmPlan, build_messages, check_plan
+from researcher.planner.types import PlanContext
 from researcher.records import Decision, ExperimentResult, Launch, Proposal, Summary
+from researcher.study.nodes.base import typed_values
 from tests.researcher.helpers import make_brief
 
 SPACE = "  trainer.lr:\n    kind: range\n    low: 1.0e-6\n    high: 1.0e-1\n    log: true"

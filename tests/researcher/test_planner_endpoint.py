@@ -12,9 +12,9 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from researcher.planner.types import PlannerError
 from researcher.planner.endpoint import Endpoint, parse_context_refusal
 from researcher.planner.llm import LlmPlanner
+from researcher.planner.types import PlannerError
 from tests.researcher.scripted_llm import serve
 from tests.researcher.test_llm_planner import context, draft, reply
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from researcher.store import study_paths
+from researcher.study.store import study_paths
 from tests.researcher.harness import Project, letters_code
 from tests.researcher.test_code_study import AGENT, _core_run_tags, _patch
 

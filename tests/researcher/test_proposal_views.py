@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from researcher import inbox
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, StepResult, Summary
-from researcher.views import proposal_diff, proposal_view
+from researcher.review.views import proposal_diff, proposal_view
+from researcher.study import inbox
 
 
 def _state(**parts: list) -> dict:

@@ -15,9 +15,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from researcher.launcher import LaunchTarget
-from researcher.ray_jobs import RayJobLauncher, submission_id
 from researcher.records import Launch
+from researcher.runs.launcher import LaunchTarget
+from researcher.runs.ray_jobs import RayJobLauncher, submission_id
 from tests.ray_cluster import local_ray_cluster
 from tests.researcher.harness import ROOT, SWARM, Project, write_brief
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from researcher.records import Proposal
-from researcher.report import curve_series
+from researcher.review.report import curve_series
 
 BASE = {"trainer.lr": "0.01", "trainer.steps": "2"}
 CURVE = [(1, 0.1), (2, 0.2)]

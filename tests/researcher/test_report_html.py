@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from researcher.report_html import to_html
+from researcher.review.report_html import to_html
 
 _PNG = base64.b64decode(  # a 1x1 PNG: enough to check the bytes land in the page unchanged
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg==")

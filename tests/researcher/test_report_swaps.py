@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from researcher.brief import Brief
-from researcher.decision import Verdict
+from researcher.brief.schema import Brief
+from researcher.evidence.decision import Verdict
 from researcher.records import SwapResult, SwapSide
-from researcher.report import render
-from researcher.store import study_paths
+from researcher.review.report import render
+from researcher.study.store import study_paths
 
 
 def _swap() -> SwapResult:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from researcher.brief import load_brief
-from researcher.nodes.base import StudyContext
-from researcher.nodes.reviewing import ReviewNode
+from researcher.brief.loader import load_brief
 from researcher.records import CodeVersion, Decision, Proposal, StepResult, Summary
-from researcher.review import ReviewBoard, ReviewError
-from researcher.store import study_paths
+from researcher.review.mlflow_review import ReviewBoard, ReviewError
+from researcher.study.nodes.base import StudyContext
+from researcher.study.nodes.reviewing import ReviewNode
+from researcher.study.store import study_paths
 from tests.researcher.harness import ROOT
 
 

@@ -5,9 +5,9 @@ the whole flow through a study: tests/researcher/test_code_study.py."""
 
 from __future__ import annotations
 
-from researcher.brief import parse_brief
-from researcher.graph import _after_execute, _after_review
+from researcher.brief.loader import parse_brief
 from researcher.records import EXECUTING_STEPS, STATIC_STEPS, Edit
+from researcher.study.graph import _after_execute, _after_review
 from tests.researcher.test_workspace import BRIEF, _proposal, _validator, project, ws  # noqa: F401 (fixtures)
 
 RAN = "raise SystemExit('the proposal ran')"

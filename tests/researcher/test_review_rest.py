@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.researcher.harness import BIN, ROOT, Project, write_brief
-from tests.researcher.scripted_llm import free_port
 from tests.researcher.helpers import wait_until_up
+from tests.researcher.scripted_llm import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from bench.soak_procs import MlflowServer
-from researcher.store import experiment_name
+from researcher.study.store import experiment_name
 from tests.researcher.harness import BIN, Project, letters_code
 from tests.researcher.test_code_study import AGENT, _patch, _wait_status
 

@@ -2,7 +2,7 @@
 
 The checkpoints here are real ones: the study graph compiled with the `SqliteSaver` a study uses,
 moved through its phases with `update_state` (as the nodes' writes would). After each, the direct
-reader (`researcher.snapshot`) and LangGraph's own `get_state` (`runner.read_state`) must give the
+reader (`researcher.study.snapshot`) and LangGraph's own `get_state` (`runner.read_state`) must give the
 same values, next nodes and waiting proposals; where the reader cannot tell, it says so (None).
 A study really waiting at the review interrupt is covered by tests/researcher/test_study.py.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from langgraph.checkpoint.sqlite import SqliteSaver
 
-from researcher import runner, snapshot
-from researcher.graph import build_graph
 from researcher.records import Decision, Proposal
-from researcher.store import study_paths
+from researcher.study import runner, snapshot
+from researcher.study.graph import build_graph
+from researcher.study.store import study_paths
 
 PROPOSAL = Proposal(id="r1-1", round=1, planner="heuristic", hypothesis="a higher lr learns faster",
                     rationale="the baseline is slow", expected_effect="higher reward", overrides={"trainer.lr": 0.01}
@@ -81,7 +81,7 @@ def test_status_answers_without_mlflow_or_the_graph(tmp_path: Path) -> None:
                              ("review", {"decisions": [DECISION]})]:
             app.update_state(cfg, writes, as_node=node)
     heavy = ("mlflow", "langgraph.graph", "langgraph.pregel", "scipy", "torch", "transformers")
-    probe = ("import sys\nfrom researcher.cli import app\ntry:\n    app(sys.argv[1:], standalone_mode=False)\n"
+    probe = ("import sys\nfrom researcher.cli.main import app\ntry:\n    app(sys.argv[1:], standalone_mode=False)\n"
              f"finally:\n    print('loaded', sorted(m for m in {heavy!r} if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", probe, "study", "--studies-dir", str(tmp_path), "status", "s"],
                          capture_output=True, text=True, timeout=300, cwd=root)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from researcher.brief import parse_brief
+from researcher.brief.loader import parse_brief
+from researcher.code.validation import Validator
+from researcher.code.workspace import EditError, Workspace, WorkspaceError
 from researcher.records import Edit, Proposal
-from researcher.validation import Validator
-from researcher.workspace import EditError, Workspace, WorkspaceError
 
 ROOT = Path(__file__).resolve().parents[2]
 BRIEF = """---

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from researcher.brief import parse_brief
+from researcher.brief.loader import parse_brief
+from researcher.code.workspace import Workspace, WorkspaceError
 from researcher.records import Edit
-from researcher.workspace import Workspace, WorkspaceError
 from tests.researcher.test_workspace import BRIEF, ROOT, _hash, _proposal, _validator
 
 

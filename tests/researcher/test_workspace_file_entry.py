@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from core.clients.sandbox import load_agent
-from researcher.brief import parse_brief
+from researcher.brief.loader import parse_brief
+from researcher.code.workspace import Workspace, WorkspaceError, sandbox_folders
 from researcher.records import Edit
-from researcher.workspace import Workspace, WorkspaceError, sandbox_folders
 
 ROOT = Path(__file__).resolve().parents[2]
 BRIEF = """---

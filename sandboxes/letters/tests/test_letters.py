@@ -1,6 +1,6 @@
 """The letters sandbox's own tests: its tasks, its reward, and one rollout against a scripted model.
 
-A study's validation runs these on every edit of the sandbox (researcher/validation.py), so they
+A study's validation runs these on every edit of the sandbox (researcher/code/validation.py), so they
 check the contract an edit must keep, not the exact prompt wording an edit may change.
 """
 

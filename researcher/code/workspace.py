@@ -1,0 +1,291 @@
+"""A study's code workspace: a git repository of its own holding copies of the editable paths.
+
+`studies/<name>/workspace/` starts as one commit (the base) with copies of the brief's
+`code.editable` paths from the project (a file-level entry also brings the rest of its sandbox
+folder, which stays read-only). Every code proposal becomes a commit on top of its parent
+proposal's commit, kept alive by a ref `refs/proposals/<id>`, so the study holds a lineage tree of
+code versions. Edits are applied in a throw-away worktree of that repository (`trial`), checked
+against the path rules, and committed only when validation passed; a run checks its commit out
+into a folder of its own (`checkout`). Commits carry a fixed author and date, so a proposal
+re-validated after a crash gets the very same commit id.
+
+Path rules: an edit may only touch editable, non-readonly files inside the workspace. Absolute
+paths, `..`, symlinks pointing out of the workspace, new files outside `editable` and deleting a
+sandbox's entry file are refused with a `WorkspaceError` naming the path. Every edit resolves the
+real path it is about to write (following any symlink on the way) and refuses one outside the
+trial worktree, or one the rules would refuse under its real name. The base copy refuses a project
+whose editable paths hold a symlink resolving outside them (`data -> ../outside/`): copied as a
+link, it would let an edit write through it. Nothing outside the workspace (and the folders it is
+asked to write) ever changes: not the project, not another study.
+
+It does not validate behaviour (researcher/code/validation.py does) and knows nothing of MLflow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import tomllib
+from pathlib import Path, PurePosixPath
+
+from researcher.brief.schema import CodeSpec
+from researcher.records import Edit
+
+# Commits carry this identity and date so the same change on the same parent is the same commit.
+_GIT_ENV = {"GIT_AUTHOR_NAME": "swarmrl researcher", "GIT_AUTHOR_EMAIL": "researcher@swarmrl.invalid",
+            "GIT_COMMITTER_NAME": "swarmrl researcher", "GIT_COMMITTER_EMAIL": "researcher@swarmrl.invalid",
+            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
+            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0"}
+# Copies leave out what a sandbox folder may hold that is not code.
+_IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".venv")
+BASE_REF = "refs/heads/base"
+
+
+class WorkspaceError(ValueError):
+    """An edit or patch the workspace refuses; the message names the path and the reason."""
+
+
+class EditError(WorkspaceError):
+    """A search/replace block that does not match exactly once; carries the file's current text."""
+
+    def __init__(self, message: str, file: str, current: str) -> None:
+        super().__init__(message)
+        self.file, self.current = file, current
+
+
+def _git(cwd: Path, *args: str, input_text: str | None = None, check: bool = True) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, input=input_text, capture_output=True, text=True,
+                          env={**os.environ, **_GIT_ENV})
+    if check and done.returncode != 0:
+        raise WorkspaceError(f"git {' '.join(args)} failed: {(done.stderr or done.stdout).strip()}")
+    return done.stdout
+
+
+def sandbox_folders(editable: list[str], project: Path) -> list[str]:
+    """The sandbox folders (`sandboxes/<name>`) of file-level editable entries that no entry covers whole."""
+    out: list[str] = []
+    for rel in editable:
+        parts = PurePosixPath(rel).parts
+        if len(parts) >= 3 and parts[0] == "sandboxes" and (project / rel).is_file():
+            folder = "/".join(parts[:2])
+            if not _inside(folder, editable) and folder not in out:
+                out.append(folder)
+    return out
+
+
+def _inside(rel: str, roots: list[str]) -> bool:
+    return any(rel == r or rel.startswith(r + "/") for r in roots)
+
+
+class Workspace:
+    def __init__(self, root: Path, spec: CodeSpec, project: Path) -> None:
+        self.root, self.spec, self.project = root, spec, project
+
+    # -- the repository ---------------------------------------------------------------------
+    def base(self) -> str:
+        """The base commit, creating the repository on first use (copies of the editable paths)."""
+        if (self.root / ".git").is_dir():
+            head = _git(self.root, "rev-parse", "--verify", "--quiet", BASE_REF, check=False).strip()
+            if head:
+                return head
+        # Built next to its final place and renamed: a crash leaves no half-made workspace behind.
+        self.root.parent.mkdir(parents=True, exist_ok=True)
+        self._refuse_escaping_links()
+        tmp = Path(tempfile.mkdtemp(prefix=".workspace-", dir=self.root.parent))
+        # A file-level entry brings its sandbox folder's other files too (read-only: not editable), or
+        # the runs' checkouts would hold a sandbox of one file.
+        for rel in [*self.spec.editable, *sandbox_folders(self.spec.editable, self.project)]:
+            src, dst = self.project / rel, tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, dst, ignore=_IGNORED, symlinks=True, dirs_exist_ok=True)
+            elif not dst.exists():
+                shutil.copy2(src, dst)
+        _git(tmp, "init", "-q", "-b", "base")
+        _git(tmp, "add", "-A")
+        _git(tmp, "commit", "-q", "-m", "base: the project's editable paths")
+        if self.root.exists():
+            shutil.rmtree(self.root)
+        tmp.rename(self.root)
+        return _git(self.root, "rev-parse", BASE_REF).strip()
+
+    def _refuse_escaping_links(self) -> None:
+        """Refuse a symlink under the editable paths that resolves outside all of them (named, with its target)."""
+        roots = [(self.project / rel).resolve() for rel in self.spec.editable]
+        for rel in self.spec.editable:
+            top = self.project / rel
+            if not top.is_dir():
+                continue
+            for folder, dirs, files in os.walk(top):
+                for name in dirs + files:
+                    path = Path(folder) / name
+                    if not path.is_symlink():
+                        continue
+                    target = path.resolve()
+                    if not any(target == r or target.is_relative_to(r) for r in roots):
+                        raise WorkspaceError(
+                            f"{path.relative_to(self.project)}: a symlink to {os.readlink(path)} (resolving to "
+                            f"{target}) leads outside the editable paths {self.spec.editable}; edits could write "
+                            "through it, so the workspace is not created. Replace the link by a copy, or make "
+                            "its target editable.")
+
+    def commit_of(self, proposal_id: str) -> str | None:
+        out = _git(self.root, "rev-parse", "--verify", "--quiet", f"refs/proposals/{proposal_id}", check=False)
+        return out.strip() or None
+
+    def proposal_refs(self) -> dict[str, str]:
+        out = _git(self.root, "for-each-ref", "--format=%(refname) %(objectname)", "refs/proposals/")
+        return {line.split()[0].removeprefix("refs/proposals/"): line.split()[1] for line in out.splitlines() if line}
+
+    def diff(self, parent: str, commit: str) -> str:
+        return _git(self.root, "diff", "--no-color", "--no-renames", parent, commit)
+
+    def files(self, commit: str) -> dict[str, str]:
+        """Text of every file at `commit` (what the llm planner sees of the code)."""
+        names = _git(self.root, "ls-tree", "-r", "--name-only", commit).splitlines()
+        return {n: _git(self.root, "show", f"{commit}:{n}") for n in names if n.endswith((".py", ".toml", ".md"))}
+
+    # -- folders at a commit ----------------------------------------------------------------
+    def checkout(self, commit: str, folder: Path) -> Path:
+        """Write the code at `commit` to `folder` (a detached worktree); reuses one already there."""
+        if (folder / ".git").exists():
+            if _git(folder, "rev-parse", "HEAD", check=False).strip() == commit:
+                return folder
+        self.remove(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _git(self.root, "worktree", "add", "-q", "--detach", str(folder), commit)
+        return folder
+
+    def remove(self, folder: Path) -> None:
+        """Drop a worktree (and whatever a killed process left of one)."""
+        if folder.exists():
+            _git(self.root, "worktree", "remove", "--force", str(folder), check=False)
+            shutil.rmtree(folder, ignore_errors=True)
+        _git(self.root, "worktree", "prune")
+
+    # -- path rules -------------------------------------------------------------------------
+    def check_path(self, rel: str, action: str) -> str:
+        """Refuse a path an edit may not touch; `action` is add, modify or delete. -> the clean path."""
+        if rel.startswith("/") or PurePosixPath(rel).is_absolute():
+            raise WorkspaceError(f"{rel}: absolute paths are refused; give paths relative to the workspace root")
+        if ".." in PurePosixPath(rel).parts:
+            raise WorkspaceError(f"{rel}: paths containing '..' are refused")
+        clean = str(PurePosixPath(rel))
+        if not _inside(clean, self.spec.editable):
+            what = "new files" if action == "add" else "files"
+            raise WorkspaceError(f"{clean}: {what} outside the editable paths {self.spec.editable} are refused")
+        if _inside(clean, self.spec.readonly):
+            raise WorkspaceError(f"{clean}: read-only by the brief (code.readonly); it may not change")
+        if action == "delete" and clean in self.entry_files():
+            raise WorkspaceError(f"{clean}: deleting a sandbox's entry file is refused")
+        return clean
+
+    def entry_files(self) -> set[str]:
+        """`<sandbox>/<entry>` of every sandbox folder in the workspace's base."""
+        out = set()
+        for toml in self.root.rglob("sandbox.toml"):
+            if ".git" in toml.parts:
+                continue
+            try:
+                entry = tomllib.loads(toml.read_text()).get("entry", "agent.py")
+            except tomllib.TOMLDecodeError:
+                entry = "agent.py"
+            out.add(str((toml.parent / entry).relative_to(self.root)))
+        return out
+
+    def check_changes(self, tree: Path) -> list[tuple[str, str]]:
+        """Stage everything in a trial tree and refuse what the rules forbid. -> [(status, path)]."""
+        _git(tree, "add", "-A")
+        out = _git(tree, "diff", "--cached", "--name-status", "--no-renames")
+        changes = [(line.split("\t", 1)[0], line.split("\t", 1)[1]) for line in out.splitlines() if line]
+        if not changes:
+            raise WorkspaceError("the edit changes nothing")
+        root = tree.resolve()
+        for status, rel in changes:
+            action = {"A": "add", "D": "delete"}.get(status[0], "modify")
+            self.check_path(rel, action)
+            path = tree / rel
+            if path.is_symlink():
+                target = (path.parent / os.readlink(path)).resolve()
+                if target != root and root not in target.parents:
+                    raise WorkspaceError(f"{rel}: a symlink pointing outside the workspace ({os.readlink(path)}) "
+                                         "is refused")
+        return changes
+
+    # -- trials -----------------------------------------------------------------------------
+    def apply_edits(self, tree: Path, edits: list[Edit]) -> None:
+        """Apply search/replace blocks in a trial tree; each must match exactly once."""
+        for edit in edits:
+            exists = (tree / edit.file).is_file() if not edit.file.startswith("/") else False
+            rel = self.check_path(edit.file, "modify" if exists or edit.search else "add")
+            path = self._real(tree, rel, "modify" if exists or edit.search else "add")
+            if not edit.search:
+                if path.exists():
+                    raise EditError(f"{rel}: an empty search block creates a file, but the file exists",
+                                    rel, path.read_text(errors="replace"))
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(edit.replace)
+                continue
+            if not path.is_file():
+                raise EditError(f"{rel}: no such file in the workspace", rel, "")
+            text = path.read_text()
+            count = text.count(edit.search)
+            if count != 1:
+                how = "does not match" if count == 0 else f"matches {count} times"
+                raise EditError(f"{rel}: the search block {how}; it must match the file's text exactly once",
+                                rel, text)
+            path.write_text(text.replace(edit.search, edit.replace, 1))
+
+    def _real(self, tree: Path, rel: str, action: str) -> Path:
+        """The real path an edit of `rel` writes, symlinks followed: inside the worktree and allowed under
+        its real name too, else a `WorkspaceError` naming both."""
+        root, real = tree.resolve(), (tree / rel).resolve()
+        if not real.is_relative_to(root) or real == root:
+            raise WorkspaceError(f"{rel}: resolves to {real}, outside the workspace (through a symlink); "
+                                 "writing there is refused")
+        real_rel = real.relative_to(root).as_posix()
+        if real_rel != rel:
+            try:
+                self.check_path(real_rel, action)
+            except WorkspaceError as e:
+                raise WorkspaceError(f"{rel}: resolves through a symlink to {real_rel}, which is refused: {e}") from None
+        return real
+
+    def apply_patch(self, tree: Path, patch: str) -> None:
+        """Apply a person's unified diff (paths relative to the workspace root, a/ b/ prefixes)."""
+        for rel in patch_paths(patch):
+            if rel.startswith("/") or ".." in PurePosixPath(rel).parts:
+                self.check_path(rel, "modify")  # raises with the path and the reason
+        done = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=tree, input=patch,
+                              capture_output=True, text=True, env={**os.environ, **_GIT_ENV})
+        if done.returncode != 0:
+            raise WorkspaceError(f"the patch does not apply: {(done.stderr or done.stdout).strip()}")
+
+    def commit_trial(self, tree: Path, proposal_id: str, message: str) -> str:
+        """Commit the staged trial and pin it with refs/proposals/<id>. -> the commit id."""
+        _git(tree, "commit", "-q", "--no-verify", "-m", message)
+        commit = _git(tree, "rev-parse", "HEAD").strip()
+        _git(self.root, "update-ref", f"refs/proposals/{proposal_id}", commit)
+        return commit
+
+
+    def drop_proposal(self, proposal_id: str) -> None:
+        """Forget a proposal's commit (it failed a step after it was committed): nothing runs or builds on it."""
+        _git(self.root, "update-ref", "-d", f"refs/proposals/{proposal_id}", check=False)
+
+
+def patch_paths(patch: str) -> list[str]:
+    """Every path a unified diff names, without its a/ or b/ prefix."""
+    out = []
+    for line in patch.splitlines():
+        if line.startswith("diff --git "):
+            out += [p.split("/", 1)[1] if p[:2] in ("a/", "b/") else p for p in line.split()[2:4]]
+        elif line.startswith(("--- ", "+++ ")):
+            path = line[4:].split("\t")[0].strip()
+            if path != "/dev/null":
+                out.append(path[2:] if path[:2] in ("a/", "b/") else path)
+        elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
+            out.append(line.split(" ", 2)[2])
+    return list(dict.fromkeys(out))

@@ -1,0 +1,138 @@
+"""The confirmation round: a recommendation stands only if it replicates on held-out seeds.
+
+When the search is over, the experiment the study would recommend (judged `better` than the
+baseline at the longest training, `decision.recommend`) and the baseline are run again at the
+base config's full length on seeds the search never used. A code pick is confirmed at its own
+commit, with its overrides (a chain, B built on A, at B's commit, which holds both); the baseline
+runs at the base commit. The confirmation is judged like any other comparison; the recommendation stands only when it is `better` again, and otherwise the
+report says the effect did not replicate. One confirmation per study.
+
+These are pure functions over the study's records: which proposals the confirmation round
+needs, and what it concluded. The graph nodes launch and score them like any other round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from researcher.brief.schema import Brief
+from researcher.evidence import decision
+from researcher.evidence.analysis import config_of, is_baseline
+from researcher.records import CodeVersion, ExperimentResult, Proposal
+
+CONFIRMATION_PLANNER = "confirmation"
+
+
+def _steps(p: Proposal, default_steps: int) -> int:
+    return int(p.overrides.get("trainer.steps", default_steps))
+
+
+def search_recommendation(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
+                          brief: Brief) -> tuple[Proposal, ExperimentResult] | None:
+    """The search's pick (confirmation rounds excluded): `better` at the longest training, or None.
+
+    Baselines carry no verdict, so they are never the pick.
+    """
+    by_id = {p.id: p for p in proposals if p.confirms is None}
+    scored = [(by_id[r.proposal_id], r) for r in results if r.proposal_id in by_id]
+    candidates = [decision.Candidate(proposal_id=p.id, steps=_steps(p, default_steps), verdict=r.verdict,
+                                     mean=r.summary.mean if r.summary else float("nan")) for p, r in scored]
+    pick = decision.recommend(candidates, brief.objective.direction)
+    if pick is None:
+        return None
+    return next((p, r) for p, r in scored if p.id == pick.proposal_id)
+
+
+def owed(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
+         brief: Brief) -> Proposal | None:
+    """The recommendation that still needs its confirmation round, or None."""
+    if not brief.confirm.enabled or any(p.confirms for p in proposals):
+        return None
+    found = search_recommendation(proposals, results, default_steps, brief)
+    return found[0] if found else None
+
+
+def proposals_for(pick: Proposal, result: ExperimentResult, proposals: Sequence[Proposal], brief: Brief,
+                  base_values: dict[str, Any], default_steps: int, number: int,
+                  code: dict[str, CodeVersion] | None = None) -> list[Proposal]:
+    """The confirmation round: the pick (at its commit when it is code) and the baseline at full length on
+    held-out seeds. `code`: the study's code versions by proposal id."""
+    version = (code or {}).get(pick.id)
+    commit = pick.commit or (version.commit if version is not None and version.passed else None)
+    if pick.kind == "code" and not commit:
+        raise ValueError(f"{pick.id} is a code proposal without a valid code version: it cannot be confirmed")
+    used = [*brief.seeds, *(s for p in proposals for s in (p.seeds or []))]
+    seeds = decision.held_out_seeds(used, brief.confirm.seeds or len(brief.seeds))
+    changed = config_of(pick)
+    what = ", ".join(f"{k}={v}" for k, v in sorted(changed.items())) or pick.id
+    if commit:
+        what += f" at commit {commit[:12]}"
+    verdict = result.verdict.fmt() if result.verdict else "no verdict"
+    common = dict(round=number, planner=CONFIRMATION_PLANNER, seeds=seeds, confirms=pick.id, priority=1)
+    return [
+        Proposal(id=f"r{number}-1", hypothesis=f"{what} beats the baseline on seeds the search never used",
+                 rationale=f"confirmation of {pick.id}, judged better in the search: {verdict}",
+                 expected_effect=f"better than the baseline again on held-out seeds {seeds}",
+                 overrides={**changed, "trainer.steps": default_steps}, commit=commit, **common),
+        Proposal(id=f"r{number}-2", hypothesis=f"the baseline, as the reference for confirming {pick.id}",
+                 rationale=f"the baseline re-run on the same held-out seeds {seeds}",
+                 expected_effect=f"worse than {pick.id} if its effect is real",
+                 overrides={**{k: base_values.get(k) for k in changed}, "trainer.steps": default_steps},
+                 **common),
+    ]
+
+
+def attach(results: list[ExperimentResult], proposals: Sequence[Proposal],
+           base_values: dict[str, Any]) -> list[ExperimentResult]:
+    """Copy a judged confirmation onto the result of the proposal it confirms."""
+    by_id = {p.id: p for p in proposals}
+    out = list(results)
+    for r in results:
+        p = by_id.get(r.proposal_id)
+        if p is None or p.confirms is None or is_baseline(p, base_values) or r.verdict is None:
+            continue
+        found = next((i for i, x in enumerate(out) if x.proposal_id == p.confirms), None)
+        if found is None:
+            continue
+        conf = decision.Confirmation(proposal_id=p.confirms, seeds=list(p.seeds or []), verdict=r.verdict,
+                                     replicated=r.verdict.result == "better")
+        out[found] = out[found].model_copy(update={"confirmation": conf})
+    return out
+
+
+def recommended(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
+                brief: Brief) -> tuple[Proposal, str | None] | None:
+    """The proposal the study recommends and the commit of its code (None: the base code), or None.
+
+    Recommended means judged better and confirmed on held-out seeds (or better, with confirmation off).
+    """
+    found = search_recommendation(proposals, results, default_steps, brief)
+    if found is None:
+        return None
+    pick, result = found
+    if result.confirmation is None and brief.confirm.enabled or result.confirmation and not result.confirmation.replicated:
+        return None
+    return pick, commit_of(pick, proposals)
+
+
+def commit_of(pick: Proposal, proposals: Sequence[Proposal]) -> str | None:
+    """The commit a pick's confirmation ran at (its code), else its own; None for config-only picks."""
+    return next((p.commit for p in proposals if p.confirms == pick.id and p.commit), pick.commit)
+
+
+def conclusion(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
+               brief: Brief) -> str:
+    """What the study may recommend, in one sentence for its stop reason and report."""
+    found = search_recommendation(proposals, results, default_steps, brief)
+    if found is None:
+        return "no candidate was judged better than the baseline: nothing to recommend"
+    pick, result = found
+    if result.confirmation is None:
+        if not brief.confirm.enabled:
+            return f"{pick.id} was judged better (confirmation is off in the brief): recommended unconfirmed"
+        return f"{pick.id} was judged better but is not confirmed on held-out seeds: not recommended"
+    if result.confirmation.replicated:
+        commit = commit_of(pick, proposals)
+        return f"recommend {pick.id}" + (f" (code at commit {commit})" if commit else "") + f": {result.confirmation.fmt()}"
+    return f"{pick.id} is not recommended: the effect {result.confirmation.fmt()}"

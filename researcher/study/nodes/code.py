@@ -1,0 +1,102 @@
+"""The code nodes: set up the study's workspace, validate each code proposal, and run its code once approved.
+
+`workspace` creates the study's git workspace on first use and records its base commit.
+`validate` takes one code proposal of the round at a time (the edge loops back while any is left),
+applies it on its parent's commit in a trial worktree and runs the validation steps; the result
+(steps, logs, diff, commit when valid) joins the state as a `CodeVersion`. When a person must
+approve code (`approval.code_change: human` without `code.execute_before_review`), only the static
+steps run here: nothing of the proposal executes before review. `execute` then takes one approved
+proposal with pending steps at a time, after review and before any core run, and runs them
+(researcher/code/validation.py); a failure ends the proposal invalid, with its log, on the review board.
+A proposal killed mid-validation is simply validated again: the trial is thrown away and commits
+are deterministic. These nodes neither review nor launch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from researcher.code.validation import Validator
+from researcher.records import CodeVersion, Proposal, StepResult
+from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
+
+
+def versions(state: StudyState) -> dict[str, CodeVersion]:
+    return {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
+
+
+def unvalidated(state: StudyState) -> list[Proposal]:
+    done = versions(state)
+    return [p for p in models_of(state.get("proposals"), Proposal)
+            if p.round == state.get("round", 0) and p.kind == "code" and p.id not in done]
+
+
+def unexecuted(state: StudyState) -> list[tuple[Proposal, CodeVersion]]:
+    """Approved code proposals of the round whose executing steps are still to run."""
+    approved = {d["proposal_id"] for d in state.get("decisions", []) if d["verdict"] == "approved"}
+    known = versions(state)
+    return [(p, known[p.id]) for p in models_of(state.get("proposals"), Proposal)
+            if p.round == state.get("round", 0) and p.id in approved and p.id in known
+            and known[p.id].passed and known[p.id].pending]
+
+
+class CodeNodes(NodeBase):
+    def _validator(self) -> Validator:
+        ctx = self.ctx
+        assert ctx.workspace is not None
+        ctx.paths.trials.mkdir(parents=True, exist_ok=True)
+        return Validator(ctx.workspace, ctx.brief, ctx.workdir, ctx.paths.trials, Path(sys.executable).parent / "swarm")
+
+    def _execute_before_review(self) -> bool:
+        brief = self.ctx.brief
+        return brief.approval.code_change == "auto" or bool(brief.code and brief.code.execute_before_review)
+
+    def workspace(self, state: StudyState) -> dict[str, Any]:
+        self._enter("workspace", state)
+        if self.ctx.workspace is None:
+            return {"workspace_base": ""}
+        base = self.ctx.workspace.base()
+        if base != state.get("workspace_base"):
+            self.ctx.emit("workspace", path=str(self.ctx.workspace.root), base=base)
+        return {"workspace_base": base}
+
+    def validate(self, state: StudyState) -> dict[str, Any]:
+        self._enter("validate", state)
+        todo = unvalidated(state)
+        if not todo:
+            return {}
+        p, known = todo[0], versions(state)
+        ctx = self.ctx
+        parent = known.get(p.parent) if p.parent else None
+        problem = None
+        if ctx.workspace is None:
+            problem = "this study edits no code: its brief has no `code:` section"
+        elif p.parent and (parent is None or not parent.passed):
+            problem = f"parent proposal {p.parent} has no valid code version"
+        if problem:
+            version = CodeVersion(proposal_id=p.id, parent_commit="", passed=False, failed_step="apply",
+                                  steps=[StepResult(step="apply", passed=False, log=problem)])
+        else:
+            version = self._validator().validate(p, parent.commit if parent else state["workspace_base"], ctx.emit,
+                                                 execute=self._execute_before_review())
+        if version.diff:
+            ctx.paths.diffs.mkdir(parents=True, exist_ok=True)
+            (ctx.paths.diffs / f"{p.id}.diff").write_text(version.diff)
+        ctx.emit("validation", proposal_id=p.id, passed=version.passed, step=version.failed_step,
+                 commit=version.commit)
+        return {"code": [*state.get("code", []), *dump([version])]}
+
+    def execute(self, state: StudyState) -> dict[str, Any]:
+        self._enter("execute", state)
+        todo = unexecuted(state)
+        if not todo:
+            return {}
+        (p, version), ctx = todo[0], self.ctx
+        done = self._validator().execute(p, version, ctx.emit)
+        ctx.emit("validation", proposal_id=p.id, passed=done.passed, step=done.failed_step, commit=done.commit)
+        if not done.passed:
+            ctx.board.invalidate(p.id, done)
+        code = [v if v["proposal_id"] != p.id else done.model_dump() for v in state.get("code", [])]
+        return {"code": code}

@@ -1,0 +1,95 @@
+"""The outcome nodes: score finished experiments, decide whether to go on, and write the report.
+
+`analyze` reads each experiment's runs from MLflow, queues the one re-run of each failed seed,
+scores the experiments over seeds and judges each against its baseline (`researcher.evidence.decision`,
+`researcher.evidence.confirmation`); `decide` checks the budgets (a confirmation round owed still runs);
+`report` renders the study so far. They start and stop nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from researcher.budget import Spent
+from researcher.evidence import analysis, confirmation
+from researcher.records import ExperimentResult, Launch, Proposal
+from researcher.review.report import write_report
+from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
+
+
+class OutcomeNodes(NodeBase):
+    def _read(self, launches: list[Launch]) -> tuple[dict[str, analysis.RunScore], dict[str, list[dict[str, Any]]]]:
+        """Each launch's outcome, and the metric histories of each proposal's finished runs."""
+        objective = self.ctx.brief.objective
+        metrics = [objective.metric, "train/loss", *analysis.CURVE_DIAGNOSTICS.values()]
+        outcomes: dict[str, analysis.RunScore] = {}
+        curves: dict[str, list[dict[str, Any]]] = {}
+        for x in launches:
+            if x.status == "finished" and x.run_id:
+                run = analysis.read_run(self.ctx.client, x.run_id, metrics)
+                outcomes[x.key] = analysis.run_outcome(x, run.histories[objective.metric], objective, run.last_step)
+                curves.setdefault(x.proposal_id, []).append(run.histories)
+            else:
+                outcomes[x.key] = analysis.run_outcome(x, None, objective)
+        return outcomes, curves
+
+    def analyze(self, state: StudyState) -> dict[str, Any]:
+        self._enter("analyze", state)
+        brief, ctx = self.ctx.brief, self.ctx
+        launches = models_of(state.get("launches"), Launch)
+        results = models_of(state.get("results"), ExperimentResult)
+        proposals = models_of(state.get("proposals"), Proposal)
+        done = {r.proposal_id for r in results}
+        pending = [pid for pid in dict.fromkeys(x.proposal_id for x in launches) if pid not in done]
+        outcomes, curves = self._read([x for x in launches if x.proposal_id in pending])
+        mine = {pid: [x for x in launches if x.proposal_id == pid] for pid in pending}
+        reruns = [r for pid in pending for r in analysis.seed_table(mine[pid], outcomes)[2]]
+        if reruns:  # a failed seed is re-run once (resumed from its checkpoint) before anything is judged
+            runs_left, steps_left, _ = Spent.of(state).left(brief)
+            for i, x in enumerate(reruns):
+                if i >= runs_left or steps_left < x.steps * (i + 1):
+                    reruns[i] = x.model_copy(update={"status": "skipped", "reason": "budget"})
+            ctx.emit("rerun", keys=[x.key for x in reruns])
+            return {"launches": dump([*launches, *reruns])}
+        new = [analysis.experiment_result(pid, mine[pid], outcomes).model_copy(
+            update={"curve": analysis.curve_summary(curves.get(pid, []), brief.objective)}) for pid in pending]
+        new = analysis.judge(new, proposals, self.base_values, self.base_steps, brief.objective, known=results)
+        results = confirmation.attach([*results, *new], proposals, self.base_values)
+        for r in new:
+            verdict = r.verdict.fmt() if r.verdict else ""
+            note = "; ".join(x for x in (verdict, r.note) if x)
+            ctx.board.close(r.proposal_id, r.summary, "FINISHED" if r.status == "ok" else "FAILED", note)
+            ctx.emit("result", proposal_id=r.proposal_id, status=r.status,
+                     summary=r.summary.fmt() if r.summary else "n/a", verdict=verdict)
+        ended = [x.ended_at for x in launches if x.ended_at]
+        compute = state.get("compute_s", 0.0)
+        if state.get("round_started") and ended:
+            compute += max(0.0, max(ended) - float(state["round_started"]))
+        return {"results": dump(results), "compute_s": compute, "round_started": None}
+
+    def decide(self, state: StudyState) -> dict[str, Any]:
+        self._enter("decide", state)
+        brief = self.ctx.brief
+        live = self._watch_live(state)  # what the live run spent, to its last sign of life
+        state = {**state, "live": live}
+        if state.get("round", 0) >= brief.budget.max_rounds and not self._confirmation_owed(state):
+            rounds = f"budget: {brief.budget.max_rounds} rounds done"
+            return {"live": live, "stop_reason": self._concluded(state, rounds)}
+        stop = Spent.of(state, gpus=brief.launch.gpus).exhausted(brief, llm=self.ctx.planner.name.startswith("llm"))
+        if stop and self._confirmation_owed(state):
+            return {"live": live, "stop_reason": ""}  # the plan node runs the confirmation round, then stops
+        return {"live": live, "stop_reason": self._concluded(state, stop) if stop else ""}
+
+    def report(self, state: StudyState) -> dict[str, Any]:
+        self._enter("report", state)
+        board = self.ctx.board
+        for change in board.audit(list(self._verdicts(state).values())):
+            self.ctx.emit("review.ignored", **change.model_dump())
+        path = write_report(self.ctx.name, self.ctx.brief, dict(state), self.ctx.client, self.ctx.paths,
+                            self.base_flat, board.ignored())
+        self.ctx.emit("report", path=str(path))
+        update: dict[str, Any] = {"report": str(path)}
+        if state.get("live"):  # the study is over: so is its live run (researcher/study/nodes/live.py)
+            live = self.ctx.launcher.stop(Launch.model_validate(state["live"]), "the study ended", self.ctx.client)
+            update["live"] = live.model_dump()
+        return update

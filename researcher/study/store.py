@@ -1,0 +1,214 @@
+"""Where a study lives on disk, what it was started with, and which process owns it.
+
+`studies/<name>/` holds the report; `studies/<name>/.study/` holds the frozen copy of the brief,
+`study.json` (planner, tracking URI, folder: everything a resume needs, and no secrets), the
+LangGraph checkpoint database, run logs and launch intents, and the owner's lock and pid file.
+The lock is an `flock` held for the owner's lifetime, so it vanishes with a killed process and
+two processes can never drive one study. This module names and guards files; it runs nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from pydantic import BaseModel
+
+from researcher.brief.loader import load_brief
+from researcher.brief.schema import Brief
+from researcher.planner.types import PlannerSpec
+from researcher.records import now_iso
+
+# Study names become folder names, MLflow experiment names and filter values: keep them plain.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"  # MLflow's own default, as the core uses it
+
+
+class StudyError(RuntimeError):
+    """A study command that cannot proceed; the message says why and what to do."""
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise StudyError(f"study name {name!r} must be 1-64 letters, digits, '_', '.' or '-', "
+                         "starting with a letter or digit")
+    return name
+
+
+def experiment_name(study: str) -> str:
+    return f"study-{study}"
+
+
+def resolve_tracking_uri(uri: str | None, workdir: Path) -> str:
+    """An absolute form of the tracking URI, so core runs and later commands find the same store."""
+    uri = uri or DEFAULT_TRACKING_URI
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str((workdir / uri.removeprefix("sqlite:///")).resolve())
+    if "://" not in uri:
+        return str((workdir / uri).resolve())
+    return uri
+
+
+def default_swarm_command() -> list[str]:
+    """`swarm run` from the same environment as this Python, else from PATH."""
+    local = Path(sys.executable).parent / "swarm"
+    return [str(local) if local.exists() else (shutil.which("swarm") or "swarm"), "run"]
+
+
+class StudyMeta(BaseModel):
+    name: str
+    brief_source: str  # the brief as given to `start`; the study uses its frozen copy
+    workdir: str  # folder the study started in; relative paths of the brief resolve here
+    tracking_uri: str
+    experiment: str
+    planner: PlannerSpec
+    created_at: str
+
+
+def study_brief(paths: StudyPaths, meta: StudyMeta) -> Brief:
+    """The study's brief, its relative paths resolved from the folder the study started in."""
+    return load_brief(paths.brief, Path(meta.workdir))
+
+
+@dataclass(frozen=True)
+class StudyPaths:
+    root: Path
+
+    @property
+    def state(self) -> Path:
+        return self.root / ".study"
+
+    @property
+    def db(self) -> Path:
+        return self.state / "state.db"
+
+    @property
+    def meta(self) -> Path:
+        return self.state / "study.json"
+
+    @property
+    def brief(self) -> Path:
+        return self.state / "brief.md"
+
+    @property
+    def configs(self) -> Path:
+        return self.state / "configs"
+
+    @property
+    def log(self) -> Path:
+        return self.state / "study.log"
+
+    @property
+    def pid(self) -> Path:
+        return self.state / "study.pid"
+
+    @property
+    def lock(self) -> Path:
+        return self.state / "lock"
+
+    @property
+    def held(self) -> Path:
+        """Present while a person's `stop` holds the study: `resume --all` leaves it alone."""
+        return self.state / "held"
+
+    @property
+    def inbox(self) -> Path:
+        return self.state / "inbox"  # people's proposals (researcher/study/inbox.py)
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"  # the study's code repository (researcher/code/workspace.py)
+
+    @property
+    def trials(self) -> Path:
+        return self.state / "trials"  # validation worktrees and smoke logs
+
+    @property
+    def diffs(self) -> Path:
+        return self.root / "diffs"  # each code proposal's diff, linked from the report
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report.md"
+
+    @property
+    def figures(self) -> Path:
+        return self.root / "report"
+
+
+def study_paths(studies_dir: Path, name: str) -> StudyPaths:
+    return StudyPaths(studies_dir / check_name(name))
+
+
+def load_meta(paths: StudyPaths) -> StudyMeta:
+    if not paths.meta.is_file():
+        raise StudyError(f"no study at {paths.root} (start one with `researcher study start BRIEF --name NAME`)")
+    return StudyMeta.model_validate_json(paths.meta.read_text())
+
+
+def create_study(paths: StudyPaths, brief_text: str, meta: StudyMeta) -> None:
+    if paths.meta.exists():
+        raise StudyError(f"study {meta.name} already exists at {paths.root}; use `researcher study resume "
+                         f"{meta.name}`, or pick another --name")
+    paths.state.mkdir(parents=True, exist_ok=True)
+    paths.brief.write_text(brief_text)
+    tmp = paths.meta.with_suffix(".tmp")
+    tmp.write_text(meta.model_dump_json(indent=1))
+    tmp.replace(paths.meta)
+
+
+def list_studies(studies_dir: Path) -> list[str]:
+    if not studies_dir.is_dir():
+        return []
+    return sorted(p.parent.parent.name for p in studies_dir.glob("*/.study/study.json"))
+
+
+class StudyLock:
+    """Exclusive ownership of a study by this process, with its pid on disk while held."""
+
+    def __init__(self, paths: StudyPaths) -> None:
+        self.paths = paths
+        self._fh: IO[str] | None = None
+
+    def __enter__(self) -> StudyLock:
+        self.paths.state.mkdir(parents=True, exist_ok=True)
+        fh = open(self.paths.lock, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise StudyError(f"study {self.paths.root.name} is already running (pid {owner_pid(self.paths)}); "
+                             "use `researcher study stop` first") from None
+        self._fh = fh
+        self.paths.pid.write_text(f"{os.getpid()}\n{now_iso()}\n")
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.paths.pid.unlink(missing_ok=True)
+        if self._fh is not None:
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
+            self._fh.close()
+
+
+def owner_pid(paths: StudyPaths) -> int | None:
+    """The pid of the live process driving the study, or None."""
+    if not paths.lock.exists():
+        return None
+    with open(paths.lock, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return int(paths.pid.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return -1  # held, but the pid file is not written yet
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        return None
