@@ -46,6 +46,23 @@ class ClientRay(RayResources):
     replicas: int = Field(1, ge=1)  # actors started from this client entry, spread over the cluster's CPUs
 
 
+class ModelTrainer(Strict):
+    """How one model's trainer is spread over devices (`core.train.distributed`)."""
+
+    # Data-parallel ranks, each a process with a full copy of the weights and the optimizer (gloo on
+    # CPU, NCCL on GPU). Rank 0 is the run's own process; 1 is the single-process trainer.
+    world_size: int = Field(1, ge=1)
+    # One device per rank; None: every rank on cpu for a cpu model, else cuda:0..world_size-1.
+    devices: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_device_per_rank(self) -> ModelTrainer:
+        if self.devices is not None and len(self.devices) != self.world_size:
+            raise ValueError(f"devices lists {len(self.devices)} devices for world_size {self.world_size}; "
+                             "give one per rank")
+        return self
+
+
 class ModelConfig(Strict):
     name: str = "policy"  # what clients pass as `model`; also the MLflow metric prefix for multi-model runs
     source: str = "tiny"  # a preset (`swarm models`) or a local Hugging Face folder
@@ -59,6 +76,16 @@ class ModelConfig(Strict):
     trainable: bool = True
     seed: int = 0  # seeds the `tiny` preset's random weights
     ray: RayResources = Field(default_factory=RayResources)  # its engine+trainer actor under Ray placement
+    # Rollout engines for this model (`core.engine.replicas`): 1 is the engine sharing the trainer's
+    # module in this process; N >= 2 starts N engine processes (or Ray actors under Ray placement),
+    # each on its own device, routed by episode and synced with the trainer's weights after each step.
+    replicas: int = Field(1, ge=1)
+    # One device per replica; None: cpu for a cpu model, else the GPUs `layout` assigns.
+    replica_devices: list[str] | None = None
+    # colocated: replica i shares a device with trainer rank i (engines idle during the step);
+    # split: trainer ranks on the first devices, replicas on the ones after (`core.run.plan`).
+    layout: Literal["colocated", "split"] = "split"
+    trainer: ModelTrainer = Field(default_factory=ModelTrainer)
 
     @field_validator("device")
     @classmethod
@@ -67,6 +94,31 @@ class ModelConfig(Strict):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
         return device
 
+    @model_validator(mode="after")
+    def _one_device_per_replica(self) -> ModelConfig:
+        if self.replica_devices is not None and len(self.replica_devices) != self.replicas:
+            raise ValueError(f"replica_devices lists {len(self.replica_devices)} devices for {self.replicas} "
+                             "replicas; give one per replica")
+        for d in [*(self.replica_devices or []), *(self.trainer.devices or [])]:
+            self._known_device(d)
+        return self
+
+
+def model_devices(mc: ModelConfig, gpus: int) -> tuple[list[str], list[str]]:
+    """(trainer rank devices, replica devices) of a model on a machine with `gpus` GPUs.
+
+    A cpu model (or `auto` without a GPU) puts everything on cpu. On GPUs the defaults follow
+    `layout`: ranks on cuda:0..M-1; replicas colocated on cuda:0..N-1 (sharing the ranks' GPUs) or
+    split onto cuda:M..M+N-1. Explicit `trainer.devices` / `replica_devices` win. Pure: the caller
+    says how many GPUs there are, so `--dry-run` can plan for a machine it is not on."""
+    on_cpu = mc.device == "cpu" or (mc.device == "auto" and gpus == 0)
+    m, n = mc.trainer.world_size, mc.replicas
+    if on_cpu:
+        return mc.trainer.devices or ["cpu"] * m, mc.replica_devices or ["cpu"] * n
+    ranks = mc.trainer.devices or ([mc.device] if m == 1 else [f"cuda:{i}" for i in range(m)])
+    first = 0 if mc.layout == "colocated" else m
+    return ranks, mc.replica_devices or [f"cuda:{first + i}" for i in range(n)]
+
 
 class EngineConfig(Strict):
     kind: Literal["hf", "instant", "vllm"] = "hf"  # instant: the null engine, answers at once (benchmarks)
@@ -74,6 +126,11 @@ class EngineConfig(Strict):
     batch_window_ms: float = Field(2.0, ge=0)  # how long the first request of a batch waits for company
     default_max_tokens: int = Field(256, ge=1)  # for requests that do not say
     default_temperature: float = Field(1.0, ge=0, le=2)  # for requests that do not say
+    # Every request samples with its own seed, derived from (trainer.seed, episode, call, choice), so a
+    # run repeats whatever order concurrent calls arrive in (hf: one generator a row; vLLM: a seed a
+    # request). Off by default: a seed per request moves vLLM off its batched sampler onto a per-row
+    # loop, and costs the hf engine one draw a row (bench/repeatable_sampling.py, docs/benchmarks.md).
+    repeatable_sampling: bool = False
 
 
 class ServerConfig(Strict):

@@ -45,6 +45,7 @@ from core.run.supervisor import Supervisor
 from core.run.telemetry import Telemetry
 from core.clients.venvs import client_python
 from core.episodes.wire import SwapRecord
+from core.train.distributed import build_trainer
 from core.train.trainer import Trainer, seed_everything
 from core.run.watchdog import Watchdog, run_folder
 
@@ -63,7 +64,7 @@ class CoreRun:
         self.cfg = cfg
         self.server = server or Server(cfg)
         self.trainers = trainers if trainers is not None else {
-            name: Trainer(p.model, cfg.trainer, name, lora=_lora(cfg, name))
+            name: build_trainer(p.model, cfg, name)  # one process, or data-parallel ranks (core.train.distributed)
             for name, p in self.server.policies.items()
             if p.trainable
         }
@@ -353,7 +354,3 @@ def _timed(spent: list[float], fn, *args):
         return fn(*args)
     finally:
         spent.append(time.perf_counter() - start)
-
-
-def _lora(cfg: RunConfig, name: str) -> bool:
-    return next(m for m in cfg.models if m.name == name).lora is not None
