@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from core.config import LoraConfig, TrainerConfig
+from core.config import TrainerConfig
+from core.models import prepare_policy  # re-exported: the trainer's callers build policies with it
 from core.records import Episode
 from core.train.prompt_sharing import share_prompt
 from core.train.timelines import Sample, merge_with_stats
@@ -88,27 +89,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def prepare_policy(model: torch.nn.Module, lora: LoraConfig | None) -> torch.nn.Module:
-    """The module to train and to generate with: `model` wrapped with LoRA adapters, or `model` itself.
-
-    With LoRA the base weights are frozen and PEFT injects the adapters into `model` in place.
-    """
-    if lora is None:
-        model.requires_grad_(True)
-        return model
-    from peft import LoraConfig as PeftLoraConfig  # peft loads (~0.5 s) only for LoRA runs
-    from peft import get_peft_model
-
-    peft_cfg = PeftLoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, peft_cfg)
 
 
 def _is_peft(module: torch.nn.Module) -> bool:
