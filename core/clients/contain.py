@@ -14,11 +14,15 @@
   thread that started it (PR_SET_PDEATHSIG), so nothing outlives its starter, unless it is started
   `detached` (a client `swarm swap` starts outlives that command: it ends when the server drains it);
 - bubblewrap when `bwrap` is on PATH: a read-only view of / (system, venv, project), a writable bind
-  of the folders it may write (its worktree or working folder) and a private /tmp, the admin token
-  files its caller names masked (`core.clients.server_files.token_files`), its own pid
-  namespace (nothing survives the sandbox), all capabilities dropped. Without bwrap it runs
-  uncontained by the filesystem (the limits above still apply), said once per process
-  (`log.warning`); `require_bwrap` turns that into an error for `required` containment.
+  of the folders it may write (its worktree or working folder), a private /tmp and HOME bounded in size
+  (tmpfs of `limits.file_size` bytes each), the admin token and server files of this machine's runs,
+  `swarm warm`'s socket folder and what its caller names masked (`masked_paths`), its own pid namespace
+  (nothing survives the sandbox) and network namespace, all capabilities dropped. Its one way out is to
+  its swarm server, when its caller names one: the relay inside (`core.clients.relay`) passes loopback
+  connections to the forwarder outside (`core.clients.forwarder`), which sends on only the episode
+  routes. Without bwrap it runs uncontained by the filesystem and the network (the limits above still
+  apply), said once per process (`log.warning`); `require_bwrap` turns that into an error for
+  `required` containment.
 
 Who uses it: `swarm run`'s supervisor for its client processes (`containment.clients`), `swarm swap
 --contain` for the client it starts, and `swarm contain`, the command through which the researcher's
@@ -42,7 +46,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
+from core.clients.server_files import token_files
 from core.config import ConfigError, ContainLimits, ContainMode, is_secret
 
 log = logging.getLogger(__name__)
@@ -62,6 +68,11 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # could deadlock on a lock another thread of the parent held at the fork.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 BWRAP_FIX = "apt-get install bubblewrap"
+# The two stdlib-only scripts of the network boundary, run by file path with `python -I` (docstrings there).
+RELAY = Path(__file__).with_name("relay.py")  # inside the sandbox: loopback port -> the forwarder's socket
+FORWARDER = Path(__file__).with_name("forwarder.py")  # outside: the socket -> the server's episode routes
+FORWARD_SOCKET = "forward.sock"
+WARM_ENV = "SWARMRL_WARM"  # `swarm warm`'s socket (core.run.warm): masked with its folder, as the runtime folder is
 CGROUP_SWEEP_AGE_S = 60.0  # an empty cgroup older than this was left by a detached process that ended
 
 
@@ -173,38 +184,72 @@ def _preexec(limits: ContainLimits, nproc: int, group: Path | None, detached: bo
 
 
 def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Sequence[Path] = (),
-         detached: bool = False, hidden: Sequence[Path] = ()) -> list[str]:
-    """`argv` under bubblewrap (read-only /, `writable` and a private /tmp writable, own pid namespace,
-    no capabilities; it dies with its starter unless `detached`), or unchanged when bwrap is missing (said once). The private /tmp hides the real
-    one, so what it must read from there (a sandbox folder under /tmp) is named in `readable`: bound
-    read-only again (so is `cwd`), before the writable binds (a writable folder inside a readable one
-    stays writable). What is `hidden` (the admin token files the user could read) is masked last: a folder
-    by an empty tmpfs, a file by /dev/null."""
+         detached: bool = False, hidden: Sequence[Path] = (), *, tmp_bytes: int = ContainLimits().file_size,
+         private: Sequence[Path] = (), forward: Path | None = None, port: int = 0) -> list[str]:
+    """`argv` under bubblewrap, or unchanged when bwrap is missing (said once). Under bwrap: a read-only /,
+    `writable` writable, a private /tmp of at most `tmp_bytes` (so are the `private` folders: a size-bounded
+    tmpfs each, its HOME), its own pid and network namespaces, no capabilities; it dies with its starter
+    unless `detached`. The private /tmp hides the real one, so what it must read from there (a sandbox
+    folder under /tmp) is named in `readable`: bound read-only again (so is `cwd`). What is `hidden` (admin
+    token files, server files, a study's state: `masked_paths`) is masked next, a folder by an empty tmpfs, a
+    file by /dev/null; then the `readable` and `writable` folders inside a masked one are bound again, so
+    its own working folder stays usable inside a masked run folder.
+    The network namespace has only loopback: with `forward` (the forwarder's socket, `core.clients.forwarder`)
+    the command starts behind the relay (`core.clients.relay`) listening on 127.0.0.1:`port`, its one way to
+    its server; without it the command has no network at all."""
     global _warned_uncontained
     exe = bwrap()
     if exe is None:
         if not _warned_uncontained:
             log.warning("bwrap (bubblewrap) is not on PATH: proposal code runs uncontained by the filesystem "
-                        "(environment allowlist and resource limits still apply); install bubblewrap to contain it")
+                        "and the network (environment allowlist and resource limits still apply); install "
+                        "bubblewrap to contain it")
             _warned_uncontained = True
         return list(argv)
+    shown = [(Path(f).resolve(), "--ro-bind") for f in (*_own_code_under_tmp(), RELAY.parent, *readable, cwd)]
+    shown += [(Path(f).resolve(), "--bind") for f in writable]
+    masks = [Path(h).resolve() for h in hidden if Path(h).exists()]
     binds: list[str] = []
-    for folder in (*_own_code_under_tmp(), *readable, cwd):  # its working folder must be there to start in
+    for real, how in shown:
+        binds += [how, str(real), str(real)]
+    for real in masks:
+        binds += ["--tmpfs", str(real)] if real.is_dir() else ["--ro-bind", "/dev/null", str(real)]
+    for real, how in shown:  # inside a masked folder: bound again on top of its mask
+        if any(real != m and real.is_relative_to(m) for m in masks if m.is_dir()):
+            binds += [how, str(real), str(real)]
+    for folder in private:
         real = str(Path(folder).resolve())
-        binds += ["--ro-bind", real, real]
-    for folder in writable:
-        real = str(Path(folder).resolve())
-        binds += ["--bind", real, real]
-    for path in map(Path, hidden):
-        real = str(path.resolve())
-        binds += ["--tmpfs", real] if path.is_dir() else ["--ro-bind", "/dev/null", real] if path.exists() else []
+        binds += ["--size", str(tmp_bytes), "--tmpfs", real, "--dir", f"{real}/tmp"]
+    command = list(argv)
+    if forward is not None:
+        binds += ["--ro-bind", str(forward.parent), str(forward.parent)]
+        command = [sys.executable, "-I", str(RELAY), "--socket", str(forward), "--port", str(port), "--", *argv]
     tied = [] if detached else ["--die-with-parent"]
     # In its own pid namespace the command sees itself as pid 2, a pid nobody outside can watch; the host pid
     # of bwrap (which lives exactly as long as the namespace) is given to it instead, as $SWARMRL_HOST_PID:
     # a shell that execs bwrap keeps its pid, so `$$` is known before bwrap starts.
     return ["/bin/sh", "-c", f'exec "$0" --setenv {HOST_PID_ENV} "$$" "$@"', exe,
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", *binds,
-            "--unshare-pid", *tied, "--cap-drop", "ALL", "--chdir", str(Path(cwd).resolve()), "--", *argv]
+            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
+            *binds, "--unshare-pid", "--unshare-net", *tied, "--cap-drop", "ALL",
+            "--chdir", str(Path(cwd).resolve()), "--", *command]
+
+
+def masked_paths(extra: Sequence[Path] = ()) -> list[Path]:
+    """What every contained process has masked: this machine's admin token and server files
+    (`server_files.token_files`), `swarm warm`'s socket folder ($SWARMRL_WARM's, besides the runtime folder),
+    and `extra` (a caller's own: a run folder's token, a study's sqlite state, the MLflow store)."""
+    warm = os.environ.get(WARM_ENV)
+    return list(dict.fromkeys([*token_files(), *([Path(warm).parent] if warm else []), *map(Path, extra)]))
+
+
+def inner_url(url: str) -> str:
+    """The URL by which contained code reaches the swarm server at `url`: the relay's port on its own loopback
+    (the same port, so a 127.0.0.1 URL reads the same inside), or `url` itself without bubblewrap."""
+    if bwrap() is None:
+        return url
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return urlunsplit(("http", f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
 
 
 def _own_code_under_tmp() -> list[Path]:
@@ -229,11 +274,14 @@ class Contained:
     scratch: Path
     group: Path | None
     wrapped: bool = False  # started under bwrap: `proc` is bwrap, the command runs in its pid namespace
+    forwarder: subprocess.Popen | None = None  # its one way to its server (`core.clients.forwarder`)
+    net: Path | None = None  # the forwarder's socket folder
 
     def signal(self, sig: int) -> None:
         """Send `sig` to every process of its group (SIGTERM asks a client to drain). Under bwrap all but
         bwrap itself: bwrap passes no signal on and dies of a SIGTERM, taking the command with it
-        (--die-with-parent) before it could drain; its namespace's processes are in the same group."""
+        (--die-with-parent) before it could drain; its namespace's processes are in the same group (the
+        relay among them, which lives on until the command ends)."""
         if not self.wrapped or sig == signal.SIGKILL:
             try:
                 os.killpg(self.proc.pid, sig)
@@ -256,31 +304,65 @@ class Contained:
         The group's id stays reserved while any member lives, so this never reaches another process."""
         self.kill()
         self.proc.wait()
+        if self.forwarder is not None:
+            self.forwarder.kill()
+            self.forwarder.wait()
         _remove_cgroup(self.group)
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.net is not None:
+            shutil.rmtree(self.net, ignore_errors=True)
 
 
 def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] = (), readable: Sequence[Path] = (),
                     extra_env: Mapping[str, str] | None = None, limits: ContainLimits = ContainLimits(),
                     detached: bool = False, scratch: Path | None = None, hidden: Sequence[Path] = (),
-                    **popen: object) -> Contained:
+                    server: str | None = None, **popen: object) -> Contained:
     """Start `argv` contained (module docstring); the caller waits on `.proc` and calls `.close()`.
     `detached`: it outlives its starter, which never closes it, so its HOME goes in `scratch` (a folder
-    beside its log, say) instead of a temporary one nobody would remove. `hidden`: masked under bubblewrap."""
+    beside its log, say) instead of a temporary, size-bounded one. `hidden`: masked under bubblewrap, on top
+    of `masked_paths()`. `server`: the swarm server it may reach (under bubblewrap through the forwarder,
+    its only network; an argument of `argv` equal to it becomes `inner_url(server)`); None: no network."""
+    private = scratch is None and bwrap() is not None  # HOME and TMPDIR in a size-bounded tmpfs of its own
     scratch = scratch or Path(tempfile.mkdtemp(prefix="swarmrl-contained-"))
     (scratch / "tmp").mkdir(parents=True, exist_ok=True)
     env = contained_env(scratch, extra_env)
     nproc = _user_processes() + limits.processes
     group = _pids_cgroup(limits.processes) if os.getuid() == 0 else None
-    cmd = wrap(argv, cwd, [*writable, scratch], readable, detached, hidden)
+    net = Path(tempfile.mkdtemp(prefix="swarmrl-net-")) if server and bwrap() is not None else None  # 0700
+    if net is not None:
+        argv = [inner_url(server) if a == server else a for a in argv]
+    port = urlsplit(inner_url(server)).port if net is not None else 0
+    cmd = wrap(argv, cwd, [*writable, *([] if private else [scratch])], readable, detached, masked_paths(hidden),
+               tmp_bytes=limits.file_size, private=[scratch] if private else [],
+               forward=net / FORWARD_SOCKET if net is not None else None, port=port or 0)
+    proc = forwarder = None
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_preexec(limits, nproc, group, detached), **popen)  # type: ignore[arg-type]
+        if net is not None:
+            forwarder = _start_forwarder(net / FORWARD_SOCKET, server, proc.pid, detached, popen.get("stderr"))
     except BaseException:
+        if proc is not None:  # the forwarder did not start: the process would have no way to its server
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         _remove_cgroup(group)
         shutil.rmtree(scratch, ignore_errors=True)
+        if net is not None:
+            shutil.rmtree(net, ignore_errors=True)
         raise
-    return Contained(proc, scratch, group, wrapped=cmd != list(argv))  # `wrap` changes argv only for bwrap
+    # `wrap` changes argv only for bwrap
+    return Contained(proc, scratch, group, wrapped=cmd != list(argv), forwarder=forwarder, net=net)
+
+
+def _start_forwarder(socket_path: Path, server: str, pid: int, detached: bool, stderr: object) -> subprocess.Popen:
+    """The forwarder for the contained process `pid` (`core.clients.forwarder`): our own code, so uncontained;
+    it ends with that process, and with its starter unless `detached`. Its refusals go where the process's
+    stderr goes when that is a file (a swapped client's log), else to ours."""
+    where = stderr if stderr is not None and stderr != subprocess.PIPE else None
+    return subprocess.Popen([sys.executable, "-I", str(FORWARDER), "--socket", str(socket_path), "--upstream", server,
+                             "--watch-pid", str(pid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=where, start_new_session=True,  # a Ctrl-C to the terminal is for the run
+                            preexec_fn=None if detached else die_with_parent(signal.SIGKILL))
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -298,13 +380,13 @@ def _group_members(pgid: int) -> list[int]:
 
 def run_contained(argv: Sequence[str], cwd: Path, *, timeout_s: float | None, writable: Sequence[Path] = (),
                   extra_env: Mapping[str, str] | None = None, limits: ContainLimits = ContainLimits(),
-                  capture: bool = True, hidden: Sequence[Path] = ()) -> tuple[int | None, str]:
+                  capture: bool = True, hidden: Sequence[Path] = (), server: str | None = None) -> tuple[int | None, str]:
     """Run `argv` contained until it exits or `timeout_s` passes (then its group is killed; None: no timeout).
     -> (exit code, or None when it timed out; its stdout and stderr together, or "" when not `capture`d:
     then it writes to ours). Its group is killed too when this call ends by an exception (a signal)."""
     output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") if capture else {}
     started = popen_contained(argv, cwd, writable=writable, extra_env=extra_env, limits=limits, hidden=hidden,
-                              **output)
+                              server=server, **output)
     try:
         out, _ = started.proc.communicate(timeout=timeout_s)
         return started.proc.returncode, out or ""

@@ -162,7 +162,7 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
             cmd[cmd.index(spec)] = str(folder[0])
         started = popen_contained(cmd, workdir, writable=[workdir], readable=folder, detached=True,
                                   scratch=workdir / ".home", limits=ContainmentConfig().limits,
-                                  hidden=token_files(run_folder),
+                                  hidden=token_files(run_folder), server=url,
                                   extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
                                   stdout=log_file, stderr=subprocess.STDOUT)
     return _NewClient(client_id, started.proc, log_path, started)

@@ -130,7 +130,7 @@ def load_agent(spec: str, roots: Sequence[Path] | Path | None = None) -> Agent:
         if not (folder / "agent.py").is_file():
             raise ValueError(f"sandbox {str(folder)!r}: no agent.py in {folder}")
         meta = sandbox_meta(folder)
-        module = _import_file(_entry(folder, meta), f"sandbox_{meta.get('name', folder.name)}")
+        module = _import_file(entry_path(folder, meta), f"sandbox_{meta.get('name', folder.name)}")
         return _agent_from(module, meta.get("name", folder.name), _folder_version(folder), folder)
     try:
         module = importlib.import_module(spec)
@@ -153,6 +153,7 @@ def sandbox_meta(folder: Path) -> dict[str, Any]:
     if not isinstance(name, str) or not is_plain_name(name):
         raise ValueError(f"{path}: name {name!r} is refused; a sandbox's name must be a plain name (no '/', '\\', "
                          "'..'): it keys groups and names the client's pid and state files")
+    entry_path(folder, meta)  # a bad `entry` is refused when the file is read, before anything imports it
     return meta
 
 
@@ -166,19 +167,31 @@ def sandbox_requirements(folder: Path, meta: dict[str, Any]) -> list[str]:
     return [r.strip() for r in reqs]
 
 
-def _entry(folder: Path, meta: dict[str, Any]) -> Path:
-    """The sandbox's entry file, which must lie inside its folder: the folder is what gets versioned,
-    copied and swapped, so code outside it would run unversioned (`../x.py`, an absolute path, a link)."""
-    entry = str(meta.get("entry", "agent.py"))
-    path = (folder / entry).resolve()
+def entry_path(folder: Path, meta: dict[str, Any]) -> Path:
+    """The sandbox's entry file (`entry` in sandbox.toml, default agent.py), checked without reading it: a
+    relative path of plain names that stays inside the folder once links are followed. The folder is what
+    gets versioned, copied, reviewed and swapped, so code outside it would run unversioned and unreviewed
+    (`../x.py`, `/etc/passwd`, a link out). Anything else is a ValueError naming sandbox.toml."""
+    toml = folder / "sandbox.toml"
+    entry = meta.get("entry", "agent.py")
+    if not isinstance(entry, str) or not entry.strip() or "\0" in entry:
+        raise ValueError(f"{toml}: entry {entry!r} is invalid; it must be a relative path to a .py file inside "
+                         "the sandbox folder")
+    rel = Path(entry)
+    if rel.is_absolute() or ".." in rel.parts or "\\" in entry:
+        raise ValueError(f"{toml}: entry {entry!r} is invalid; it must be a relative path inside the sandbox "
+                         "folder (no absolute path, no '..')")
+    path = (folder / rel).resolve()
     if not path.is_relative_to(folder.resolve()):
-        raise ValueError(f"{folder / 'sandbox.toml'}: entry {entry!r} resolves to {path}, outside the sandbox "
-                         f"folder {folder}; it must name a file inside it")
+        raise ValueError(f"{toml}: entry {entry!r} resolves to {path}, outside the sandbox folder {folder} (a "
+                         "link out of it); it must name a file inside it")
     return path
 
 
 def _import_file(path: Path, module_name: str):
     spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:  # not a Python source file (`entry = "data.txt"`)
+        raise ValueError(f"{path} is not a Python file that can be imported as a sandbox's entry")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.parent))  # sandbox-local helper modules import as siblings
     try:

@@ -28,7 +28,7 @@ from core.clients.sandbox import safe_name
 
 PID_DIR_ENV = "SWARMRL_STATE"  # where clients leave pid files, swap its clients' logs, servers their files
 ADMIN_TOKEN_ENV = "SWARMRL_ADMIN_TOKEN"  # the admin token for `swarm swap` when the server runs elsewhere
-SERVER_FILE = "server.json"  # in a `swarm run` folder: {url, admin_token_file, pid, host, started}
+SERVER_FILE = "server.json"  # in a `swarm run` folder: {url, admin_token_file, pid, host, started, run_folder}
 
 
 class ServerFileError(ValueError):
@@ -61,15 +61,41 @@ def write_server_files(url: str, token: str, run_folder: Path | None) -> list[Pa
     for info, token_file in targets:
         _write_private(token_file, token)
         _write_private(info, json.dumps({"url": url, "admin_token_file": str(token_file.resolve()),
-                                         "pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}))
+                                         "pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+                                         # so `token_files` finds (and containment masks) a run's own token
+                                         "run_folder": str(Path(run_folder).resolve()) if run_folder else None}))
         written += [info, token_file]
     return written
 
 
+def runtime_dir() -> Path:
+    """This user's folder for sockets (`swarm warm`'s): `$XDG_RUNTIME_DIR/swarmrl` (a per-user tmpfs only
+    its owner enters), else `<pid_dir>/../run`; created 0700 by whoever makes a socket there
+    (`core.run.warm_peer.private_folder`), never a fixed world-writable path such as /tmp."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(base) / "swarmrl" if base else pid_dir().parent / "run"
+
+
 def token_files(run_folder: Path | None = None) -> list[Path]:
-    """Where this machine's servers keep their admin token files (this user can read them): what a
-    contained process must not see (`core.clients.contain`, masked under bubblewrap)."""
-    return [pid_dir() / "servers", *([Path(run_folder) / "admin_token"] if run_folder else [])]
+    """What a contained process must not see (`core.clients.contain` masks it under bubblewrap), all of it
+    readable by this user: the index of this machine's servers (every live server's token and server file,
+    `swarm serve`'s too), the admin token and server.json of every run that index names (a sibling run's,
+    with which code could pause or shut it down), those of `run_folder` (the caller's own run), and the
+    runtime folder holding `swarm warm`'s socket. A run started after the contained process is not in
+    this list; it cannot reach that run's server anyway (its network namespace, `core.clients.forwarder`)."""
+    index = pid_dir() / "servers"
+    found = [index, runtime_dir()]
+    for entry in sorted(index.glob("*.json")) if index.is_dir() else []:
+        try:
+            info = json.loads(entry.read_text())
+            found.append(Path(info["admin_token_file"]))
+            if info.get("run_folder"):
+                found += [Path(info["run_folder"]) / "admin_token", Path(info["run_folder"]) / SERVER_FILE]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # half written, or removed since the listing: nothing of it to mask
+    if run_folder is not None:
+        found += [Path(run_folder) / "admin_token", Path(run_folder) / SERVER_FILE]
+    return list(dict.fromkeys(found))
 
 
 def write_token_file(token: str) -> Path:

@@ -133,7 +133,8 @@ class CoreRun:
                        "--kind", c.kind, "--workdir", str(workdir), "--split", c.split,
                        *(["--tasks", str(c.tasks)] if c.tasks else []), "--seed", f"{self.cfg.trainer.seed}/{i}",
                        *(["--episode-timeout", str(c.episode_timeout)] if c.episode_timeout is not None else [])]
-                self.supervisor.start(c.agent, cmd, workdir, reads=[Path(spec)] if Path(spec).is_dir() else [])
+                self.supervisor.start(c.agent, cmd, workdir, reads=[Path(spec)] if Path(spec).is_dir() else [],
+                                      server=url)
         if local:
             agents = [(c, load_agent(c.agent, roots), f"{self.cfg.trainer.seed}/{i}")  # each client its own task order
                       for i, c in enumerate(self.cfg.clients) if not c.isolate]  # import errors surface before training starts

@@ -53,6 +53,7 @@ class ClientProcess:
     cmd: list[str]
     workdir: Path | None = None  # its working folder: the one folder a contained client may write
     reads: list[Path] = field(default_factory=list)  # folders a contained client reads (its sandbox's), bound read-only
+    server: str | None = None  # the swarm server a contained client may reach (its only network under bwrap)
     proc: subprocess.Popen | None = None
     contained: Contained | None = None  # set when it runs contained: its group, scratch HOME, cgroup
     started: float = 0.0
@@ -77,10 +78,12 @@ class Supervisor:
         self._ended = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, name: str, cmd: list[str], workdir: Path | None = None, reads: list[Path] = ()) -> None:
+    def start(self, name: str, cmd: list[str], workdir: Path | None = None, reads: list[Path] = (),
+              server: str | None = None) -> None:
         """Start and look after a client; `workdir` (created) is where it runs and, contained, all it may
-        write; `reads`: what it must read (its sandbox folder), visible even under /tmp (`contain.wrap`)."""
-        client = ClientProcess(name, cmd, workdir, list(reads))
+        write; `reads`: what it must read (its sandbox folder), visible even under /tmp (`contain.wrap`);
+        `server`: the URL on its command line, which a contained one reaches through its forwarder only."""
+        client = ClientProcess(name, cmd, workdir, list(reads), server)
         with self._lock:
             self._spawn(client)
             self.clients.append(client)
@@ -127,6 +130,7 @@ class Supervisor:
             cwd = client.workdir or Path.cwd()
             client.contained = popen_contained(
                 client.cmd, cwd, writable=[cwd], readable=client.reads, limits=self.containment.limits, hidden=self.hidden,
+                server=client.server,
                 extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
                 stderr=subprocess.PIPE, text=True, errors="replace")
             client.proc = client.contained.proc
