@@ -282,9 +282,14 @@ def contain(
     processes: int = typer.Option(None, "--processes", help="processes beyond the user's "
                                   f"(default {ContainLimits().processes})"),
     open_files: int = typer.Option(None, "--open-files", help=f"open files (default {ContainLimits().open_files})"),
+    server: str = typer.Option(None, "--server", help="the swarm server URL it may reach (its episode routes only, "
+                               "through a forwarder); without it, under bwrap, it has no network at all"),
+    hide: list[Path] = typer.Option([], "--hide", help="a file or folder it must not read (repeat): masked under "
+                                    "bwrap, besides every run's admin token and server files"),
 ):
     """Run one command contained (docs/security.md): no credential in its environment, resource limits, its own
-    process group, bubblewrap when installed. Exits with its exit code (128+N when killed by signal N)."""
+    process group, bubblewrap when installed (then its own network namespace: no network but --server's episode
+    routes). Exits with its exit code (128+N when killed by signal N)."""
     _setup_logging(False)
     given = {"cpu_s": cpu_s, "address_space": address_space, "file_size": file_size, "processes": processes,
              "open_files": open_files}
@@ -292,6 +297,8 @@ def contain(
     try:
         if bad:
             raise ConfigError(f"--env {bad[0]!r} must look like KEY=value")
+        if server is not None and not server.startswith(("http://", "https://")):
+            raise ConfigError(f"--server {server!r} must be an http(s) URL of a swarm server")
         require_bwrap("required" if required else "auto", "swarm contain --required")
         limits = ContainLimits(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:  # a limit out of range: one line naming the option
@@ -310,12 +317,10 @@ def contain(
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, stopped)
-    from core.clients.server_files import token_files  # here, as in `swap`: the other commands start without it
-
-    try:
+    try:  # every run's token and server files are masked by run_contained itself (contain.masked_paths)
         code, _ = run_contained(argv, cwd or Path.cwd(), timeout_s=timeout or None, writable=writable,
                                 extra_env=dict(e.split("=", 1) for e in env), limits=limits, capture=False,
-                                hidden=token_files())
+                                hidden=hide, server=server)
     except ValueError as e:  # a credential passed with --env
         console.print(f"[red]swarm contain: {e}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
