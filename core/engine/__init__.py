@@ -27,6 +27,10 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()  # stop strings, matched on the decoded completion text
     seed: int | None = None  # a seeded request samples the same tokens every time, batched or not
+    # Which draw this is, stable across runs (the gateway's: episode, call and choice). Under
+    # `engine.repeatable_sampling` an unseeded request's seed derives from (run seed, key), not from
+    # the order requests arrive in (`core.engine.worker.derive_seed`); ignored otherwise.
+    key: str | None = None
 
 
 # Temperatures below this sample greedily. Dividing logits by a smaller one overflows float32 (a
@@ -53,6 +57,15 @@ def scoring_temperature(temperature: float) -> float:
     return 1.0 if is_greedy(temperature) else temperature
 
 
+def scoring_top_p(temperature: float, top_p: float) -> float:
+    """The nucleus a call's logprobs are computed within, and the trainer scores them within.
+
+    A greedy call takes the argmax whatever top_p says (the top token is always in the nucleus), so
+    top_p is dropped for it, as vLLM drops it: its logprobs are of the whole distribution at T = 1,
+    and it records top_p 1 so the trainer scores the same (not the nucleus, which would differ)."""
+    return 1.0 if is_greedy(temperature) else top_p
+
+
 @dataclass
 class Generation:
     token_ids: list[int]  # every sampled id, the EOS or the token that completed a stop string included
@@ -64,7 +77,7 @@ class Generation:
     # between two decode steps (overlapped training), so later tokens can come from a newer version.
     version: int
     temperature: float = 1.0  # scoring_temperature of the request: the logprobs are of this distribution
-    top_p: float = 1.0  # nucleus mass the sampler kept; recorded so a truncated call can be told apart
+    top_p: float = 1.0  # scoring_top_p of the request: the nucleus mass its logprobs are within (1 when greedy)
     stop_string: str | None = None  # the stop string that ended it, if any
     timings: dict[str, float] = field(default_factory=dict)
 

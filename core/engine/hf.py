@@ -8,7 +8,10 @@ row, and retires rows that finished. Sixteen agents
 calling at once therefore share forward passes instead of running one after another.
 
 Sampling is per row (temperature, top_p, stop strings, seed). Logprobs are those of the tempered
-distribution the row sampled from (`scoring_temperature`), so the trainer can score the same policy.
+distribution the row sampled from (`scoring_temperature`, within `scoring_top_p`'s nucleus), so the
+trainer can score the same policy. A seeded row (a request's seed, or every request under
+`engine.repeatable_sampling`) draws from its own generator, so its tokens do not depend on which rows
+share its batch; the others share the run's stream. A decode step reads the device once.
 A request whose prefill or sampling fails (a NaN row of logits from a diverged model, say) gets its
 own `GenerationError` and the rows already decoding go on; at most `max_batch` rows are active.
 A temperature below `GREEDY_BELOW` decodes greedily, and a top_p so small that it rounds to zero
@@ -30,7 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from core.config import EngineConfig
-from core.engine import Generation, GenerationError, is_greedy, scoring_temperature
+from core.engine import Generation, GenerationError, is_greedy, scoring_temperature, scoring_top_p
 from core.engine.batch_cache import BatchCache
 from core.engine.sampling import sample_batch
 from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
@@ -168,7 +171,8 @@ class HFEngine(WorkerEngine):
             cache.batch_select_indices(on_device)
             last_logits = last_logits[on_device]
         rows = [
-            _Row(req=r, generator=_generator(r.params.seed), position=len(r.prompt_ids), version=self.version)
+            _Row(req=r, generator=_generator(self.request_seed(r.params)), position=len(r.prompt_ids),
+                 version=self.version)
             for r in reqs
         ]
         self.stats["batches"] += 1
@@ -188,22 +192,13 @@ class HFEngine(WorkerEngine):
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """One token for every row, sampled on the model's device in one batch (`core.engine.sampling`).
         A row whose logits are not usable (NaN) or whose draw fails is marked failed (`error`, retired
-        with it at the next `_retire`); the other rows are sampled."""
+        with it at the next `_retire`); the other rows are sampled. Sampling parameters are host values
+        and the draw is read back in one piece (`Sampled.to_host`): one device-to-host sync a step."""
         params = [r.req.params for r in rows]
-        # Each row's uniform: from its request's own generator when seeded, else from the run's stream.
-        uniforms = torch.empty(len(rows))
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            uniforms[unseeded] = torch.rand(len(unseeded), generator=self._rng)
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                uniforms[i] = float(torch.rand(1, generator=r.generator))
         try:
-            tokens, logprobs, broken = sample_batch(
-                logits, torch.tensor([scoring_temperature(p.temperature) if not is_greedy(p.temperature) else 0.0
-                                      for p in params]),
-                torch.tensor([p.top_p for p in params]), uniforms)
-            drawn = list(zip(tokens.tolist(), logprobs.tolist(), broken.tolist()))  # the one host sync
+            sampled = sample_batch(logits, [0.0 if is_greedy(p.temperature) else p.temperature for p in params],
+                                   [p.top_p for p in params], self._uniforms(rows))
+            drawn = sampled.to_host()  # the decode step's one device-to-host read
         except Exception as e:  # noqa: BLE001 - the batch's draw: its rows' callers get the reason
             for row in rows:
                 row.finish, row.error = "error", GenerationError(f"sampling failed: {type(e).__name__}: {e}")
@@ -221,6 +216,14 @@ class HFEngine(WorkerEngine):
                 row.finish = "length"
             elif row.req.on_token is not None:
                 row.req.loop.call_soon_threadsafe(row.req.on_token, token)
+
+    def _uniforms(self, rows: list[_Row]) -> torch.Tensor:
+        """[B] each row's uniform: from its own generator when it has one (a seeded request, or every
+        request under `engine.repeatable_sampling`: then a row's tokens do not depend on which rows
+        share its batch), else the next of the run's stream, drawn for all such rows at once."""
+        shared = iter(torch.rand(sum(r.generator is None for r in rows), generator=self._rng).split(1))
+        return torch.cat([torch.rand(1, generator=r.generator) if r.generator is not None else next(shared)
+                          for r in rows]) if rows else torch.empty(0)
 
     def _check_finish(self, row: _Row, token: int) -> None:
         p = row.req.params
@@ -251,7 +254,7 @@ class HFEngine(WorkerEngine):
                 finish_reason=r.finish,  # type: ignore[arg-type]
                 version=r.version,
                 temperature=scoring_temperature(r.req.params.temperature),
-                top_p=r.req.params.top_p,
+                top_p=scoring_top_p(r.req.params.temperature, r.req.params.top_p),
                 stop_string=r.stop_string,
                 timings={"queue_to_done_s": time.perf_counter() - r.req.submitted},
             )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from core.engine import EngineLoad, Generation, SamplingParams, scoring_temperature
+from core.engine import EngineLoad, Generation, SamplingParams, scoring_temperature, scoring_top_p
 
 
 class NullEngine:
@@ -23,7 +23,8 @@ class NullEngine:
             on_token(t)
         finish = "stop" if ids[-1] == self._reply[-1] else "length"
         return Generation(token_ids=list(ids), logprobs=[0.0] * len(ids), finish_reason=finish, version=self.version,
-                          temperature=scoring_temperature(params.temperature), top_p=params.top_p)
+                          temperature=scoring_temperature(params.temperature),
+                          top_p=scoring_top_p(params.temperature, params.top_p))
 
     async def pause(self) -> None:
         return None

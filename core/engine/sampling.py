@@ -1,19 +1,27 @@
 """Sampling one token for every row of a decode batch, on the model's device, in one pass.
 
 `sample_batch` takes the batch's last logits [B, V] where the model left them and returns each
-row's token, the logprob of what sampled it, and whether the row's logits were unusable (NaN).
-Everything is batched: one log-softmax, a vocabulary sort only for the rows that ask for top_p,
-and inverse-CDF draws from uniforms the caller supplies, so the draws come from the run's seeded
-CPU generator (or a request's own seed) while the [B, V] work stays on the GPU, and only B tokens
-and B logprobs cross back to the host. The rules match the engines' contract (`core.engine`):
-below `GREEDY_BELOW` a row decodes greedily and is scored at temperature 1; with top_p the
-recorded logprob is of the renormalised nucleus (as vLLM records it), which always keeps the top
-token, so a top_p that rounds to 0 in float32 samples greedily instead of failing.
+row's token, the logprob of what sampled it, and whether the row's logits were unusable (NaN), as
+device tensors (`Sampled`); `Sampled.to_host` is the decode step's one device-to-host read. Every
+value that decides the shape of the work (which rows are greedy, which ask for top_p) is known on
+the host from the requests, so nothing inside reads the device: the rows that need a vocabulary
+sort are chosen by host-side indices, never by a device mask (`tests/core/test_sampling.py` runs
+it on the `meta` device, where any read would raise). Draws are inverse-CDF from uniforms the
+caller supplies, so they come from the run's seeded CPU generator or a row's own generator while
+the [B, V] work stays on the GPU. The rules match the engines' contract (`core.engine`): below
+`GREEDY_BELOW` a row decodes greedily and is scored at temperature 1 over the whole vocabulary
+(top_p does not apply to a greedy row: `scoring_top_p`); with top_p the recorded logprob is of the
+renormalised nucleus (as vLLM records it), which always keeps the top token, so a top_p that rounds
+to 0 in float32 samples greedily instead of failing. A draw never lands on a token of probability 0
+(outside the nucleus, or underflowed), a draw of exactly 0 included.
 
 This module is pure tensor code: it knows no requests, rows or engines (`core.engine.hf` does).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -35,24 +43,54 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return filtered / filtered.sum(-1, keepdim=True)
 
 
-def sample_batch(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor,
-                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B], broken [B]) for last logits [B, V] and per-row temperature, top_p and
-    a uniform draw in [0, 1) (all [B], any device; they are moved to the logits' device)."""
-    device = logits.device
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[N] the token each row's uniform in [0, 1) picks from its (unnormalised) `probs` [N, V]: the first
+    token whose cumulative mass exceeds u * total. Such a token has mass > 0, so u = 0 picks the first
+    token that can be drawn, not token 0; a u that rounds up to the total takes the last drawable one."""
+    cdf = probs.cumsum(-1)  # non-decreasing in float too: adding a non-negative number never lowers a sum
+    drawn = (cdf <= uniforms[:, None] * cdf[:, -1:]).sum(-1)
+    # The last token of positive mass: the bound for a u * total that rounds to the total itself.
+    vocab = probs.shape[-1]
+    last = vocab - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
+    return torch.minimum(drawn, last)
+
+
+@dataclass
+class Sampled:
+    """One decode step's draw, still on the model's device."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor  # [B] float32: of the distribution that sampled each token
+    broken: torch.Tensor  # [B] bool: the row's logits were NaN (or all -inf)
+
+    def to_host(self) -> list[tuple[int, float, bool]]:
+        """(token, logprob, broken) per row, in ONE device-to-host read (float64 holds every token id
+        and float32 logprob exactly)."""
+        packed = torch.stack([self.tokens.double(), self.logprobs.double(), self.broken.double()], dim=1)
+        return [(int(t), lp, bool(b)) for t, lp, b in packed.tolist()]
+
+
+def sample_batch(logits: torch.Tensor, temperatures: Sequence[float], top_ps: Sequence[float],
+                 uniforms: torch.Tensor) -> Sampled:
+    """Each row's token for last logits [B, V] and per-row temperature and top_p (host values, [B]) and
+    a uniform draw in [0, 1) ([B], any device: moved to the logits' device). Reads nothing back."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperatures, top_ps = [float(t) for t in temperatures], [float(p) for p in top_ps]
+    greedy_rows = [t < GREEDY_BELOW for t in temperatures]
+    nucleus_rows = [i for i, (g, p) in enumerate(zip(greedy_rows, top_ps)) if p < 1.0 and not g]
     logits = logits.float()
-    temperatures, top_ps, uniforms = (x.to(device, torch.float32) for x in (temperatures, top_ps, uniforms))
-    greedy = temperatures < GREEDY_BELOW
-    scaled = logits / torch.where(greedy, torch.ones_like(temperatures), temperatures)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
+    greedy = torch.tensor(greedy_rows, device=device)
+    scale = torch.tensor([1.0 if g else t for g, t in zip(greedy_rows, temperatures)], device=device)
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
     broken = torch.isnan(logits).any(-1) | ~torch.isfinite(logp.max(-1).values)
     probs = logp.exp()
-    nucleus = (top_ps < 1.0) & ~greedy
-    if bool(nucleus.any()):
-        probs[nucleus] = top_p_filter(probs[nucleus], top_ps[nucleus])
-    cdf = probs.cumsum(-1)
-    drawn = (cdf < uniforms[:, None] * cdf[:, -1:]).sum(-1).clamp(max=logits.shape[-1] - 1)
-    tokens = torch.where(greedy, logits.argmax(-1), drawn)
-    chosen = tokens[:, None]
-    logprobs = torch.where(nucleus, torch.log(probs.gather(1, chosen))[:, 0], logp.gather(1, chosen)[:, 0])
-    return tokens, logprobs, broken
+    chosen_logp = logp
+    if nucleus_rows:  # a vocabulary sort only for the rows that asked for top_p, chosen on the host
+        rows = torch.tensor(nucleus_rows, device=device)
+        kept = top_p_filter(probs.index_select(0, rows), torch.tensor([top_ps[i] for i in nucleus_rows], device=device))
+        probs = probs.index_copy(0, rows, kept)
+        chosen_logp = logp.index_copy(0, rows, torch.log(kept))
+    drawn = inverse_cdf(probs, uniforms.to(device, torch.float32))
+    tokens = torch.where(greedy, logits.argmax(-1), drawn).clamp(max=vocab - 1)
+    logprobs = chosen_logp.gather(1, tokens[:, None])[:, 0]
+    return Sampled(tokens, logprobs, broken)

@@ -15,7 +15,10 @@ engine sleeps (vLLM's sleep mode) so the colocated trainer gets the memory, and 
 Deliberately not here: tensor/pipeline parallelism, engines in another process or node (weights
 would travel by NCCL or IPC, vLLM's `update_weights` path). With top_p < 1, vLLM's processed
 logprob is of the nucleus-renormalised distribution; the `hf` engine records the same, and the
-trainer scores such tokens within the same nucleus (`Call.top_p`). Nothing else in the project imports vLLM.
+trainer scores such tokens within the same nucleus (`Call.top_p`); a greedy call drops top_p in
+both engines (`scoring_top_p`). vLLM gets a seed per request only when the request names one or
+the run asks for `engine.repeatable_sampling` (seeds derived per episode call, `core.engine.worker`):
+a seeded request leaves vLLM's batched sampler for its per-row loop. Nothing else in the project imports vLLM.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 
 from core.config import EngineConfig
-from core.engine import Generation, scoring_temperature
+from core.engine import Generation, is_greedy, scoring_temperature, scoring_top_p
 from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
 
 # vLLM runs in this process (see `_build`). Its CPU platform reads this from the environment, not
@@ -122,7 +125,7 @@ class VLLMEngine(WorkerEngine):
             max_lora_rank=lora_r or 16,
             max_loras=2,  # the adapter being served and the one a swap is replacing it with
             disable_log_stats=True,
-            seed=0,
+            seed=self.seed,  # seeds vLLM's own sampler, which unseeded requests draw from
             distributed_executor_backend="uni",  # the model runs in this process: weights pass by reference
         )
         log.info("starting vLLM %s on %s (%s)", vllm.__version__, "cuda" if on_gpu else "cpu", args.dtype)
@@ -255,11 +258,16 @@ class VLLMEngine(WorkerEngine):
 
     def _sampling(self, req: Request) -> vllm.SamplingParams:
         p = req.params
+        greedy = is_greedy(p.temperature)
         return vllm.SamplingParams(
             max_tokens=min(p.max_tokens, self.max_context - len(req.prompt_ids)),
-            temperature=p.temperature,
-            top_p=p.top_p,
-            seed=self.request_seed(p),  # unseeded requests draw from the run's seeded stream
+            # Greedy exactly as the hf engine: below GREEDY_BELOW is argmax (vLLM's own bar is lower),
+            # and top_p is dropped, so the logprob is the whole distribution's, as `scoring_top_p` records.
+            temperature=0.0 if greedy else p.temperature,
+            top_p=scoring_top_p(p.temperature, p.top_p),
+            # None (vLLM's batched sampler) unless the request names a seed or the run asked for
+            # repeatable sampling: a seeded request takes vLLM's per-row generator loop.
+            seed=self.request_seed(p),
             stop=list(p.stop) or None,
             stop_token_ids=self.eos_ids,
             logprobs=0,  # the sampled token's own logprob only
@@ -306,7 +314,7 @@ class VLLMEngine(WorkerEngine):
             finish_reason="stop" if completion.finish_reason == "stop" else "length",
             version=live.version,
             temperature=scoring_temperature(p.temperature),
-            top_p=p.top_p,
+            top_p=scoring_top_p(p.temperature, p.top_p),
             stop_string=stop_string,
             timings={"queue_to_done_s": time.perf_counter() - live.req.submitted},
         )

@@ -5,15 +5,17 @@ and weight changes (`swap_weights`) from any thread or event loop; one worker th
 subclass (`_run`), owns the model, takes requests, steps the batch and calls `_run_swaps` between two
 forward passes, so a weight change never lands mid-pass. Admission (`hold`, `pause`, `resume`) is
 three events the worker reads. The run's sampler (`_rng`, seeded from `trainer.seed`) lives here too:
-the hf engine draws unseeded rows' tokens from it, vLLM draws per-request seeds from it, and a
-checkpoint saves its state (`sampler_state`) so a resumed run continues the stream instead of
-replaying it. This module deliberately holds no batching, sampling or model code: that is each
-engine's own.
+the hf engine draws unseeded rows' tokens from it, and a checkpoint saves its state (`sampler_state`)
+so a resumed run continues the stream instead of replaying it. Under `engine.repeatable_sampling`
+every request gets its own seed (`request_seed`): derived from (run seed, the request's `key`) when
+the gateway names the draw, so a run repeats whatever order concurrent requests arrive in. This
+module deliberately holds no batching, sampling or model code: that is each engine's own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import queue
 import threading
 import time
@@ -26,6 +28,14 @@ import torch
 from core.engine import EngineLoad, Generation, SamplingParams
 
 IDLE_POLL_S = 0.05  # how often an idle worker (or a trainer waiting on a swap) looks up to notice close()
+SEED_BITS = 63  # derived seeds fit a signed int64: torch, numpy and vLLM all take them
+
+
+def derive_seed(run_seed: int, key: str) -> int:
+    """A request's sampling seed from the run's seed and the draw's stable name (`SamplingParams.key`):
+    the same pair gives the same seed in every process and run (a hash, not Python's salted `hash`)."""
+    digest = hashlib.blake2b(f"{run_seed}\x00{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> (64 - SEED_BITS)
 
 
 @dataclass
@@ -84,6 +94,10 @@ class WorkerEngine:
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.max_context = max_context
+        self.seed = seed  # the run's `trainer.seed`
+        # Every request gets its own seed (`request_seed`); off, only requests that name one do, and the
+        # rest draw from the run's one stream (hf) or vLLM's own (its batched fast path).
+        self.repeatable = cfg.repeatable_sampling
         self.version = 0
         self._queue: queue.Queue[Request | None] = queue.Queue()  # None only wakes an idle worker
         self._swaps: queue.Queue[Swap] = queue.Queue()
@@ -115,10 +129,16 @@ class WorkerEngine:
         """Continue the stream a checkpoint saved (`sampler_state`)."""
         self._rng.set_state(state)
 
-    def request_seed(self, params: SamplingParams) -> int:
-        """The request's own seed, else the next one of the run's stream: a seeded run is reproducible."""
+    def request_seed(self, params: SamplingParams) -> int | None:
+        """The seed a request samples with: its own; else, under repeatable sampling, one derived from
+        (run seed, its key), or for a request without a key (no episode) the next of the run's stream;
+        else None (it draws from the run's shared stream, in arrival order). Called on the worker."""
         if params.seed is not None:
             return params.seed
+        if not self.repeatable:
+            return None
+        if params.key is not None:
+            return derive_seed(self.seed, params.key)
         return int(torch.randint(0, 2**31 - 1, (1,), generator=self._rng))
 
     # -- public API ---------------------------------------------------------------------------

@@ -11,6 +11,9 @@ from core.config import EngineConfig
 from core.engine import SamplingParams
 from core.engine.hf import HFEngine
 from core.models import build_tiny
+from core.records import Call
+from core.train.packing import pack, token_logprobs
+from core.train.timelines import merge_calls
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +60,27 @@ def test_greedy_calls_are_scored_at_temperature_one(engine):
         logp = torch.log_softmax(engine.model(torch.tensor([p + gen.token_ids])).logits[0].float(), -1)
     assert gen.temperature == 1.0
     assert gen.logprobs == pytest.approx([float(logp[len(p) - 1 + k, t]) for k, t in enumerate(gen.token_ids)], abs=1e-4)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9])
+def test_a_greedy_call_with_top_p_records_the_logprob_the_trainer_computes(engine, top_p):
+    # Greedy drops top_p (as vLLM does): the call records top_p 1, and the trainer scores the whole
+    # distribution at T = 1, as the engine did. Recording the asked top_p made the trainer score
+    # within the nucleus instead: a ratio far from 1 (1.87 measured) on a call that is on-policy.
+    p = prompts(engine, 1)[0]
+    gen = asyncio.run(engine.generate(p, SamplingParams(max_tokens=8, temperature=0.0, top_p=top_p)))
+    assert gen.top_p == 1.0 and gen.temperature == 1.0
+    call = Call(model="policy", version=gen.version, prompt_ids=p, completion_ids=gen.token_ids,
+                completion_logprobs=gen.logprobs, temperature=gen.temperature, top_p=gen.top_p)
+    with torch.no_grad():
+        (mb,) = pack(merge_calls([call], "none"), token_budget=4096)
+        logp, _ = token_logprobs(engine.model, mb)
+    assert torch.allclose(logp[mb.loss_mask], mb.old_logprobs[mb.loss_mask], atol=1e-4)
+    as_asked = Call(**{**call.model_dump(), "top_p": top_p})  # what the engine used to record
+    with torch.no_grad():
+        (mb,) = pack(merge_calls([as_asked], "none"), token_budget=4096)
+        nucleus_logp, _ = token_logprobs(engine.model, mb)
+    assert float((nucleus_logp - mb.old_logprobs)[mb.loss_mask].max()) > 1e-3  # the check can fail
 
 
 def test_temperature_zero_and_tiny_top_p_both_pick_the_most_likely_token(engine):

@@ -29,9 +29,9 @@ def tiny():
 def engine(tiny):
     made: list[HFEngine] = []
 
-    def make(seed: int) -> HFEngine:
+    def make(seed: int, repeatable: bool = False) -> HFEngine:
         model, tok = tiny
-        eng = make_engine("hf", model, tok, EngineConfig(), 2048, seed=seed)
+        eng = make_engine("hf", model, tok, EngineConfig(repeatable_sampling=repeatable), 2048, seed=seed)
         made.append(eng)
         return eng
 
@@ -64,14 +64,46 @@ def test_a_request_that_names_its_seed_keeps_it_whatever_the_run_seed(engine):
     assert asyncio.run(a.generate(ids, own)).token_ids == asyncio.run(b.generate(ids, own)).token_ids
 
 
-def test_per_request_seeds_for_vllm_come_from_the_run_seed(engine):
-    # vLLM samples with a per-request seed; a request without one gets the next of the run's stream.
-    a, again, other = engine(3), engine(3), engine(4)
-    drawn = [a.request_seed(UNSEEDED) for _ in range(4)]
-    assert drawn == [again.request_seed(UNSEEDED) for _ in range(4)]
-    assert drawn != [other.request_seed(UNSEEDED) for _ in range(4)]
-    assert len(set(drawn)) == 4  # a stream, not one seed reused
-    assert a.request_seed(SamplingParams(max_tokens=4, seed=9)) == 9
+def test_without_repeatable_sampling_only_a_request_that_names_a_seed_gets_one(engine):
+    # vLLM's fast path: an unseeded request stays on its batched sampler (seed None).
+    eng = engine(3)
+    assert [eng.request_seed(UNSEEDED), eng.request_seed(SamplingParams(max_tokens=4, key="t/0/0/0"))] == [None, None]
+    assert eng.request_seed(SamplingParams(max_tokens=4, seed=9)) == 9
+
+
+def test_repeatable_sampling_derives_a_requests_seed_from_the_run_seed_and_its_key(engine):
+    a, again, other = engine(3, repeatable=True), engine(3, repeatable=True), engine(4, repeatable=True)
+    keys = [f"letters/task-{t}/{k}/0/0" for t in range(2) for k in range(2)]
+    seeds = [a.request_seed(SamplingParams(max_tokens=4, key=k)) for k in keys]
+    assert seeds == [again.request_seed(SamplingParams(max_tokens=4, key=k)) for k in reversed(keys)][::-1]
+    assert len(set(seeds)) == len(keys)  # each draw its own seed
+    assert set(seeds).isdisjoint(other.request_seed(SamplingParams(max_tokens=4, key=k)) for k in keys)
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert a.request_seed(SamplingParams(max_tokens=4, key="x", seed=9)) == 9  # a request's own seed wins
+    keyless = [a.request_seed(UNSEEDED) for _ in range(3)]  # no episode: the run's stream, still seeded
+    assert keyless == [again.request_seed(UNSEEDED) for _ in range(3)] and len(set(keyless)) == 3
+
+
+def _concurrently(eng: HFEngine, keys: list[str]) -> dict[str, list[int]]:
+    prompt = eng.tokenizer("the same request every time", add_special_tokens=False)["input_ids"]
+
+    async def go():
+        gens = await asyncio.gather(*(eng.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, key=k))
+                                      for k in keys))
+        return {k: g.token_ids for k, g in zip(keys, gens)}
+
+    return asyncio.run(go())
+
+
+def test_repeatable_sampling_gives_each_keyed_request_its_tokens_whatever_the_arrival_order(engine):
+    keys = [f"letters/t{i}/0/0/0" for i in range(6)]
+    eng = engine(0, repeatable=True)
+    forward, backward = _concurrently(eng, keys), _concurrently(eng, keys[::-1])
+    assert forward == backward
+    assert len({tuple(v) for v in forward.values()}) == len(keys)  # different keys, different completions
+    assert _concurrently(engine(0, repeatable=True), keys[:1]) == {keys[0]: forward[keys[0]]}  # alone, the same
+    # Without it, rows share the run's stream in arrival order: two engines of one seed, the order decides.
+    assert _concurrently(engine(0), keys) != _concurrently(engine(0), keys[::-1])
 
 
 def test_a_checkpoint_round_trip_continues_the_sampler_stream(engine, tmp_path: Path):
