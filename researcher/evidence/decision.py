@@ -10,13 +10,8 @@ The verdict is `better` or `worse` when the two-sided test rejects "no differenc
 `incomplete` when a seed failed twice. It always carries the effect (difference of means,
 candidate minus baseline), its 95% confidence interval, the p-value and the test's name.
 
-An A/B inside one live run (`judge_ab`) is the same paired test with steps in place of seeds: at
-each trainer step after the swap both code versions served episodes under the same weights, so the
-per-step difference of their mean rewards (new minus old) cancels the learning curve and the
-weights' drift that a before/after comparison of one run confuses with the change. It is judged in
-the objective's direction, with Holm across the round's comparisons; those of the round not yet
-run count at p = 1, so a verdict (and the drain that follows it) never needs revising and claims no
-more than Holm over the finished round would.
+The in-run A/B of a hot swap, whose steps are not independent, is judged by its own test
+(`researcher.evidence.ab`), which reuses `holm` and the verdict's shape from here.
 
 Which candidate the study recommends, and whether a confirmation on held-out seeds replicated
 it, are decided here too. Pure functions over numbers and records: no MLflow, no files, no
@@ -150,30 +145,6 @@ def judge_round(candidates: Mapping[str, Mapping[int, float]], baseline: Mapping
     raw = {k: compare(v, baseline, direction, baseline_id=baseline_id, incomplete=incomplete.get(k, ""),
                       alpha=alpha) for k, v in candidates.items()}
     return holm(raw, direction, alpha)
-
-
-def judge_ab(new: Mapping[int, float], old: Mapping[int, float], direction: Direction, *,
-             baseline_id: str | None = None, round_verdicts: Mapping[str, Verdict] | None = None,
-             pending: int = 0, alpha: float = ALPHA) -> Verdict:
-    """An in-run A/B: the new version's per-step mean reward against the old one's over the steps both
-    logged (step -> reward), a paired t-test on new - old, Holm-corrected with the round's other
-    comparisons (`round_verdicts`, already judged) and `pending` comparisons still to run (at p = 1)."""
-    common = sorted(set(_finite(new)) & set(_finite(old)))
-    raw = compare({s: new[s] for s in common}, {s: old[s] for s in common}, direction, baseline_id=baseline_id,
-                  alpha=alpha)
-    if raw.test == NO_TEST:
-        raw = raw.model_copy(update={"reason": f"{len(common)} step(s) where both versions logged a reward: at "
-                                               f"least {MIN_SEEDS} are needed"})
-    elif raw.p is None or (raw.p == 1.0 and raw.ci == [raw.effect, raw.effect]):
-        raw = raw.model_copy(update={"reason": "the versions' rewards differ by the same amount at every step (a "
-                                               "saturated reward?), so the test cannot estimate noise"})
-    this = "\0this"
-    others = {k: v for k, v in (round_verdicts or {}).items() if v.p is not None}
-    stand_ins = {f"\0pending{i}": Verdict(result="inconclusive", test=PAIRED, p=1.0, effect=0.0, ci=[0.0, 0.0])
-                 for i in range(pending)}
-    if raw.p is None or not (others or stand_ins):
-        return raw
-    return holm({**others, **stand_ins, this: raw}, direction, alpha)[this]
 
 
 def held_out_seeds(used: Sequence[int], count: int) -> list[int]:

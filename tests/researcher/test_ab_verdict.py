@@ -1,18 +1,23 @@
-"""The in-run A/B verdict (`researcher.evidence.decision.judge_ab`): both versions serve under the same weights at
+"""The in-run A/B verdict (`researcher.evidence.ab.judge_ab`): both versions serve under the same weights at
 every step after a swap, so the per-step difference is judged, never before against after.
 
 Rewards are simulated the way a learning run makes them: a shared rising curve plus the weights'
 autocorrelated wander (both common to the two versions at a step), plus each version's own episode
 sampling noise. A null change rides that drift without being called better (the before/after
 comparison it replaces calls it better almost every time: the test shows both); a real effect is;
-the brief's direction decides what better means; Holm counts the round's other comparisons.
+the brief's direction decides what better means; Holm counts the round's other comparisons. Each
+version's own autocorrelated noise (AR(0.5)) is where the paired t-test fails and the HAC test holds;
+a confirmation window keeps a win only when it shows again.
 """
 
 from __future__ import annotations
 
 import random
 
-from researcher.evidence.decision import compare, judge_ab
+import pytest
+
+from researcher.evidence.ab import HAC, confirm_ab, judge_ab
+from researcher.evidence.decision import compare
 
 WINDOW = 10
 
@@ -59,7 +64,7 @@ def test_the_briefs_direction_decides_what_better_means() -> None:
     up = judge_ab(higher, old, "maximize")
     down = judge_ab(higher, old, "minimize")
     assert (up.result, down.result) == ("better", "worse")
-    assert up.test == "paired t-test" and up.effect > 0.9 and up.ci[0] > 0
+    assert up.test == HAC and up.effect > 0.9 and up.ci[0] > 0
     lower = {s: v - 1.0 + (0.02 if s % 3 else -0.03) for s, v in old.items()}
     assert judge_ab(lower, old, "minimize").result == "better"
     assert set(up.json_view()) == {"result", "test", "effect", "ci", "p"}
@@ -74,13 +79,13 @@ def test_only_steps_where_both_versions_logged_are_paired() -> None:
 
 
 def test_holm_counts_the_rounds_other_and_pending_comparisons() -> None:
-    diffs = [0.9, -0.4, 1.6, 0.2, 1.1, -0.2, 0.7, 1.4, 0.1, 0.6]  # p = 0.02 alone
+    diffs = [0.9, -0.4, 1.6, 0.2, 1.1, -0.2, 0.7, 1.4, 0.1, 0.6]  # p = 0.003 alone
     old = {s: 0.5 * s for s in range(10)}
     new = {s: v + diffs[s] for s, v in old.items()}
     alone = judge_ab(new, old, "maximize")
-    assert alone.result == "better" and 0.005 < alone.p < 0.05 and alone.p_adjusted is None
-    crowded = judge_ab(new, old, "maximize", pending=9)  # nine more comparisons this round, counted at p = 1
-    assert crowded.result == "inconclusive" and abs(crowded.p_adjusted - 10 * alone.p) < 1e-9
+    assert alone.result == "better" and 0.001 < alone.p < 0.05 and alone.p_adjusted is None
+    crowded = judge_ab(new, old, "maximize", pending=29)  # 29 more comparisons this round, counted at p = 1
+    assert crowded.result == "inconclusive" and abs(crowded.p_adjusted - 30 * alone.p) < 1e-9
     earlier = {"p1/1": judge_ab(old, new, "maximize")}  # an earlier swap of the round, much worse
     assert judge_ab(new, old, "maximize", round_verdicts=earlier).p_adjusted >= alone.p
 
@@ -91,3 +96,39 @@ def test_a_saturated_reward_is_inconclusive_and_says_why_in_steps() -> None:
     assert verdict.result == "inconclusive" and "every step" in verdict.reason and "seeds" not in verdict.reason
     shifted = judge_ab({s: 1.5 for s in range(10)}, old, "maximize")  # a constant gap: no noise to judge it by
     assert shifted.result == "inconclusive" and "every step" in shifted.reason
+
+
+def _ar(n: int, phi: float, rng: random.Random) -> list[float]:
+    """A stationary AR(`phi`) series of unit variance: one version's own drift from step to step."""
+    x, out = rng.gauss(0.0, 1.0), []
+    for _ in range(n):
+        x = phi * x + rng.gauss(0.0, (1 - phi**2) ** 0.5)
+        out.append(x)
+    return out
+
+
+def test_version_specific_autocorrelated_noise_fools_a_t_test_but_not_the_hac_test() -> None:
+    rng, trials = random.Random(5), 600
+    hac = t_test = 0
+    for _ in range(trials):
+        a, b = _ar(WINDOW, 0.5, rng), _ar(WINDOW, 0.5, rng)
+        new, old = dict(enumerate(a)), dict(enumerate(b))
+        hac += judge_ab(new, old, "maximize").result == "better"
+        t_test += compare(new, old, "maximize").result == "better"  # the paired t-test on the same steps
+    assert t_test / trials >= 0.08  # the t-test takes AR(0.5) drift for an effect (nominal: 0.025)
+    assert hac / trials <= 0.09 and hac < t_test * 0.7
+
+
+def test_a_win_is_kept_only_when_the_next_window_shows_it_again() -> None:
+    rng = random.Random(9)
+    old = {s: rng.gauss(0.0, 0.3) for s in range(2 * WINDOW)}
+    new = {s: v + 1.0 + rng.gauss(0.0, 0.3) for s, v in old.items()}
+    first = judge_ab({s: new[s] for s in range(WINDOW)}, old, "maximize")
+    assert first.result == "better"
+    later = range(WINDOW, 2 * WINDOW)
+    kept = confirm_ab(first, {s: new[s] for s in later}, {s: old[s] for s in later}, "maximize")
+    assert kept.result == "better" and kept.n == WINDOW
+    gone = confirm_ab(first, {s: old[s] + rng.gauss(0.0, 0.3) for s in later}, {s: old[s] for s in later}, "maximize")
+    assert gone.result != "better" and gone.reason.startswith(f"not confirmed on the next {WINDOW} steps")
+    with pytest.raises(ValueError, match="only a better verdict"):
+        confirm_ab(gone, new, old, "maximize")
