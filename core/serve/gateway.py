@@ -28,14 +28,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.auth import bearer
 from core.serve.body_limit import BodyLimit
+from core.serve.bodies import body_schema, openapi_bodies, read_body
 from core.serve.chat import PromptTooLong, TemplateError
 from core.engine import Generation, GenerationError, SamplingParams, is_greedy
 from core.episodes.registry import KEY_PREFIX, EpisodeError
 from core.records import Call, Episode
 from core.serve.state import Policy, ServerState
-from core.serve.streaming import stream_chat
+from core.serve.messages import MessagesAPI
+from core.serve.messages_wire import MessagesRequest
+from core.serve.responses import ResponsesAPI
+from core.serve.responses_wire import ResponsesRequest
+from core.serve.streaming import PreparedChat, stream_chat
 from core.serve.swarm_routes import swarm_router
-from core.serve.openai_wire import ChatRequest, CompletionRequest
+from core.serve.openai_wire import ChatRequest, CompletionRequest, WireError
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +81,16 @@ def build_app(server: ServerState) -> FastAPI:
     async def _episode_error(_: Request, e: EpisodeError):
         return error_response(e.status, str(e), e.code, e.retry_after)
 
+    @app.exception_handler(WireError)
+    async def _wire_error(_: Request, e: WireError):
+        return error_response(e.status, str(e), e.code)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = first.get("msg", "invalid request")
-        if first.get("type") in ("json_invalid", "model_attributes_type") and not where:
+        if first.get("type") in ("json_invalid", "model_attributes_type", "model_type") and not where:
             msg = "request body must be a JSON object"
         return error_response(400, f"{where}: {msg}" if where else msg, "invalid_request")
 
@@ -102,21 +111,17 @@ def build_app(server: ServerState) -> FastAPI:
                 for n, p in server.policies.items()]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        return await gw.chat(body, gw.episode_from_key(request))
-
-    @app.post("/episodes/{secret}/v1/chat/completions")
-    async def chat_path(secret: str, body: ChatRequest):
-        return await gw.chat(body, server.registry.by_path(secret))
-
-    @app.post("/v1/completions")
-    async def complete(body: CompletionRequest, request: Request):
-        return await gw.complete(body, gw.episode_from_key(request))
-
-    @app.post("/episodes/{secret}/v1/completions")
-    async def complete_path(secret: str, body: CompletionRequest):
-        return await gw.complete(body, server.registry.by_path(secret))
+    # Each API on two routes, keyed and path form. Bodies are read raw and parsed by `read_body`
+    # (large ones off the event loop); `body_schema` keeps them in the OpenAPI document.
+    apis = ((ChatRequest, "chat/completions", gw.chat), (CompletionRequest, "completions", gw.complete),
+            (ResponsesRequest, "responses", gw.responses.create), (MessagesRequest, "messages", gw.messages.create))
+    for wire, path, handle in apis:
+        keyed, by_path = _routes(gw, wire, handle, x_api_key=wire is MessagesRequest)  # the anthropic SDK's header
+        app.add_api_route(f"/v1/{path}", keyed, methods=["POST"], openapi_extra=body_schema(wire),
+                          name=path.replace("/", "_"))
+        app.add_api_route(f"/episodes/{{secret}}/v1/{path}", by_path, methods=["POST"],
+                          openapi_extra=body_schema(wire), name=path.replace("/", "_") + "_path")
+    openapi_bodies(app, [wire for wire, _, _, in apis])
 
     @app.get("/episodes/{secret}/v1/models")
     async def list_models_path(secret: str):
@@ -127,12 +132,36 @@ def build_app(server: ServerState) -> FastAPI:
     return app
 
 
+def _routes(gw: _Gateway, wire, handle, x_api_key: bool):
+    """One API's two route functions: by key (bearer, or x-api-key where asked) and by path secret."""
+
+    async def keyed(request: Request):
+        episode = gw.episode_from_key(request, x_api_key)
+        return await handle(await read_body(request, wire), episode)
+
+    async def by_path(secret: str, request: Request):
+        episode = gw.server.registry.by_path(secret)
+        return await handle(await read_body(request, wire), episode)
+
+    return keyed, by_path
+
+
+# Token-id prompts longer than this are range-checked on a worker thread (~1 ms of min/max inline).
+LONG_PROMPT_IDS = 16_384
+
+
+def _bounds(ids: list[int]) -> tuple[int, int]:
+    return min(ids), max(ids)
+
+
 class _Gateway:
     def __init__(self, server: ServerState):
         self.server = server
+        self.responses, self.messages = ResponsesAPI(self), MessagesAPI(self)
 
-    def episode_from_key(self, request: Request) -> Episode | None:
-        key = bearer(request)
+    def episode_from_key(self, request: Request, x_api_key: bool = False) -> Episode | None:
+        """The episode of the request's key (`Authorization: Bearer`, or `x-api-key` where asked)."""
+        key = bearer(request) or (request.headers.get("x-api-key", "").strip() if x_api_key else "")
         if key.startswith(KEY_PREFIX):
             return self.server.registry.by_key(key)
         if not self.server.allow_anonymous:  # off while a trainer runs: nothing unrecorded reaches its engine
@@ -208,7 +237,8 @@ class _Gateway:
         if episode is not None:
             self.server.registry.record(episode, call)
 
-    async def chat(self, body: ChatRequest, episode: Episode | None):
+    async def prepare_chat(self, body: ChatRequest, episode: Episode | None) -> PreparedChat:
+        """Render a chat turn (token-in-token-out against the episode's calls): what every API runs."""
         policy = self.policy(body.model)
         messages = [m.to_template() for m in body.messages]
         tools_offered = bool(body.tools) and body.tool_choice != "none"
@@ -220,16 +250,26 @@ class _Gateway:
         tp.tito_drift += rendered.drift
         tp.tito_broken += rendered.broken
         params = self.sampling(body, policy, len(rendered.prompt_ids), body.max_completion_tokens or body.max_tokens)
+        return PreparedChat(policy, messages, tools_offered, rendered, params, list(body.stop or ()))
+
+    async def run_chat(self, prep: PreparedChat, episode: Episode | None) -> list[tuple[dict, Generation]]:
+        """Generate every choice of a prepared turn, parse and record each: (reply, generation) per choice."""
+        gens = await self.generate(prep.policy, prep.rendered.prompt_ids, prep.params)
+        out = []
+        for gen in gens:
+            reply = prep.policy.renderer.parse_reply(self.text_of(prep.policy, gen), prep.tools_offered)
+            self.record(episode, self.make_call(prep.policy, prep.messages, prep.rendered, gen, reply))
+            out.append((reply, gen))
+        return out
+
+    async def chat(self, body: ChatRequest, episode: Episode | None):
+        prep = await self.prepare_chat(body, episode)
+        policy = prep.policy
         if body.stream:
-            return StreamingResponse(
-                stream_chat(self, policy, body, messages, rendered, params, tools_offered, episode),
-                media_type="text/event-stream",
-            )
-        gens = await self.generate(policy, rendered.prompt_ids, params)
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_chat(self, prep, include_usage, episode), media_type="text/event-stream")
         choices, completion_tokens = [], 0
-        for i, gen in enumerate(gens):
-            reply = policy.renderer.parse_reply(self.text_of(policy, gen), tools_offered)
-            self.record(episode, self.make_call(policy, messages, rendered, gen, reply))
+        for i, (reply, gen) in enumerate(await self.run_chat(prep, episode)):
             choices.append({
                 "index": i,
                 "message": reply,
@@ -237,7 +277,7 @@ class _Gateway:
                 "logprobs": self.logprobs(policy, gen) if body.logprobs else None,
             })
             completion_tokens += len(gen.token_ids)
-        return self.envelope("chat.completion", policy, choices, len(rendered.prompt_ids), completion_tokens)
+        return self.envelope("chat.completion", policy, choices, len(prep.rendered.prompt_ids), completion_tokens)
 
     def make_call(self, policy: Policy, messages, rendered, gen: Generation, reply) -> Call:
         return Call(
@@ -254,9 +294,12 @@ class _Gateway:
             prompt_ids = await self.encode(policy, body.prompt)
         else:
             vocab = len(policy.tokenizer)
-            if any(t < 0 or t >= vocab for t in body.prompt):
+            # min/max of a few million ids take tens of ms: off the loop when the prompt is long
+            lo, hi = (await asyncio.to_thread(_bounds, body.prompt) if len(body.prompt) > LONG_PROMPT_IDS
+                      else _bounds(body.prompt))
+            if lo < 0 or hi >= vocab:
                 raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_prompt")
-            prompt_ids = list(body.prompt)
+            prompt_ids = body.prompt
         params = self.sampling(body, policy, len(prompt_ids), body.max_tokens)
         gens = await self.generate(policy, prompt_ids, params)
         choices, completion_tokens = [], 0
@@ -294,3 +337,4 @@ class _Gateway:
                       "total_tokens": prompt_tokens + completion_tokens},
             "system_fingerprint": f"swarmrl-v{policy.version}",
         }
+

@@ -10,13 +10,29 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_N = 16  # completions per request: more is a batch job, not an agent call
 MAX_STOP = 4  # OpenAI's own limit on stop sequences
 # Seeds are int64, as OpenAI documents them and torch takes them: 2**64 would fail in the engine.
 # The n choices of one request use seed, seed + 1, ...: still in range for torch (it takes < 2**64).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class WireError(ValueError):
+    """A request the wire types parse but cannot serve: an unsupported item, block, tool or field (400),
+    or a previous response that is not kept (404). The gateway answers it OpenAI-shaped."""
+
+    def __init__(self, message: str, code: str, status: int = 400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+def first_error(e: ValidationError) -> str:
+    """The first pydantic error as "field.path: message", the form every 400 of the gateway takes."""
+    err = e.errors(include_url=False)[0]
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    return f"{where}: {err['msg']}" if where else err["msg"]
 
 
 class _Open(BaseModel):
@@ -108,6 +124,9 @@ class SamplingFields(_Open):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    # Refused unless empty: no engine applies a bias, and accepting one silently (NaN values included)
+    # let a client believe it steered sampling. Validated as a map so a malformed one is a 400 too.
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -116,6 +135,13 @@ class SamplingFields(_Open):
         if where is not None:
             raise ValueError(f"{where} holds text that cannot be encoded as UTF-8 (a lone surrogate?)")
         return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported by this server (no engine applies a bias); omit it or send {}")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -1,10 +1,17 @@
-"""Server-sent events for streamed chat completions.
+"""Streamed chat turns: the engine's tokens as typed events, and the Chat Completions SSE made of them.
 
-Text streams token by token as the engine samples it, held back only where a stop string might still
-be forming or a UTF-8 character is incomplete. When tools are offered, the reply is sent whole at the
-end, because a tool call is only known once its closing tag has arrived. Recording happens exactly as
-for non-streamed calls, once a choice is complete. Each choice's engine await is bounded by
-`server.request_timeout_s`; a choice that fails or times out is reported in-stream.
+`chat_events` runs one prepared chat turn and yields `TextDelta`, `ChoiceDone` and `ChoiceFailed`
+events; every streamed API (Chat Completions here, Responses in `core.serve.responses`, Messages in
+`core.serve.messages`) formats those same events, so they stream and record alike. Text streams token
+by token as the engine samples it, held back only where a stop string might still be forming or a
+UTF-8 character is incomplete. When tools are offered, the reply comes whole at the end, because a
+tool call is only known once its closing tag has arrived. Recording happens exactly as for
+non-streamed calls, once a choice is complete. Each choice's engine await is bounded by
+`server.request_timeout_s`; a choice that fails or times out is an in-stream event.
+
+The bookkeeping per token is O(1) in the completion's length: only the new text, the unsent tail
+(at most the longest stop string) and a window since the last stable decode point are touched.
+This module does not render, parse requests or import the gateway (it gets it as a parameter).
 """
 
 from __future__ import annotations
@@ -14,10 +21,13 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
+from core.engine import Generation, SamplingParams
 from core.episodes.registry import EpisodeError
+from core.records import Episode
+from core.serve.chat import Rendered
 from core.serve.state import Policy
-from core.serve.openai_wire import ChatRequest
 
 
 class IncrementalText:
@@ -26,103 +36,180 @@ class IncrementalText:
     Decoding token by token is not enough (a token's text can depend on the one before it, and a
     UTF-8 character may span tokens), so each new token is decoded together with the tokens since
     the last stable point, and the difference against the window without it is the new text. Text
-    is only taken once it does not end in half a character. O(n) over a completion, where decoding
-    the whole completion at every token was O(n^2) on the event loop (the vLLM/TGI scheme).
+    is only taken once it does not end in half a character. `add` returns only the new text, so
+    nothing per token grows with the completion (the vLLM/TGI scheme).
     """
 
     def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.ids, self.text = decode, [], ""
-        self._prefix = self._read = 0  # window start; end of what is already in `text`
+        self.decode, self.ids, self._pieces = decode, [], []
+        self._prefix = self._read = 0  # window start; end of what is already in the pieces
 
     def add(self, token: int) -> str:
-        """Append one token; returns the stable text so far."""
+        """Append one token; returns the text it made stable ("" while a character is incomplete)."""
         self.ids.append(token)
         before = self.decode(self.ids[self._prefix : self._read])
         now = self.decode(self.ids[self._prefix :])
         if len(now) > len(before) and not now.endswith("\ufffd"):
-            self.text += now[len(before) :]
+            self._pieces.append(now[len(before) :])
             self._prefix, self._read = self._read, len(self.ids)
-        return self.text
+            return self._pieces[-1]
+        return ""
+
+    @property
+    def text(self) -> str:
+        """The stable text so far (joined on demand: O(n), for the end of a stream or a test)."""
+        return "".join(self._pieces)
 
 
-def sse(data: dict | str) -> bytes:
-    """One server-sent event: a JSON object, or a bare string such as `[DONE]`."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+@dataclass
+class PreparedChat:
+    """One chat turn, rendered and ready to generate: what every API's route hands the engine."""
+
+    policy: Policy
+    messages: list[dict]  # the template's messages, recorded on the call
+    tools_offered: bool  # tool calls are parsed out of the reply
+    rendered: Rendered
+    params: list[SamplingParams]  # one per choice
+    stop: list[str]
 
 
-async def stream_chat(gw, policy: Policy, body: ChatRequest, messages, rendered, params, tools_offered,
-                      episode) -> AsyncIterator[bytes]:
-    """The SSE body of one streamed chat completion. `gw` is the gateway that renders and records
-    (`text_of`, `make_call`, `record`): passed in, so this module never imports the gateway."""
-    chunk_id, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
-    hold = max((len(s) for s in body.stop or ()), default=1) - 1
+@dataclass
+class TextDelta:
+    index: int  # the choice
+    text: str
 
-    def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
-        return sse({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": policy.name,
-                    "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]})
 
+@dataclass
+class ChoiceDone:
+    index: int
+    reply: dict  # the assistant message, tool calls parsed
+    gen: Generation
+
+
+@dataclass
+class ChoiceFailed:
+    index: int
+    message: str
+    type: str  # OpenAI error type
+    code: str | None
+
+
+class _Held:
+    """What of one choice's text is sent, and what is held back in case a stop string is forming."""
+
+    def __init__(self, hold: int, tail: int):
+        self.hold, self.tail_len = hold, tail
+        self.pending = ""  # stable text not sent yet: at most `hold` chars plus the last token's
+        self.tail = ""  # the last `tail_len` chars sent: a stop string overlapping new text starts there
+        self.sent: list[str] = []
+        self.blocked = False  # a stop string showed up: the engine stops soon, the final text is cut
+
+    def take(self, piece: str, stops: list[str]) -> str:
+        """Add newly stable text; returns what may be sent now."""
+        if self.blocked or not piece:
+            return ""
+        self.pending += piece
+        if len(self.pending) <= self.hold:
+            return ""
+        out = self.pending[: len(self.pending) - self.hold]
+        window = self.tail + out
+        if any(s in window for s in stops):
+            self.blocked = True
+            return ""
+        self.pending = self.pending[len(out) :]
+        self.tail = window[-self.tail_len :] if self.tail_len else ""
+        self.sent.append(out)
+        return out
+
+
+def sse(data: dict | str, event: str | None = None) -> bytes:
+    """One server-sent event: a JSON object, or a bare string such as `[DONE]`; `event:` named if given."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+async def chat_events(gw, prep: PreparedChat, episode: Episode | None
+                      ) -> AsyncIterator[TextDelta | ChoiceDone | ChoiceFailed]:
+    """The events of one streamed chat turn. `gw` is the gateway that renders and records (`text_of`,
+    `make_call`, `record`): passed in, so this module never imports the gateway. Closing the iterator
+    (a client that went away) cancels every choice's generation."""
+    policy, n = prep.policy, len(prep.params)
+    longest_stop = max((len(s) for s in prep.stop), default=0)
+    held = [_Held(max(longest_stop - 1, 0), max(longest_stop - 1, 0)) for _ in range(n)]
+    texts = [IncrementalText(policy.renderer.completion_text) for _ in range(n)]
     events: asyncio.Queue = asyncio.Queue()
-    texts = [IncrementalText(policy.renderer.completion_text) for _ in params]
-    sent = [""] * len(params)
-    longest_stop = max((len(s) for s in body.stop or ()), default=0)
-
     timeout = gw.server.cfg.server.request_timeout_s
 
     async def run(i: int):
         try:
             gen = await asyncio.wait_for(policy.engine.generate(
-                rendered.prompt_ids, params[i], on_token=lambda t: events.put_nowait((i, t))), timeout)
+                prep.rendered.prompt_ids, prep.params[i], on_token=lambda t: events.put_nowait((i, t))), timeout)
             events.put_nowait((i, gen))
         except TimeoutError:
             events.put_nowait((i, TimeoutError(f"no answer within server.request_timeout_s ({timeout:g} s)")))
         except Exception as e:  # reported in-stream: the HTTP status is already sent
             events.put_nowait((i, e))
 
-    tasks = [asyncio.create_task(run(i)) for i in range(len(params))]
+    tasks = [asyncio.create_task(run(i)) for i in range(n)]
     try:
-        for i in range(len(params)):
-            yield chunk(i, {"role": "assistant", "content": ""})
-        done, completion_tokens = 0, 0
-        while done < len(params):
+        done = 0
+        while done < n:
             i, item = await events.get()
             if isinstance(item, int):
-                if tools_offered:
-                    continue
-                text = texts[i].add(item)
-                safe = text[: len(text) - hold] if hold else text
-                # What was sent held no stop string, so a new one overlaps the new text: search only there.
-                fresh = safe[max(0, len(sent[i]) - longest_stop + 1) :]
-                if len(safe) > len(sent[i]) and not any(s in fresh for s in body.stop or ()):
-                    yield chunk(i, {"content": safe[len(sent[i]) :]})
-                    sent[i] = safe
+                if not prep.tools_offered and not held[i].blocked:
+                    out = held[i].take(texts[i].add(item), prep.stop)
+                    if out:
+                        yield TextDelta(i, out)
                 continue
             done += 1
             if isinstance(item, Exception):
-                yield sse({"error": {"message": f"generation failed: {item}", "type": "server_error", "code": None}})
+                yield ChoiceFailed(i, f"generation failed: {item}", "server_error", None)
                 continue
-            gen = item
-            reply = policy.renderer.parse_reply(gw.text_of(policy, gen), tools_offered)
+            reply = policy.renderer.parse_reply(gw.text_of(policy, item), prep.tools_offered)
             try:
-                gw.record(episode, gw.make_call(policy, messages, rendered, gen, reply))
+                gw.record(episode, gw.make_call(policy, prep.messages, prep.rendered, item, reply))
             except EpisodeError as e:  # the lease ran out while generating
-                yield sse({"error": {"message": str(e), "type": "conflict_error", "code": e.code}})
+                yield ChoiceFailed(i, str(e), "conflict_error", e.code)
                 continue
-            completion_tokens += len(gen.token_ids)
-            delta: dict = {}
+            sent = "".join(held[i].sent)
             final_text = reply.get("content") or ""
-            if final_text.startswith(sent[i]) and len(final_text) > len(sent[i]):
-                delta["content"] = final_text[len(sent[i]) :]
-            if reply.get("tool_calls"):
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(reply["tool_calls"])]
-            if delta:
-                yield chunk(i, delta)
-            yield chunk(i, {}, "tool_calls" if reply.get("tool_calls") else gen.finish_reason)
-        if body.stream_options and body.stream_options.include_usage:
-            prompt = len(rendered.prompt_ids)
-            yield sse({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": policy.name,
-                       "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                                                "total_tokens": prompt + completion_tokens}})
-        yield sse("[DONE]")
+            if final_text.startswith(sent) and len(final_text) > len(sent):
+                yield TextDelta(i, final_text[len(sent) :])
+            yield ChoiceDone(i, reply, item)
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def stream_chat(gw, prep: PreparedChat, include_usage: bool, episode: Episode | None) -> AsyncIterator[bytes]:
+    """The SSE body of one streamed chat completion, made of `chat_events`."""
+    chunk_id, created, name = "chatcmpl-" + uuid.uuid4().hex, int(time.time()), prep.policy.name
+
+    def chunk(index: int, delta: dict, finish: str | None = None) -> bytes:
+        return sse({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": name,
+                    "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    for i in range(len(prep.params)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    completion_tokens = 0
+    events = chat_events(gw, prep, episode)
+    try:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                yield chunk(ev.index, {"content": ev.text})
+            elif isinstance(ev, ChoiceFailed):
+                yield sse({"error": {"message": ev.message, "type": ev.type, "code": ev.code}})
+            else:
+                completion_tokens += len(ev.gen.token_ids)
+                calls = ev.reply.get("tool_calls")
+                if calls:
+                    yield chunk(ev.index, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
+                yield chunk(ev.index, {}, "tool_calls" if calls else ev.gen.finish_reason)
+    finally:
+        await events.aclose()
+    if include_usage:
+        prompt = len(prep.rendered.prompt_ids)
+        yield sse({"id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": name,
+                   "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                                            "total_tokens": prompt + completion_tokens}})
+    yield sse("[DONE]")

@@ -20,11 +20,12 @@ def decode(ids: list[int]) -> str:
 def test_streamed_text_is_always_a_prefix_and_ends_whole(text: str) -> None:
     ids = TOK(text, add_special_tokens=False)["input_ids"]
     stream = IncrementalText(decode)
+    got = ""
     for k, token in enumerate(ids, 1):
-        got = stream.add(token)
+        got += stream.add(token)  # only the newly stable text
         assert decode(ids[:k]).startswith(got) or "\ufffd" in decode(ids[:k])
         assert "\ufffd" not in got  # never half a character
-    assert stream.text == decode(ids)
+    assert got == stream.text == decode(ids)
 
 
 def test_a_long_completion_decodes_a_bounded_window_per_token() -> None:
