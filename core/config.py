@@ -74,7 +74,9 @@ class ModelConfig(Strict):
     max_context: int | None = Field(None, ge=16)  # None: the model's own limit
     lora: LoraConfig | None = None
     trainable: bool = True
-    seed: int = 0  # seeds the `tiny` preset's random weights
+    # Seeds a random-initialised model's weights (the `tiny` preset). None: the run's trainer.seed, so
+    # replicates of a study start from different weights; an int pins them whatever the run's seed.
+    seed: int | None = None
     ray: RayResources = Field(default_factory=RayResources)  # its engine+trainer actor under Ray placement
     # Rollout engines for this model (`core.engine.replicas`): 1 is the engine sharing the trainer's
     # module in this process; N >= 2 starts N engine processes (or Ray actors under Ray placement),
@@ -316,6 +318,15 @@ class RunConfig(Strict):
             if not c.isolate:
                 raise ValueError(f"clients.{i}.isolate is false: a thread of the run cannot be contained "
                                  f"(containment.clients {self.containment.clients}); set isolate: true")
+        return self
+
+    @model_validator(mode="after")
+    def _weights_seed(self) -> RunConfig:
+        """A model that does not pin `seed` takes the run's `trainer.seed`: resolved here, so every process
+        that loads it (trainer, replicas, Ray actors) builds the same weights."""
+        for m in self.models:
+            if m.seed is None:
+                m.seed = self.trainer.seed
         return self
 
     @field_validator("models")

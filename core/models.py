@@ -123,7 +123,8 @@ def load(cfg: ModelConfig) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg, device)
     if cfg.source == "tiny":
-        model, tok = build_tiny(seed=cfg.seed)
+        # None only outside a RunConfig (which resolves it to trainer.seed): trainer.seed's default, 0.
+        model, tok = build_tiny(seed=0 if cfg.seed is None else cfg.seed)
     elif cfg.source == "smollm2-135m":
         folder = smollm2_folder()
         model, tok = _load_folder(folder, dtype)

@@ -46,6 +46,9 @@ class Episode(BaseModel):
     opened_at: float
     lease_expires_at: float
     opened_versions: dict[str, int] = Field(default_factory=dict)  # model -> version at open (staleness reads the calls')
+    # Episodes of its (sandbox, task_id) this server opened before it: its name across runs, which the
+    # gateway turns into each call's sampling key (`engine.repeatable_sampling`); its id is random.
+    ordinal: int = 0
     ended_at: float | None = None  # when it finished, aborted or expired
     calls: list[Call] = Field(default_factory=list)
     reward: dict[str, float] | None = None  # model -> reward, set by finish

@@ -109,6 +109,7 @@ class Registry(Admission):
                          # in the buffer: both terms of the books (`unbalanced`)
                          "finished_not_train": 0, "restored": 0}
         self._finished_by: dict[str, int] = {}  # client id -> episodes it finished (a restarted client's record)
+        self._opened_of: dict[tuple[str, str], int] = {}  # (sandbox, task_id) -> episodes opened: `Episode.ordinal`
 
     # -- client side ---------------------------------------------------------------------------
     def open(self, req: OpenEpisode, versions: dict[str, int]) -> tuple[Episode, str]:
@@ -141,7 +142,9 @@ class Registry(Admission):
                 opened_at=now,
                 lease_expires_at=now + (req.lease_s or self.lease_s),
                 opened_versions=dict(versions),
+                ordinal=self._opened_of.get((req.sandbox, req.task_id), 0),
             )
+            self._opened_of[ep.group_key] = ep.ordinal + 1
             self._lease_of[ep.id] = req.lease_s or self.lease_s
             key = KEY_PREFIX + secrets.token_urlsafe(24)
             self._open[ep.id] = ep

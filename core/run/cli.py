@@ -111,7 +111,7 @@ def serve(
         raise typer.Exit(code)
     from core.run.processes import serve as serve_run
 
-    serve_run(cfg, train=train if train is not None else config is not None)
+    raise typer.Exit(serve_run(cfg, train=train if train is not None else config is not None))  # 1: its run FAILED
 
 
 @app.command()

@@ -244,14 +244,17 @@ class CoreRun:
             idle_since = time.perf_counter()
 
     def _too_many_failures(self, metrics: dict[str, float]) -> bool:
-        """Count a step in which some policy's step failed; `trainer.max_failed_steps` in a row fail the run."""
-        failed = any(k == "train/failed" or k.endswith("/train/failed") for k in metrics)
+        """Count a step in which some policy's step failed, or was skipped for a non-finite loss or gradient
+        (it learnt nothing either); `trainer.max_failed_steps` such steps in a row fail the run."""
+        failed = any(v > 0 and (k == name or k.endswith("/" + name))
+                     for k, v in metrics.items() for name in FAILED_STEP)
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         limit = self.cfg.trainer.max_failed_steps
         if self._failed_in_a_row < limit:
             return False
-        self.failure = RuntimeError(f"{limit} train steps in a row failed, the last at step {self.step} "
-                                    "(trainer.max_failed_steps); their errors are logged above")
+        self.failure = RuntimeError(f"{limit} train steps in a row failed or were skipped (non-finite loss or "
+                                    f"gradient), the last at step {self.step} (trainer.max_failed_steps); their "
+                                    "errors are logged above")
         log.error("%s", self.failure)
         self.stop.set()
         return True
@@ -346,6 +349,11 @@ class CoreRun:
         for sandbox, rewards in by_sandbox.items():
             out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
         return out
+
+
+# A step's metrics that say it learnt nothing: it raised (`train/failed`) or its optimizer step was
+# skipped for a non-finite loss or gradient (`train/skipped`); both count toward max_failed_steps.
+FAILED_STEP = ("train/failed", "train/skipped")
 
 
 def _timed(spent: list[float], fn, *args):

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 TRAINER_JOIN_S = 60.0  # how long `swarm serve` waits for the trainer's current step when the server stops
 EXIT_CODES: dict[RunStatus, int] = {"FINISHED": 0, "KILLED": 130, "FAILED": 1}  # 130: the shell's code for Ctrl-C
+# `swarm serve`'s: being stopped (Ctrl-C, SIGTERM, /admin/shutdown) is how a server ends, not an error;
+# a trainer that failed (too many failed steps in a row, or an exception) is.
+SERVE_EXIT_CODES: dict[RunStatus, int] = {"FINISHED": 0, "KILLED": 0, "FAILED": 1}
 
 
 def run(cfg: RunConfig, resume: bool = False, run_id_file: Path | None = None, progress: bool = True) -> int:
@@ -130,12 +133,13 @@ def _outcome(core: CoreRun) -> RunStatus:
     return "FINISHED"
 
 
-def serve(cfg: RunConfig, train: bool) -> None:
+def serve(cfg: RunConfig, train: bool) -> int:
     """`swarm serve`: the server in the foreground; with `train`, a trainer thread consumes finished groups.
+    Returns the process exit code (`SERVE_EXIT_CODES`: 1 when its run ended FAILED, else 0).
 
     With a trainer, the MLflow run ends FINISHED when the trainer did all its steps before the server
     stopped; KILLED when Ctrl-C, SIGTERM or `/admin/shutdown` stopped the server first; FAILED when
-    the trainer raised (the server then stops too).
+    the trainer raised or `trainer.max_failed_steps` steps in a row failed (the server then stops too).
     """
     server = Server(cfg)
     # This machine's record of the server, so `swarm swap --server URL` here finds the admin token
@@ -145,17 +149,17 @@ def serve(cfg: RunConfig, train: bool) -> None:
         [write_token_file(server.admin_token)]
     announce_admin_token(server, advertised[-1])
     try:
-        _serve(cfg, server, train)
+        return SERVE_EXIT_CODES[_serve(cfg, server, train)]
     finally:
         remove_server_files(advertised)
 
 
-def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
+def _serve(cfg: RunConfig, server: Server, train: bool) -> RunStatus:
     if not train:
         # Our handler, so uvicorn's re-raised SIGTERM ends `serve_forever` and the server files go (`serve`).
         with on_signals(server.request_exit):
             server.serve_forever()
-        return
+        return "KILLED"  # nothing trains: a server without a trainer only ever ends by being stopped
     core = CoreRun(cfg, server)
     core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
 
@@ -191,6 +195,7 @@ def _serve(cfg: RunConfig, server: Server, train: bool) -> None:
         finally:
             core.stop.set()
             core.telemetry.close(status)
+    return status
 
 
 @contextmanager

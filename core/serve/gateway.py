@@ -176,7 +176,8 @@ class _Gateway:
                            "model_not_found")
         return policy
 
-    def sampling(self, body, policy: Policy, prompt_len: int, requested: int | None) -> list[SamplingParams]:
+    def sampling(self, body, policy: Policy, prompt_len: int, requested: int | None,
+                 episode: Episode | None = None) -> list[SamplingParams]:
         room = policy.engine.max_context - prompt_len
         if room < 1:
             raise APIError(400, f"prompt is {prompt_len} tokens; the model's context is {policy.engine.max_context}",
@@ -190,7 +191,7 @@ class _Gateway:
         temperature = 0.0 if is_greedy(temperature) else temperature  # every engine sees greedy as 0
         return [
             SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, stop=stop,
-                           seed=None if body.seed is None else body.seed + i)
+                           seed=None if body.seed is None else body.seed + i, key=draw_key(episode, i))
             for i in range(body.n)
         ]
 
@@ -249,7 +250,8 @@ class _Gateway:
         tp.tito_reused += rendered.reused_prefix > 0
         tp.tito_drift += rendered.drift
         tp.tito_broken += rendered.broken
-        params = self.sampling(body, policy, len(rendered.prompt_ids), body.max_completion_tokens or body.max_tokens)
+        params = self.sampling(body, policy, len(rendered.prompt_ids), body.max_completion_tokens or body.max_tokens,
+                               episode)
         return PreparedChat(policy, messages, tools_offered, rendered, params, list(body.stop or ()))
 
     async def run_chat(self, prep: PreparedChat, episode: Episode | None) -> list[tuple[dict, Generation]]:
@@ -300,7 +302,7 @@ class _Gateway:
             if lo < 0 or hi >= vocab:
                 raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_prompt")
             prompt_ids = body.prompt
-        params = self.sampling(body, policy, len(prompt_ids), body.max_tokens)
+        params = self.sampling(body, policy, len(prompt_ids), body.max_tokens, episode)
         gens = await self.generate(policy, prompt_ids, params)
         choices, completion_tokens = [], 0
         for i, gen in enumerate(gens):
@@ -338,3 +340,10 @@ class _Gateway:
             "system_fingerprint": f"swarmrl-v{policy.version}",
         }
 
+
+def draw_key(episode: Episode | None, choice: int) -> str | None:
+    """A call's sampling key (`SamplingParams.key`): its episode's name across runs (sandbox, task,
+    ordinal), the call's index in the episode and the choice. None without an episode."""
+    if episode is None:
+        return None
+    return f"{episode.sandbox}/{episode.task_id}/{episode.ordinal}/{len(episode.calls)}/{choice}"

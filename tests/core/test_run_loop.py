@@ -266,6 +266,31 @@ def test_max_failed_steps_in_a_row_fail_the_run_and_a_good_step_resets_the_count
     assert _outcome(core) == "FAILED" and EXIT_CODES["FAILED"] != 0  # the MLflow status and the exit code
 
 
+def test_steps_skipped_for_a_non_finite_loss_count_toward_max_failed_steps(core):
+    """A run whose every step is skipped learnt nothing: it ends FAILED, not FINISHED."""
+    core.cfg.trainer.max_failed_steps = 2
+    norm = core.trainers["policy"].policy.model.norm.weight
+
+    def skipped_step() -> dict[str, float]:
+        finish_group(core, [1.0, 0.0])  # generated with sound weights; the loss then turns NaN
+        with torch.no_grad():
+            norm[0] = float("nan")
+        try:
+            return train_one(core)
+        finally:
+            with torch.no_grad():
+                norm[0] = 1.0
+
+    assert skipped_step()["train/skipped"] == 1.0
+    assert core.failure is None
+    finish_group(core, [1.0, 0.0])
+    assert train_one(core)["train/skipped"] == 0.0  # a step that trains resets the count
+    assert skipped_step()["train/skipped"] == 1.0 and core.failure is None
+    assert skipped_step()["train/skipped"] == 1.0
+    assert "2 train steps in a row failed or were skipped" in str(core.failure) and core.stop.is_set()
+    assert _outcome(core) == "FAILED"
+
+
 def test_stopping_local_clients_whose_event_loop_already_closed_does_not_raise(core):
     # A sandbox whose tasks() raises ends the clients' thread and closes its loop before the run
     # stops them; `swarm run` then raised "Event loop is closed" on its way out and died (signal 11).

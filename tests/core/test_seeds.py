@@ -14,7 +14,11 @@ from core.engine import SamplingParams
 from core.engine.factory import make_engine
 from core.engine.hf import HFEngine
 from core.clients.sandbox import TASK_WINDOW, task_order
-from core.models import build_tiny
+from core.config import RunConfig
+from core.episodes.registry import Registry
+from core.episodes.wire import OpenEpisode
+from core.models import build_tiny, load
+from core.serve.gateway import draw_key
 from core.run import checkpoint
 
 UNSEEDED = SamplingParams(max_tokens=12, temperature=1.0)  # the request gives no seed: the run's stream decides
@@ -135,7 +139,6 @@ def test_a_checkpoint_without_sampler_states_leaves_the_engines_as_seeded(engine
 
 
 def test_the_server_seeds_its_engines_from_trainer_seed(tiny):
-    from core.config import RunConfig
     from core.serve.server import load_policies
 
     def first_tokens(seed: int) -> list[list[int]]:
@@ -169,3 +172,23 @@ def test_an_endless_task_stream_is_shuffled_through_a_window():
     order = task_order(endless(), "0/0")
     head = [next(order)[0] for _ in range(TASK_WINDOW)]
     assert sorted(head) == list(range(TASK_WINDOW)) and head != sorted(head)
+
+
+def test_a_random_initialised_model_takes_its_weights_seed_from_the_run_unless_pinned():
+    def weights(trainer_seed: int, pinned: int | None = None) -> torch.Tensor:
+        model = {"name": "policy", "source": "tiny", **({"seed": pinned} if pinned is not None else {})}
+        cfg = RunConfig.model_validate({"models": [model], "trainer": {"seed": trainer_seed}})
+        assert cfg.models[0].seed == (trainer_seed if pinned is None else pinned)
+        return load(cfg.models[0].model_copy(update={"device": "cpu"}))[0].model.embed_tokens.weight
+
+    assert not torch.equal(weights(1), weights(2))  # replicates start from different weights
+    assert torch.equal(weights(1), weights(1))
+    assert torch.equal(weights(1, pinned=7), weights(2, pinned=7))  # models[].seed pins them
+
+
+def test_each_episode_of_a_task_gets_the_next_ordinal_its_name_across_runs():
+    registry = Registry(lease_s=60, default_group_size=3, batch_groups=1)
+    opened = [registry.open(OpenEpisode(sandbox="letters", task_id=t), {})[0] for t in ("a", "b", "a", "a", "b")]
+    assert [(e.task_id, e.ordinal) for e in opened] == [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1)]
+    assert [draw_key(opened[2], c) for c in (0, 1)] == ["letters/a/1/0/0", "letters/a/1/0/1"]
+    assert draw_key(None, 0) is None  # anonymous calls have no name across runs
