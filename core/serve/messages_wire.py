@@ -43,6 +43,7 @@ class MessagesRequest(_Open):
     stream: bool = False
     metadata: dict[str, Any] | None = None  # accepted (user_id); not used
     thinking: dict[str, Any] | None = None  # refused unless disabled: no separate reasoning
+    output_config: dict[str, Any] | None = None  # refused with a `format` (structured output); effort ignored
 
     @field_validator("stop_sequences")
     @classmethod
@@ -168,6 +169,8 @@ def to_chat(body: MessagesRequest) -> ChatRequest:
         raise WireError("top_k is not supported (the engines sample by temperature and top_p)", "unsupported")
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         raise WireError("thinking is not supported (the policies do not reason separately)", "unsupported")
+    if body.output_config and body.output_config.get("format") is not None:
+        raise WireError("output_config.format is not supported (plain text and tool calls only)", "unsupported")
     messages: list[dict[str, Any]] = []
     if body.system is not None:
         messages.append({"role": "system", "content": _texts(body.system, "system")})
