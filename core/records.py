@@ -32,6 +32,15 @@ class Call(BaseModel):
     reply: dict[str, Any] | None = None  # the assistant message returned to the client
 
 
+# The per-step score of one code version of a sandbox during an A/B, over the (task, weights) cells both
+# versions completed (`core.episodes.pairing`): logged by the run, judged by the researcher. One name, here.
+AB_METRIC = "ab/{sandbox}/version/{version}"
+
+
+def ab_metric(sandbox: str, version: str) -> str:
+    return AB_METRIC.format(sandbox=sandbox, version=version)
+
+
 class Episode(BaseModel):
     """An agent's attempt at one task: a lease, a key, a group, its calls and its reward."""
 
@@ -59,6 +68,22 @@ class Episode(BaseModel):
     @property
     def group_key(self) -> tuple[str, str]:
         return (self.sandbox, self.task_id)
+
+    @property
+    def train_group(self) -> tuple[str, str, str]:
+        """The group it trains in: its task's, of its own code version only, so that while two versions
+        serve side by side (an A/B) no advantage is computed across them."""
+        return (self.sandbox, self.task_id, self.client_version)
+
+    @property
+    def weights(self) -> tuple[tuple[str, int, int], ...]:
+        """The weights it ran on: (model, oldest, newest version among its calls) per model, sorted; () with no
+        call. An A/B compares two episodes only when these are equal (`core.episodes.pairing`)."""
+        span: dict[str, tuple[int, int]] = {}
+        for c in self.calls:
+            low, high = span.get(c.model, (c.version, c.version))
+            span[c.model] = (min(low, c.version), max(high, c.version))
+        return tuple(sorted((m, low, high) for m, (low, high) in span.items()))
 
     def calls_of(self, model: str) -> list[Call]:
         return [c for c in self.calls if c.model == model]

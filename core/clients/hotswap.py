@@ -14,8 +14,9 @@ may run on another machine and nothing local about it is needed:
     wait (bounded) until the old clients have left the table
 
 `swap(..., ab=True)` (`swarm swap --ab`) is an A/B inside the live run: the new client starts with the
-old clients' kind and group size and, by default, their summed concurrency, so open episodes split
-about 50/50 between the versions; the server records the swap (`SwapRecord.ab`) and drains nobody.
+old clients' kind, group size, seed, split, task budget and episode timeout (every swap does: `inherited`)
+and, by default, their summed concurrency; the server records the swap (`SwapRecord.ab`), drains nobody,
+and pairs the versions (`core.episodes.pairing`): the new client runs each task the old ones open.
 `drain_version` (`swarm swap SANDBOX --drain-version V`) ends it: the clients of version V drain, a
 serving client of another version named as their successor (nothing of V left: nothing to do, exit 0).
 
@@ -147,7 +148,7 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
     client_id = f"{name}-{socket.gethostname()}-swap-{secrets.token_hex(3)}"
     cmd = [python, "-m", "core.run.cli", "client", spec, "--server", url, "--client-id", client_id,
            "--concurrency", str(concurrency or old["concurrency"]), "--group-size", str(old["group_size"]),
-           "--kind", old["kind"]]
+           "--kind", old["kind"], *inherited(old)]
     log_path = pid_dir() / f"{safe_name(client_id)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
@@ -166,6 +167,16 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
                                   extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
                                   stdout=log_file, stderr=subprocess.STDOUT)
     return _NewClient(client_id, started.proc, log_path, started)
+
+
+def inherited(old: dict) -> list[str]:
+    """`swarm client` options that give the new client the old one's task settings (its registration, as
+    `/status` lists it): seed, split, task budget and episode timeout, so the two differ only in code."""
+    args = ["--split", old.get("split") or "train"]
+    for option, key in (("--seed", "seed"), ("--tasks", "tasks"), ("--episode-timeout", "episode_timeout")):
+        if old.get(key) is not None:
+            args += [option, str(old[key])]
+    return args
 
 
 def _run_folder(server: str) -> Path | None:

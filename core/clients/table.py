@@ -11,6 +11,11 @@ its MLflow run (`on_swap`). An A/B order (`DrainClients.ab`, `swarm swap --ab`) 
 way (`SwapRecord.ab`) but drains nobody: the old clients keep serving beside their successor, and
 the loser drains later by an ordinary order naming the winner.
 
+While an A/B is open (from its order until the loser's drain, or until either side is gone) the table
+names each client's part in it (`ab_role`): the old version's clients lead, the successor follows, and
+the swarm routes pair their tasks through `pairing` (`core.episodes.pairing.TaskPairing`): each train
+task a leader opens is owed to the follower, which opens only those.
+
 This module keeps the books only: it never signals a process and does not run episodes.
 """
 
@@ -21,8 +26,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from core.auth import same_secret
+from core.episodes.pairing import TaskPairing
 from core.episodes.wire import ClientOrders, DrainClients, RegisterClient, SwapRecord
 
 # How often a client sends its registration again. A drain order reaches it within this, so a
@@ -59,6 +66,8 @@ class ClientTable:
     clock: Callable[[], float] = time.time
     on_swap: Callable[[SwapRecord], None] | None = None  # the run loop tags the swap on its MLflow run
     swaps: list[SwapRecord] = field(default_factory=list)
+    pairing: TaskPairing = field(default_factory=TaskPairing)  # the open A/Bs' owed tasks (the routes fill it)
+    _ab: dict[str, SwapRecord] = field(default_factory=dict)  # sandbox -> its open A/B's start
     _clients: dict[str, Registration] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -116,15 +125,44 @@ class ClientTable:
                 raise ClientError(409, "an A/B needs its old clients serving; some are draining", "draining")
             for reg in targets:
                 reg.draining = reg.draining or not order.ab
+            if not order.ab:  # the loser drains: the A/B is over, the winner draws its own tasks again
+                self._end_ab(order.sandbox)
             record = SwapRecord(n=len(self.swaps) + 1, sandbox=order.sandbox,
                                 from_versions=sorted({r.info.version for r in targets}),
                                 to_version=successor.info.version, successor=order.successor,
                                 to_spec=successor.info.spec, ab=order.ab,
                                 drained=[] if order.ab else [r.info.client_id for r in targets], at=now)
             self.swaps.append(record)
+            if order.ab:
+                self._ab[order.sandbox] = record
         if self.on_swap is not None:
             self.on_swap(record)  # outside the lock: it may write to MLflow
         return record
+
+    def ab_role(self, sandbox: str, client_id: str) -> Literal["leader", "follower"] | None:
+        """`client_id`'s part in `sandbox`'s open A/B: the old version's serving clients lead, the successor
+        follows; None outside an A/B. An A/B one of whose sides is gone (left, silent or draining) ends here."""
+        with self._lock:
+            record = self._ab.get(sandbox)
+            if record is None:
+                return None
+            self._forget_silent(self.clock())
+            follower = self._clients.get(record.successor)
+            leaders = {cid for cid, r in self._clients.items() if r.info.sandbox == sandbox and not r.draining
+                       and r.info.version in record.from_versions and cid != record.successor}
+            if follower is None or follower.draining or not leaders:
+                self._end_ab(sandbox)
+                return None
+            return "follower" if client_id == record.successor else "leader" if client_id in leaders else None
+
+    def ab_open(self) -> dict[str, int]:
+        """Sandbox -> the swap number of its open A/B."""
+        with self._lock:
+            return {s: r.n for s, r in self._ab.items()}
+
+    def _end_ab(self, sandbox: str) -> None:
+        if self._ab.pop(sandbox, None) is not None:
+            self.pairing.close(sandbox)
 
     def drain_all(self) -> int:
         """Tell every registered client to drain (the run is ending); -> how many."""

@@ -94,15 +94,16 @@ class Admission:
             return Refusal(f"sandbox {sandbox!r} is above its mix share", "mix_quota", BACKPRESSURE_RETRY_S)
         return None
 
-    def _admission_refusal(self, sandbox: str, task_id: str, group_size: int) -> Refusal | None:
+    def _admission_refusal(self, sandbox: str, task_id: str, group_size: int, version: str = "") -> Refusal | None:
+        """`version`: the opening client's code version, part of its group's key (`Episode.train_group`)."""
         if self.max_staleness is None:
             return None
         started = self._started_groups()
-        if started.get((sandbox, task_id), (0, group_size))[0] % group_size:
+        if started.get((sandbox, task_id, version), (0, group_size))[0] % group_size:
             return None  # completes a started group
         return self._no_room(sandbox, started)
 
-    def _no_room(self, sandbox: str, started: dict[tuple[str, str], tuple[int, int]]) -> Refusal | None:
+    def _no_room(self, sandbox: str, started: dict[tuple[str, str, str], tuple[int, int]]) -> Refusal | None:
         """Why admission control would refuse a new group of `sandbox` now (None: there is room)."""
         if self.max_staleness is None:
             return None
@@ -117,7 +118,7 @@ class Admission:
         # quotas of `take_batch` wait for can always start.
         share, allowed = room_share(sandbox, self.mix, self._active_sandboxes(), budget)
         mine = sum(1 for g in self._ready if g[0].sandbox == sandbox)
-        mine += sum(math.ceil(n / k_size) for (s, _), (n, k_size) in started.items() if s == sandbox)
+        mine += sum(math.ceil(n / k_size) for key, (n, k_size) in started.items() if key[0] == sandbox)
         if mine >= allowed:
             return Refusal(f"sandbox {sandbox!r} holds {mine} groups, its {share:.0%} mix share of the "
                            f"{budget} the next steps can train; retry after the weight sync", "admission",
@@ -129,12 +130,12 @@ class Admission:
         since = self.clock() - self.lease_s
         return {sandbox for sandbox, t in self._seen.items() if t > since}
 
-    def _started_groups(self) -> dict[tuple[str, str], tuple[int, int]]:
+    def _started_groups(self) -> dict[tuple[str, str, str], tuple[int, int]]:
         """Train groups under way (open episodes, or finished ones in a group still filling): key -> (episodes, size)."""
-        started: dict[tuple[str, str], tuple[int, int]] = {}
+        started: dict[tuple[str, str, str], tuple[int, int]] = {}
         for e in self._open.values():
             if e.kind == "train":
-                started[e.group_key] = (started.get(e.group_key, (0, 0))[0] + 1, e.group_size)
+                started[e.train_group] = (started.get(e.train_group, (0, 0))[0] + 1, e.group_size)
         abandoned_before = self.clock() - self.lease_s
         for key, group in self._filling.items():
             # A partial group nobody touched for a lease is abandoned: it stops holding a slot.

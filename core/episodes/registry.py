@@ -1,7 +1,8 @@
 """The episode registry: keys, leases, states, groups, batch assembly, mix quotas and back-pressure.
 
 Lifecycle: open -> (calls...) -> finished | aborted | expired. Finished train episodes join their
-group, keyed by (sandbox, task_id); a group with `group_size` finished episodes is ready, and the
+group, keyed by (sandbox, task_id, client code version: `Episode.train_group`, so an A/B never mixes
+versions in a group); a group with `group_size` finished episodes is ready, and the
 trainer takes ready groups in arrival order. Eval and debug episodes never train.
 
 Mix quotas hold in what trains, not only in what opens: each batch slot goes to the sandbox
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from core.auth import path_secret, same_secret
 from core.episodes.admission import Admission, Refusal
 from core.episodes.mix import next_group
+from core.episodes.pairing import Pairs
 from core.records import Call, Episode
 from core.episodes.wire import OpenEpisode
 
@@ -91,7 +93,8 @@ class Registry(Admission):
         self._paths: dict[str, str] = {}  # path secret -> episode id (the path form's credential)
         self._path_of: dict[str, str] = {}  # episode id -> path secret
         self._ended: OrderedDict[str, Episode] = OrderedDict()  # tombstones, calls dropped
-        self._filling: dict[tuple[str, str], list[Episode]] = {}
+        self._filling: dict[tuple[str, str, str], list[Episode]] = {}  # Episode.train_group -> its finished episodes
+        self.pairs = Pairs()  # an A/B's compared pairs (`core.episodes.pairing`): the run adds its batches
         self._ready: deque[list[Episode]] = deque()
         self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
         self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
@@ -127,7 +130,7 @@ class Registry(Admission):
                                    "training_over")
             if req.kind == "train":
                 refusal = self._quota_refusal(req.sandbox) or self._admission_refusal(
-                    req.sandbox, req.task_id, req.group_size or self.default_group_size)
+                    req.sandbox, req.task_id, req.group_size or self.default_group_size, req.client_version)
                 if refusal is not None:
                     raise EpisodeError.refused(refusal)
             now = self.clock()
@@ -231,10 +234,10 @@ class Registry(Admission):
             if ep.kind != "train":
                 self.counters["finished_not_train"] += 1
             if ep.kind == "train":
-                group = self._filling.setdefault(ep.group_key, [])
+                group = self._filling.setdefault(ep.train_group, [])
                 group.append(ep)
                 if len(group) >= ep.group_size:
-                    self._ready.append(self._filling.pop(ep.group_key))
+                    self._ready.append(self._filling.pop(ep.train_group))
             elif ep.kind == "eval":
                 self._finished_eval.append(ep)
             return ep
@@ -294,7 +297,7 @@ class Registry(Admission):
             # (it may be between two episodes) and would be admitted (waiting on a sandbox the full
             # room keeps out would never end). A dead client stops asking.
             started = self._started_groups()
-            coming = {sandbox for sandbox, _ in started}
+            coming = {key[0] for key in started}
             coming |= {s for s in self._active_sandboxes() if self._no_room(s, started) is None}
             groups, consumed, stale_whole, dropped = [], [], [], 0
             while candidates and len(groups) < self.batch_groups:
@@ -346,7 +349,7 @@ class Registry(Admission):
                 if group and len(group) >= group[0].group_size:
                     self._ready.append(group)
                 elif group:
-                    self._filling[group[0].group_key] = group
+                    self._filling[group[0].train_group] = group
                 self.counters["restored"] += len(group)
 
     def open_by_client(self) -> dict[str, list[str]]:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 class OpenEpisode(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    sandbox: str = Field("default", min_length=1, max_length=128)  # groups are keyed by (sandbox, task_id)
+    sandbox: str = Field("default", min_length=1, max_length=128)  # groups are keyed by (sandbox, task_id, client_version)
     task_id: str = Field(min_length=1, max_length=512)
     group_size: int | None = Field(None, ge=1, le=1024)  # None: the trainer's default
     kind: Literal["train", "eval", "debug"] = "train"
@@ -76,6 +76,11 @@ class RegisterClient(BaseModel):
     concurrency: int = Field(1, ge=1)  # episodes it keeps in flight
     spec: str = Field("", max_length=4096)  # how it was started (sandbox:NAME or a folder): for people
     failed: int = Field(0, ge=0)  # episodes that failed so far (its code raised, or the server refused)
+    # How it draws and runs tasks: `swarm swap` starts the new version with the same (an A/B compares code only).
+    seed: str | None = Field(None, max_length=256)  # its task-order seed (None: tasks in file order)
+    split: str = Field("train", min_length=1, max_length=64)  # the split its tasks come from
+    tasks: int | None = Field(None, ge=1)  # its task budget (None: no limit)
+    episode_timeout: float | None = Field(None, ge=0)  # each rollout's deadline in s (None: the default, 0: none)
 
 
 class ClientOrders(BaseModel):
