@@ -136,6 +136,10 @@ class Server:
             # waits for its new client's first one before it drains the old.
             "clients": [{**c, "finished": finished.get(c["client_id"], 0)} for c in self.clients.listing()],
             "swaps": [s.model_dump() for s in self.clients.swaps],
+            # Open A/Bs (sandbox -> swap number), the tasks their new versions still owe or dropped unpaid, and
+            # the latest compared pairs: (task, weights) cells both versions reached (core.episodes.pairing).
+            "ab": {"open": self.clients.ab_open(), "owed": self.clients.pairing.owed(),
+                   "dropped": dict(self.clients.pairing.dropped), "pairs": self.registry.pairs.status()},
             "episodes": reg["counters"],
             "throughput": self.throughput.as_dict(),
         }
