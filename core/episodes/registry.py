@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.auth import path_secret, same_secret
+from core.engine.routing import EPISODE
 from core.episodes.admission import Admission, Refusal
 from core.episodes.mix import next_group
 from core.episodes.pairing import Pairs
@@ -160,11 +161,16 @@ class Registry(Admission):
             return ep, key
 
     def by_key(self, key: str) -> Episode:
+        """The open episode of this key; it becomes the request's episode (`EPISODE`: replicas route on it)."""
         with self._lock:
             episode_id = self._keys.get(key)
             if episode_id is None:
                 raise EpisodeError(401, "unknown or missing episode key", "invalid_api_key")
-            return self.get_open(episode_id)
+            return _current(self.get_open(episode_id))
+
+    def is_open(self, episode_id: str) -> bool:
+        with self._lock:
+            return episode_id in self._open
 
     def by_path(self, secret: str) -> Episode:
         """The open episode whose path-form secret this is (401 for anything else, a bare id included)."""
@@ -172,7 +178,7 @@ class Registry(Admission):
             episode_id = self._paths.get(secret)
             if episode_id is None:
                 raise EpisodeError(401, "unknown episode path: use the base_url returned on open", "invalid_api_key")
-            return self.get_open(episode_id)
+            return _current(self.get_open(episode_id))
 
     def path_of(self, episode_id: str) -> str:
         with self._lock:
@@ -405,3 +411,9 @@ def _staleness(ep: Episode, current: dict[str, int]) -> int:
     for call in ep.calls:
         oldest[call.model] = min(oldest.get(call.model, call.version), call.version)
     return max((current.get(m, v) - v for m, v in oldest.items()), default=0)
+
+
+def _current(ep: Episode) -> Episode:
+    """Name `ep` as the current request's episode (`core.engine.routing.EPISODE`) and return it."""
+    EPISODE.set(ep.id)
+    return ep

@@ -36,7 +36,8 @@ from core.run import checkpoint
 from core.config import RunConfig
 from core.clients.contain import require_bwrap
 from core.clients.server_files import token_files
-from core.episodes.registry import Batch
+from core.engine.replicas import ReplicaBehind, ReplicaEngine
+from core.episodes.registry import Batch, EpisodeError
 from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent, locate, sandbox_roots
@@ -81,6 +82,10 @@ class CoreRun:
         self.server.on_checkpoint = self.checkpoint
         self.server.on_shutdown = self.stop.set
         self.server.clients.on_swap = self._on_swap  # `swarm swap` drained old clients: tag it on the run
+        for p in self.server.policies.values():
+            if isinstance(p.engine, ReplicaEngine):  # a lost replica's episodes are aborted, never trained half-done
+                p.engine.on_lost = self._abort_lost
+                p.engine.is_open = self.server.registry.is_open
         self._clients_stop: asyncio.Event | None = None
         self._clients_loop: asyncio.AbstractEventLoop | None = None
         self._client_threads: list[threading.Thread] = []
@@ -165,6 +170,15 @@ class CoreRun:
         finally:
             ready.set()
 
+    def _abort_lost(self, episode_ids: list[str]) -> None:
+        """A replica was lost: its open episodes end aborted (their clients open new ones)."""
+        for episode_id in episode_ids:
+            try:
+                self.server.registry.abort(episode_id, "the replica serving it was lost")
+            except EpisodeError:
+                pass  # it ended meanwhile (finished, expired): nothing to abort
+        log.warning("aborted %d episode(s) of a lost replica", len(episode_ids))
+
     def _give_up(self, why: str) -> None:
         """An isolated client keeps dying before doing any work: end the run as failed, with the reason."""
         log.error("%s", why)
@@ -239,9 +253,19 @@ class CoreRun:
                 self.checkpoint()
             if on_step is not None:
                 on_step(self.step, metrics)
-            if self._too_many_failures(metrics):
+            if self._too_many_failures(metrics) or self._replica_failed():
                 return
             idle_since = time.perf_counter()
+
+    def _replica_failed(self) -> bool:
+        """A replica that could not be brought back (`core.engine.replicas.RESTARTS`) fails the run."""
+        lost = next((p.engine.failure for p in self.server.policies.values()
+                     if isinstance(p.engine, ReplicaEngine) and p.engine.failure is not None), None)
+        if lost is not None:
+            self.failure = lost
+            log.error("%s", lost)
+            self.stop.set()
+        return lost is not None
 
     def _too_many_failures(self, metrics: dict[str, float]) -> bool:
         """Count a step in which some policy's step failed, or was skipped for a non-finite loss or gradient
@@ -305,6 +329,8 @@ class CoreRun:
                 updated = trainer.apply(prepared)
             policy.step += 1
             return trainer.metrics(prepared)
+        except ReplicaBehind:
+            raise  # inference would go on serving old weights: the run fails, loudly
         except Exception:
             log.exception("step %d of %s failed; its weights and version are unchanged", self.step + 1, name)
             trainer.discard()
@@ -348,6 +374,13 @@ class CoreRun:
                 out[f"reward/{sandbox}/version/{version}"] = sum(rewards) / len(rewards)
         for sandbox, rewards in by_sandbox.items():
             out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
+        for name, p in self.server.policies.items():
+            if isinstance(p.engine, ReplicaEngine):  # each replica's load, version and health, per step
+                prefix = "" if len(self.server.policies) == 1 else f"{name}/"
+                out[f"{prefix}time/replica_sync_s"] = p.engine.last_sync_s
+                for r in p.engine.status():
+                    for key in ("episodes", "inflight", "healthy", "version", "restarts"):
+                        out[f"{prefix}replica/{r['replica']}/{key}"] = float(r[key] if r[key] is not None else -1)
         return out
 
 

@@ -23,9 +23,11 @@ import uvicorn
 from core import models
 from core.serve.chat import ChatRenderer
 from core.auth import masked
+from core.clients.dealer import Dealer
+from core.clients.judge import load_judges
 from core.clients.table import ClientTable
 from core.config import RunConfig
-from core.engine.factory import make_engine
+from core.engine.replicas import ReplicaEngine, make_model_engine
 from core.episodes.registry import Registry
 from core.serve.gateway import build_app
 from core.serve.state import Policy, Throughput  # noqa: F401 (Policy: re-exported, callers build policies from here)
@@ -48,6 +50,11 @@ class Server:
             max_abs_reward=cfg.trainer.max_abs_reward,
         )
         self.clients = ClientTable()  # registered client processes: `swarm swap` drains through it
+        # Judged sandboxes score and deal tasks by the judges in the folders this config names, never by code
+        # a client brings (a hot-swapped client's checkout included): core.clients.judge, DESIGN §3.7.
+        self.judges = load_judges(cfg)
+        self.dealer = Dealer(self.judges, cfg.trainer.seed)
+        self.registry.failure_scores = {name: judge.failure for name, judge in self.judges.items()}
         self.admin_token = cfg.server.admin_token or secrets.token_urlsafe(24)
         # Requests without an episode key: served (unrecorded) only while nothing trains; the run loop
         # turns this off when it has trainers (see `core.run.loop`, docs/architecture.md "Anonymous use").
@@ -127,7 +134,9 @@ class Server:
         return {
             "state": "paused" if reg["paused"] else "stalled" if self.stalled else "serving",
             "stalled": self.stalled,
-            "models": {n: {"version": p.version, "step": p.step, "trainable": p.trainable} for n, p in self.policies.items()},
+            "models": {n: {"version": p.version, "step": p.step, "trainable": p.trainable,
+                           **({"replicas": p.engine.status()} if isinstance(p.engine, ReplicaEngine) else {})}
+                       for n, p in self.policies.items()},
             "trainer": {"group_size": self.cfg.trainer.group_size, "batch_groups": self.cfg.trainer.batch_groups},
             "buffer": {"ready_groups": reg["ready_groups"], "filling_groups": reg["filling_groups"],
                        "episodes": reg["buffered_episodes"]},
@@ -154,7 +163,7 @@ def load_policies(cfg: RunConfig) -> dict[str, Policy]:
 
             model = prepare_policy(model, mc.lora)
         max_context = mc.max_context or min(getattr(model.config, "max_position_embeddings", 2048), 1 << 16)
-        engine = make_engine(cfg.engine.kind, model, tok, cfg.engine, max_context, seed=cfg.trainer.seed)
+        engine = make_model_engine(cfg, mc, model, tok, max_context)  # one engine, or replicas (core.engine.replicas)
         policies[mc.name] = Policy(mc.name, model, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
     return policies
 

@@ -163,7 +163,6 @@ def _rank_main(conn: Any, mc_data: dict, trainer_data: dict, rank: int, world: i
     ranks = _Collectives(trainer, _group(backend, port, rank, world))
     ranks.broadcast_weights()
     conn.send(("ready", os.getpid()))
-    sums: dict[str, float] = {}
     while True:
         try:
             msg = conn.recv()
@@ -174,10 +173,10 @@ def _rank_main(conn: Any, mc_data: dict, trainer_data: dict, rank: int, world: i
             if kind == "backward":
                 _, share, normalizer = msg
                 trainer.policy.train()
-                sums = ranks.reduce(trainer._accumulate(share, normalizer))
+                ranks.reduce(trainer._accumulate(share, normalizer))
                 conn.send(("ok", None))
-            elif kind == "apply":
-                conn.send(("ok", trainer._apply(sums["loss"])))
+            elif kind == "apply":  # with rank 0's loss: a step with nothing to run had no backward here
+                conn.send(("ok", trainer._apply(msg[1])))
                 trainer.step_count += 1
             elif kind == "discard":
                 trainer.discard()
@@ -235,7 +234,7 @@ class DistributedTrainer(Trainer):
         self._gather()
 
     def _apply(self, loss: float) -> tuple[float, bool, bool]:
-        self._send_all([("apply",)] * (self.world - 1))
+        self._send_all([("apply", loss)] * (self.world - 1))
         out = super()._apply(loss)
         answers = self._gather()
         if any(a != out for a in answers):  # identical gradients must give identical steps

@@ -1,0 +1,332 @@
+"""One engine in a process of its own: a rollout replica of a model, on its own device.
+
+`ProcessEngine` starts a child process (spawn) that loads the model the way a run does
+(`core.models.load`, LoRA adapters by `core.models.prepare_policy`), builds the run's engine kind
+around it (`core.engine.factory.make_engine`) and serves it over a pipe. The parent side offers
+`generate`, admission (`hold`, `pause_blocking`, `resume`) and `sync(weights, version)`: the
+trainer's trainable parameters (all of them for a full fine-tune, the adapters for LoRA), applied
+by the child between two decode steps (the engine's own `swap_weights`), after which it serves
+`version`. The child reports its version, load and liveness in a heartbeat.
+
+Health: the replica is `healthy` while its process lives, its heartbeat is recent and no request
+has waited longer than `hang_s`. A replica found dead or hung is killed (SIGKILL) and every
+request waiting on it fails with `ReplicaLost`; the router (`core.engine.replicas`) then restarts it.
+
+Weights travel as `torch.save` bytes over the pipe: simple and copy-safe on one machine. A
+cross-GPU NCCL broadcast is not built (docs/scaling.md gives the arithmetic). Deliberately not
+here: routing, restarts, versions policy (the router's), and anything of the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from core import models
+from core.config import EngineConfig, ModelConfig
+from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
+from core.engine.factory import make_engine
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5  # how often the child reports version, load and that it lives
+# A replica silent this long is taken for hung: far beyond a heartbeat's period, long enough that a
+# loaded 2-core machine (six agents at once) does not take a slow scheduler for a hang.
+SILENT_S = 60.0
+# How long a replica may take to start (spawn, import torch and transformers, load the model).
+START_S = 300.0
+SYNC_S = 300.0  # how long one weight sync may take before the replica counts as behind
+
+
+class ReplicaLost(GenerationError):
+    """The replica serving a request died or hung; the request failed (its episode is aborted)."""
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica process needs to build its engine: plain data, sent to the child."""
+
+    index: int
+    model: dict  # ModelConfig dumped; `device` is this replica's
+    engine: dict  # EngineConfig dumped
+    max_context: int
+    seed: int  # the run's trainer.seed plus the replica's index: each replica its own sampling stream
+
+
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a trainer step changes: the trainable parameters (every weight, or the LoRA adapters)."""
+    return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def pack_weights(weights: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save({n: t.cpu() for n, t in weights.items()}, buf)
+    return buf.getvalue()
+
+
+def _load_into(model: torch.nn.Module, blob: bytes) -> None:
+    weights = torch.load(io.BytesIO(blob), weights_only=True)
+    params = dict(model.named_parameters())
+    unknown = sorted(set(weights) - set(params))
+    if unknown:  # a sync that names weights this replica lacks must not pass as done
+        raise ValueError(f"weights {unknown[:3]} are not parameters of this replica's model")
+    with torch.no_grad():
+        for name, t in weights.items():
+            params[name].copy_(t)
+
+
+def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
+    """The child: build the engine, then serve requests from the pipe until it closes."""
+    mc = ModelConfig.model_validate(spec.model)
+    torch.manual_seed(spec.seed)
+    model, tok = models.load(mc)
+    policy = models.prepare_policy(model, mc.lora) if mc.lora is not None and mc.trainable else model
+    engine = make_engine(EngineConfig.model_validate(spec.engine).kind, policy, tok,
+                         EngineConfig.model_validate(spec.engine), spec.max_context, spec.seed)
+    send_lock = threading.Lock()
+
+    def send(*msg: Any) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="replica-loop", daemon=True).start()
+    running: dict[int, Any] = {}
+
+    async def serve(rid: int, prompt: list[int], params: SamplingParams, stream: bool) -> None:
+        try:
+            gen = await engine.generate(prompt, params, (lambda t: send("tok", rid, t)) if stream else None)
+            send("done", rid, gen)
+        except asyncio.CancelledError:
+            send("error", rid, "cancelled")
+        except Exception as e:  # noqa: BLE001 - the parent raises it for the request's caller
+            send("error", rid, f"{type(e).__name__}: {e}")
+        finally:
+            running.pop(rid, None)
+
+    def sync(seq: int, blob: bytes, version: int) -> None:
+        def apply() -> bool:
+            _load_into(policy, blob)
+            engine.version = version  # set between two decode steps; False below: no extra bump
+            return False
+        try:
+            engine.swap_weights(apply)
+            send("ack", seq, engine.version)
+        except Exception as e:  # noqa: BLE001 - the parent fails the sync loudly with it
+            send("ack", seq, f"error: {type(e).__name__}: {e}")
+
+    def beat() -> None:
+        while True:
+            send("beat", engine.version, asdict(engine.load()))
+            time.sleep(HEARTBEAT_S)
+
+    send("ready", os.getpid(), engine.version)
+    threading.Thread(target=beat, name="replica-beat", daemon=True).start()
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the parent is gone: the daemon threads go with this process
+        kind = msg[0]
+        if kind == "gen":
+            _, rid, prompt, params, stream = msg
+            running[rid] = asyncio.run_coroutine_threadsafe(serve(rid, prompt, params, stream), loop)
+        elif kind == "cancel":
+            fut = running.get(msg[1])
+            if fut is not None:
+                fut.cancel()
+        elif kind == "sync":
+            threading.Thread(target=sync, args=msg[1:], daemon=True).start()
+        elif kind == "hold":
+            engine.hold()
+        elif kind == "pause":
+            threading.Thread(target=lambda seq=msg[1]: (engine.pause_blocking(), send("ack", seq, engine.version)),
+                             daemon=True).start()
+        elif kind == "resume":
+            engine.resume(msg[1])
+        elif kind == "close":
+            engine.close()
+            os._exit(0)
+
+
+class ProcessEngine:
+    """The parent's handle on one replica process (see the module doc)."""
+
+    def __init__(self, spec: ReplicaSpec, hang_s: float, on_lost: Callable[[ProcessEngine, str], None]):
+        self.spec, self.hang_s, self.on_lost = spec, hang_s, on_lost
+        self.device = spec.model["device"]
+        self.max_context = spec.max_context
+        self.version = -1  # what the child last reported serving
+        self.lost: str | None = None  # why it was taken out of service, once it was
+        self._pending: dict[int, tuple[asyncio.Future, asyncio.AbstractEventLoop, Callable | None]] = {}
+        self._acks: dict[int, tuple[threading.Event, list]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._load = EngineLoad(queued=0, active=0, admitting=True, oldest_s=None)
+        here, there = multiprocessing.get_context("spawn").Pipe()
+        self._conn = here
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=_replica_main, args=(there, spec), name=f"swarm-replica-{spec.index}", daemon=True)
+        self.proc.start()
+        there.close()
+        self._beat = time.monotonic()
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, name=f"replica-{spec.index}-reader", daemon=True).start()
+        if not self._ready.wait(START_S) or self.lost:
+            self.kill(self.lost or f"did not start within {START_S:g} s")
+            raise ReplicaLost(f"replica {spec.index} on {self.device} could not start: {self.lost}")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def inflight(self) -> int:
+        return len(self._pending)
+
+    def healthy(self) -> bool:
+        """Alive, heard from lately, and no request older than `hang_s`; a replica found otherwise is killed."""
+        if self.lost:
+            return False
+        if not self.proc.is_alive():
+            self.kill(f"its process exited (code {self.proc.exitcode})")
+        elif time.monotonic() - self._beat > SILENT_S:
+            self.kill(f"no heartbeat for {SILENT_S:g} s")
+        elif self._load.oldest_s is not None and self._load.oldest_s > self.hang_s:
+            self.kill(f"a request waited {self._load.oldest_s:.0f} s (hang_s {self.hang_s:g})")
+        return self.lost is None
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int], None] | None = None) -> Generation:
+        if self.lost:
+            raise ReplicaLost(f"replica {self.spec.index} is out of service: {self.lost}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        rid = next(self._ids)
+        self._pending[rid] = (fut, loop, on_token)
+        try:
+            self._send("gen", rid, list(prompt_ids), params, on_token is not None)
+            gen = await fut
+            gen.timings["replica"] = float(self.spec.index)  # which replica made it (sticky routing shows here)
+            return gen
+        except asyncio.CancelledError:
+            self._send("cancel", rid)
+            raise
+        finally:
+            self._pending.pop(rid, None)
+
+    def hold(self) -> None:
+        self._send("hold")
+
+    def pause_blocking(self) -> None:
+        self._request("pause", timeout=SYNC_S)
+
+    def resume(self, new_version: int | None = None) -> None:
+        self._send("resume", new_version)
+
+    def sync(self, blob: bytes, version: int) -> int:
+        """Send the weights; returns the version the replica then serves (raises if it could not)."""
+        answer = self._request("sync", blob, version, timeout=SYNC_S)
+        if isinstance(answer, str):
+            raise RuntimeError(f"replica {self.spec.index} could not load the weights: {answer}")
+        self.version = answer
+        return answer
+
+    def kill(self, why: str) -> None:
+        """Take it out of service: SIGKILL the process, fail what waits on it, tell the router (once)."""
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = why
+        log.error("replica %d (%s, pid %s) lost: %s", self.spec.index, self.device, self.pid, why)
+        if self.proc.is_alive():
+            self.proc.kill()
+        error = ReplicaLost(f"replica {self.spec.index} was lost: {why}")
+        for fut, loop, _ in list(self._pending.values()):
+            loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(error))
+        for event, box in list(self._acks.values()):
+            box.append(f"error: {error}")
+            event.set()
+        self.on_lost(self, why)
+
+    def close(self) -> None:
+        with self._lock:
+            self.lost = self.lost or "closed"
+        try:
+            self._send("close")
+        except ReplicaLost:
+            pass
+        self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+    # -- the pipe ----------------------------------------------------------------------------------
+    def _send(self, *msg: Any) -> None:
+        try:
+            with self._lock:
+                self._conn.send(msg)
+        except (OSError, ValueError) as e:
+            self.kill(f"its pipe broke: {e}")
+            raise ReplicaLost(f"replica {self.spec.index} was lost: {e}") from e
+
+    def _request(self, kind: str, *args: Any, timeout: float) -> Any:
+        seq = next(self._ids)
+        event, box = threading.Event(), []
+        self._acks[seq] = (event, box)
+        try:
+            self._send(kind, seq, *args)
+            if not event.wait(timeout):
+                raise RuntimeError(f"replica {self.spec.index} did not answer {kind} within {timeout:g} s")
+            return box[0]
+        finally:
+            self._acks.pop(seq, None)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                if not self.lost:
+                    self.kill(f"its pipe closed (exit code {self.proc.exitcode})")
+                self._ready.set()
+                return
+            kind = msg[0]
+            if kind == "ready":
+                self.version = msg[2]
+                self._ready.set()
+            elif kind == "beat":
+                self._beat = time.monotonic()
+                self.version, self._load = msg[1], EngineLoad(**msg[2])
+            elif kind in ("done", "error", "tok"):
+                entry = self._pending.get(msg[1])
+                if entry is None:
+                    continue  # cancelled meanwhile
+                fut, loop, on_token = entry
+                if kind == "tok":
+                    if on_token is not None:
+                        loop.call_soon_threadsafe(on_token, msg[2])
+                elif kind == "done":
+                    loop.call_soon_threadsafe(lambda f=fut, g=msg[2]: f.done() or f.set_result(g))
+                else:
+                    err = GenerationError(f"replica {self.spec.index}: {msg[2]}")
+                    loop.call_soon_threadsafe(lambda f=fut, e=err: f.done() or f.set_exception(e))
+            elif kind == "ack":
+                waiting = self._acks.get(msg[1])
+                if waiting is not None:
+                    waiting[1].append(msg[2])
+                    waiting[0].set()
