@@ -170,9 +170,12 @@ def run(
 
 
 @app.command(name="warm")
-def warm_command(socket: Path = typer.Option(..., "--socket", help="the Unix socket to listen on (made 0600)")):
+def warm_command(socket: Path = typer.Option(None, "--socket", help="the Unix socket to listen on, in a folder only "
+                                             "you can enter (default: $XDG_RUNTIME_DIR/swarmrl/warm.sock)")):
     """Import what `swarm run` and `swarm serve` need once, then fork them from here: each with
-    SWARMRL_WARM=SOCKET in its environment skips its imports (core.run.warm). Stops on SIGTERM or Ctrl-C."""
+    SWARMRL_WARM=SOCKET in its environment skips its imports (core.run.warm). Only this user's processes
+    outside any sandbox may use it. Stops on SIGTERM or Ctrl-C."""
+    socket = socket or warm.default_socket()
     _setup_logging(False)  # its environment defaults, as a cold start sets them before these imports
     logging.root.handlers.clear()  # a forked command configures its own logging
     before = dict(os.environ)

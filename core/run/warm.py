@@ -15,9 +15,19 @@ as a cold start: no socket or no answer, another Python, another `sys.path`, a c
 since the warm process imported it, or a difference in an environment variable that libraries read
 at import (IMPORT_TIME_ENV).
 
-Deliberately not: a pool, a scheduler or a remote launcher. The socket is the user's (0600, peers of
-another uid refused), the warm process is single-threaded where it forks, and `swarm client`
-processes still start cold (they are usually contained, and exec bubblewrap).
+Only its owner can use it (`core.run.warm_peer`): the socket lives in a 0700 folder (by default this
+user's runtime folder, `$XDG_RUNTIME_DIR/swarmrl/warm.sock`), and both ends check the other by
+SO_PEERCRED before anything is sent: the same uid and the same pid and mount namespaces, so nothing
+inside a sandbox can have a run forked outside it, and a launcher never sends its environment to a
+server of another user. It forks only `run` and `serve` (FORKABLE). The child takes on its launcher's
+CPU affinity, resource limits, nice level, umask, folder and environment, and names itself as the
+command it runs (its /proc cmdline and comm, so `pgrep -f 'swarm run'` finds it); a launcher in another
+cgroup (a Slurm or systemd allocation) starts cold instead.
+
+Deliberately not: a pool, a scheduler or a remote launcher. The warm process is single-threaded where
+it forks, and `swarm client` processes still start cold (they are usually contained, and exec bubblewrap).
+Its API for a caller that owns one (a study's own warm process): `WarmServer(path, command, env).serve()`
+in a `swarm warm --socket PATH` process, `SWARMRL_WARM=PATH` in its launchers' environment, SIGTERM to stop it.
 """
 
 from __future__ import annotations
@@ -25,7 +35,6 @@ from __future__ import annotations
 import atexit
 import io
 import json
-import logging
 import os
 import select
 import selectors
@@ -34,13 +43,16 @@ import socket
 import struct
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
-from typing import NoReturn
+from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 import core
+from core.run.warm_peer import LauncherState, become, cgroup_of, claim, default_socket, peer, peer_refusal
+
+__all__ = ["ENV", "FORKABLE", "WarmServer", "claim", "default_socket", "delegate", "source_stamp"]
 
 ENV = "SWARMRL_WARM"
 # Read by torch, transformers, huggingface_hub, tokenizers or Python itself when they import (or at
@@ -55,6 +67,9 @@ MAX_REQUEST = 1 << 20
 # single-threaded, so a silent peer must not hold the next launcher for long.
 REQUEST_TIMEOUT_S = 5.0
 _HEADER = struct.Struct("!I")
+# The only commands it forks: the two whose imports it holds. Anything else (`swarm client`, `contain`,
+# `swap`) would run outside whatever its requester was started in, for no gain.
+FORKABLE = ("run", "serve")
 _in_fork = False  # set in a forked child: its command must run here, not be delegated again
 
 
@@ -82,12 +97,18 @@ def delegate() -> int | None:
     path = os.environ.get(ENV)
     if not path or _in_fork:
         return None
-    request = {"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
+    request = {"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "state": asdict(LauncherState.capture()),
                "identity": _identity(dict(os.environ))}
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     replies = sock.makefile("rb")  # its reads wait for the connection below; closing it closes the socket
     try:
         sock.connect(path)
+        distrust = peer_refusal(sock, "warm process")
+        if distrust:  # before a byte of the environment leaves: it holds credentials
+            replies.close()
+            sock.close()
+            _warn(f"refusing the warm process at {path}: {distrust}; sent it nothing, starting cold")
+            return None
         body = json.dumps(request).encode()
         message = _HEADER.pack(len(body)) + body
         sent = socket.send_fds(sock, [message], [0, 1, 2])
@@ -133,12 +154,6 @@ def _die_of(sig: int) -> NoReturn:
     os._exit(128 + sig)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _kill(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -163,15 +178,6 @@ def _reply(replies: io.BufferedReader) -> dict:
 
 
 # --- the warm process -------------------------------------------------------------------------------
-
-def claim(path: Path) -> None:
-    """Make `path` free for a new warm process: a dead one's socket is removed; a live one's is an error."""
-    if path.exists():
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            if probe.connect_ex(str(path)) == 0:
-                raise RuntimeError(f"another warm process listens at {path}")
-        path.unlink()
-
 
 class WarmServer:
     """Accepts launchers on a Unix socket and forks `command(argv)` for each (module docstring)."""
@@ -226,6 +232,12 @@ class WarmServer:
 
     def _accept(self, listener: socket.socket, sel: selectors.BaseSelector) -> None:
         conn, _ = listener.accept()
+        distrust = peer_refusal(conn, "launcher")
+        if distrust:  # before reading its request: nothing of it is used
+            _warn(f"warm: refused a peer (pid {peer(conn)[0]}): {distrust}")
+            _send(conn, {"refused": distrust})
+            conn.close()
+            return
         fds: list[int] = []
         try:
             request, fds = self._request(conn)
@@ -246,7 +258,7 @@ class WarmServer:
         self.children[pid] = conn
         sel.register(conn, selectors.EVENT_READ, pid)
         _send(conn, {"pid": pid})
-        _warn(f"warm: forked pid {pid} for `swarm {' '.join(map(str, request['argv'][1:3]))}` (launcher pid {_peer(conn)[0]})")
+        _warn(f"warm: forked pid {pid} for `swarm {' '.join(map(str, request['argv'][1:3]))}` (launcher pid {peer(conn)[0]})")
 
     def _request(self, conn: socket.socket) -> tuple[dict, list[int]]:
         conn.settimeout(REQUEST_TIMEOUT_S)
@@ -265,7 +277,7 @@ class WarmServer:
                 body += chunk
             request = json.loads(body)
             if not isinstance(request, dict) or not isinstance(request.get("argv"), list):
-                raise ValueError("a request is a JSON object with argv, cwd, env, umask and identity")
+                raise ValueError("a request is a JSON object with argv, cwd, env, state and identity")
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -274,9 +286,15 @@ class WarmServer:
         return request, fds
 
     def _refusal(self, conn: socket.socket, request: dict) -> str | None:
-        uid = _peer(conn)[1]
-        if uid != os.getuid():
-            return f"peer uid {uid} is not this process's"
+        """Why this (trusted) launcher's request cannot run here as its cold start would, or None."""
+        argv = request["argv"]
+        if len(argv) < 2 or argv[1] not in FORKABLE:
+            return f"it forks only `swarm {'` and `swarm '.join(FORKABLE)}`, not {' '.join(map(str, argv[1:2])) or 'nothing'}"
+        why = LauncherState.of(request["state"]).refusal()
+        if why:
+            return why
+        if cgroup_of(peer(conn)[0]) != cgroup_of("self"):
+            return "a different cgroup (the launcher runs in an allocation of its own)"
         theirs, ours = request["identity"], self.identity
         if theirs != ours:
             differ = [k for k in ours if k != "env" and theirs.get(k) != ours[k]]
@@ -300,7 +318,9 @@ class WarmServer:
                 key.fileobj.close()
             conn.close()
             self._wake_w.close()
-            _become(request, fds, self.import_env)
+            global _in_fork
+            _in_fork = True  # its command runs here, never delegated again
+            become(request, fds, self.import_env)
             code = self.command([str(a) for a in request["argv"][1:]])
         except KeyboardInterrupt:  # Ctrl-C outside the run's own handling: Python dies of SIGINT then
             traceback.print_exc()
@@ -338,33 +358,6 @@ class WarmServer:
                 conn.close()
 
 
-def _become(request: dict, fds: list[int], import_env: dict[str, str]) -> None:
-    """Turn the forked child into the launcher's command: its streams, folder, environment and signals."""
-    global _in_fork
-    _in_fork = True
-    os.setsid()
-    logging.root.handlers.clear()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.chdir(request["cwd"])
-    os.umask(int(request["umask"]))
-    os.environ.clear()
-    os.environ.update({str(k): str(v) for k, v in request["env"].items()})
-    for key, value in import_env.items():
-        os.environ.setdefault(key, value)
-    sys.argv = [str(a) for a in request["argv"]]
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
-    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                  line_buffering=os.isatty(1), write_through=unbuffered)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                  line_buffering=True, write_through=unbuffered)
-
-
 def _exit(code: int) -> NoReturn:
     """End the child as Python's own exit would: non-daemon threads joined, atexit run, streams flushed;
     a negative code is death by that signal."""
@@ -379,11 +372,6 @@ def _exit(code: int) -> NoReturn:
         if code < 0:
             _die_of(-code)
         os._exit(code)
-
-
-def _peer(conn: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket."""
-    return struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
 def _send(conn: socket.socket, message: dict) -> None:
