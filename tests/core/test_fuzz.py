@@ -70,3 +70,51 @@ def test_arbitrary_json_on_the_chat_route_never_breaks_the_server(body):
         if r.status_code >= 400:
             assert set(r.json()["error"]) >= {"message", "type", "code"}
         assert client.get("/v1/models").status_code == 200
+
+
+items = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "bogus"])},
+        optional={"role": st.sampled_from(["user", "assistant", "system", "developer", "tool", "x"]),
+                  "content": json_values, "call_id": json_values, "name": json_values, "arguments": json_values,
+                  "output": json_values},
+    ),
+    max_size=4,
+)
+responses_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from(["policy", "other"]), "input": st.text(max_size=10) | items},
+    optional={"instructions": json_values, "tools": json_values, "tool_choice": json_values, "stream": st.booleans(),
+              "previous_response_id": json_values, "max_output_tokens": json_values, "text": json_values},
+)
+blocks = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking"])},
+        optional={"text": json_values, "id": json_values, "name": json_values, "input": json_values,
+                  "tool_use_id": json_values, "content": json_values},
+    ),
+    max_size=4,
+)
+messages_bodies = st.fixed_dictionaries(
+    {"model": st.sampled_from(["policy", "other"]), "max_tokens": json_values,
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                 "content": st.text(max_size=10) | blocks}), max_size=3)},
+    optional={"system": json_values, "tools": json_values, "tool_choice": json_values, "stream": st.booleans(),
+              "stop_sequences": json_values},
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,bodies", [("/v1/responses", responses_bodies), ("/v1/messages", messages_bodies)],
+                         ids=["responses", "messages"])
+def test_arbitrary_items_and_blocks_never_break_the_server(path, bodies):
+    @given(body=bodies | json_values)
+    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+    def check(body):
+        with TestClient(APP) as client:
+            r = client.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+            assert r.status_code < 500, r.text
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) >= {"message", "type", "code"}
+            assert client.get("/v1/models").status_code == 200
+
+    check()
