@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from tests.support import train_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = """
-import json, os
+import json, os, socket
 from pathlib import Path
 
 def tasks(split):
@@ -48,6 +49,14 @@ async def rollout(task, llm):
         except OSError as e:
             seen[secret] = type(e).__name__
     _put("reads.json", seen)
+    dialed = {{}}
+    for port in {ports!r}:  # local ports that are not its server's: MLflow's, Ray's, any other
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=3).close()
+            dialed[port] = "connected"
+        except OSError as e:
+            dialed[port] = type(e).__name__
+    _put("net.json", dialed)
     tried = {{}}
     for target in {targets!r}:
         try:
@@ -62,10 +71,10 @@ async def rollout(task, llm):
 """
 
 
-def _sandbox(tmp_path: Path, targets: list[str], reads: list[str] = ()) -> Path:
+def _sandbox(tmp_path: Path, targets: list[str], reads: list[str] = (), ports: list[int] = ()) -> Path:
     folder = tmp_path / "nosy"
     folder.mkdir()
-    (folder / "agent.py").write_text(AGENT.format(targets=targets, reads=list(reads)))
+    (folder / "agent.py").write_text(AGENT.format(targets=targets, reads=list(reads), ports=list(ports)))
     return folder
 
 
@@ -95,11 +104,17 @@ def test_a_contained_client_sees_no_credential_of_the_run_and_the_run_trains(tmp
 
 @pytest.mark.slow
 @pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
-def test_under_bwrap_a_client_cannot_write_outside_its_working_folder_and_the_run_goes_on(tmp_path):
+def test_under_bwrap_a_client_cannot_write_outside_its_working_folder_nor_dial_a_local_port_and_the_run_goes_on(
+        tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
+    mlflow = socket.socket()  # a real listening port on the host's loopback, as `mlflow server` or Ray's would be
+    mlflow.bind(("127.0.0.1", 0))
+    mlflow.listen()
+    port = mlflow.getsockname()[1]
     sandbox = _sandbox(tmp_path, [str(outside / "planted.txt"), str(tmp_path / "nosy" / "agent.py"),
-                                  str(ROOT / "planted.txt")], reads=[str(tmp_path / "run" / "admin_token")])
+                                  str(ROOT / "planted.txt")], reads=[str(tmp_path / "run" / "admin_token")],
+                       ports=[port])
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "admin_token").write_text("the-runs-admin-token")  # as `swarm run` leaves it, 0600
     agent_text = (sandbox / "agent.py").read_text()
@@ -117,7 +132,10 @@ def test_under_bwrap_a_client_cannot_write_outside_its_working_folder_and_the_ru
         assert (sandbox / "agent.py").read_text() == agent_text  # its own code is read-only too
         seen = json.loads((workdir / "reads.json").read_text())[str(tmp_path / "run" / "admin_token")]
         assert seen in ("", "PermissionError"), seen  # masked by /dev/null: never the token
+        # It trained through its forwarder, yet no other port of this machine answers it: its own network namespace.
+        assert json.loads((workdir / "net.json").read_text()) == {str(port): "ConnectionRefusedError"}
     finally:
+        mlflow.close()
         (ROOT / "planted.txt").unlink(missing_ok=True)  # should containment fail, the project stays clean
 
 

@@ -1,0 +1,249 @@
+"""Each boundary of containment attacked with real processes: `swarm contain` running hostile code.
+
+The network: without a server its command has no network at all; with one (`--server`) it reaches that
+server's episode routes and nothing else (not the admin routes, not another local port such as MLflow's).
+The files: a sibling run's admin token and server file, a study's state (`--hide`) and the warm socket are
+masked, while the working folder inside a masked folder stays writable. The size: a flood of the private
+/tmp or HOME ends on a full disk, not in the machine's memory. A hostile sandbox `entry` is invalid.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from core.clients import contain, forwarder
+from core.clients.sandbox import load_agent, sandbox_meta
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_bwrap = pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+
+
+def _contain(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "core.run.cli", "contain", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _python(code: str) -> list[str]:
+    return ["--", sys.executable, "-c", code]
+
+
+@pytest.fixture
+def listening() -> Iterator[int]:
+    """A real TCP socket listening on the host's loopback (MLflow's port, Ray's, anything local)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """A stand-in swarm server: answers every request 200 and records its method and path."""
+
+    seen: list[str] = []
+
+    def _answer(self) -> None:
+        self.seen.append(f"{self.command} {self.path}")
+        length = int(self.headers.get("content-length") or 0)
+        self.rfile.read(length)
+        body = json.dumps({"path": self.path, "host": self.headers["host"]}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_DELETE = _answer
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, list[str]]]:
+    _Recorder.seen = []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}", _Recorder.seen
+    finally:
+        httpd.shutdown()
+
+
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=5).close()
+    print("connected")
+except OSError as e:
+    print("refused:", type(e).__name__)
+"""
+
+
+@needs_bwrap
+def test_started_with_no_server_its_command_has_no_network_at_all(tmp_path, listening):
+    done = _contain("--", sys.executable, "-c", CONNECT, str(listening), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "refused: ConnectionRefusedError", done.stdout  # nothing listens in its namespace
+
+
+CALLS = """
+import json, sys, urllib.request, urllib.error
+url = sys.argv[1]
+def call(method, path):
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, method=method, data=b"{}" if method != "GET" else None,
+                                                           headers={"content-type": "application/json"}), timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+print(json.dumps({p: call(m, p) for m, p in [
+    ("POST", "/swarm/v1/episodes"), ("POST", "/swarm/v1/episodes/ep-1/finish"), ("POST", "/episodes/s3cr3t/v1/chat/completions"),
+    ("POST", "/v1/chat/completions"), ("POST", "/swarm/v1/clients"), ("GET", "/swarm/v1/status"),
+    ("POST", "/swarm/v1/admin/shutdown"), ("POST", "/swarm/v1/admin/pause"), ("POST", "/swarm/v1/episodes/..%2Fadmin/finish"),
+    ("GET", "/api/2.0/mlflow/experiments/search"), ("POST", "/episodes/x/v1/../../swarm/v1/admin/drain")]}))
+"""
+
+
+@needs_bwrap
+def test_with_a_server_it_reaches_only_that_servers_episode_routes_and_no_other_port(tmp_path, server, listening):
+    url, seen = server
+    done = _contain("--server", url, "--", sys.executable, "-c", CALLS, url, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    answers = json.loads(done.stdout)
+    episode_routes = ["/swarm/v1/episodes", "/swarm/v1/episodes/ep-1/finish", "/episodes/s3cr3t/v1/chat/completions",
+                      "/v1/chat/completions", "/swarm/v1/clients", "/swarm/v1/status"]
+    for path in episode_routes:
+        assert answers[path][0] == 200 and answers[path][1]["path"] == path, answers
+    refused = [p for p in answers if p not in episode_routes]
+    for path in refused:
+        status, body = answers[path]
+        assert status == 403 and body["error"]["code"] == "route_not_forwarded", (path, answers[path])
+    assert sorted(seen) == sorted(f"{'GET' if p.endswith('status') else 'POST'} {p}" for p in episode_routes)
+    # The server built its answer for the URL the command used: the same port on the sandbox's own loopback.
+    assert answers["/swarm/v1/status"][1]["host"] == url.removeprefix("http://")
+    other = _contain("--server", url, "--", sys.executable, "-c", CONNECT, str(listening), cwd=tmp_path)
+    assert other.stdout.strip() == "refused: ConnectionRefusedError", other.stdout
+
+
+def test_the_forwarders_route_check_refuses_what_no_episode_route_is():
+    assert forwarder.allowed("POST", "/episodes/abc_-1/v1/chat/completions")
+    assert forwarder.allowed("DELETE", "/swarm/v1/clients/letters-host-ab12-77")
+    for method, path in [("POST", "/swarm/v1/admin/checkpoint"), ("GET", "/swarm/v1/episodes"),
+                         ("POST", "/swarm/v1/episodes/%2e%2e/finish"), ("POST", "/swarm/v1/episodes/../finish"),
+                         ("DELETE", "/swarm/v1/clients/.."), ("POST", "/v1/embeddings"), ("CONNECT", "/v1/models")]:
+        assert not forwarder.allowed(method, path), (method, path)
+    with pytest.raises(forwarder.Refused, match="chunked requests are not forwarded"):
+        forwarder.parse_head(b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n")
+    method, target, headers, length = forwarder.parse_head(
+        b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: h\r\nX-Forwarded-Proto: https\r\nConnection: keep-alive\r\n"
+        b"Content-Length: 2\r\n\r\n")
+    assert (method, target, length) == ("POST", "/v1/completions?x=1", 2)
+    assert [k.lower() for k, _ in headers] == ["host", "content-length"]  # what could fool the server is dropped
+
+
+READ = """
+import json, socket, sys
+from pathlib import Path
+seen = {}
+for p in sys.argv[1:]:
+    try:
+        if p.endswith(".sock"):
+            socket.socket(socket.AF_UNIX).connect(p)
+            seen[p] = "connected"
+        else:
+            seen[p] = Path(p).read_text()
+    except OSError as e:
+        seen[p] = type(e).__name__
+try:
+    Path("own/work.txt").write_text("mine")
+    seen["wrote"] = "yes"
+except OSError as e:
+    seen["wrote"] = type(e).__name__
+print(json.dumps(seen))
+"""
+
+
+@needs_bwrap
+def test_a_sibling_runs_token_and_server_file_a_hidden_study_state_and_the_warm_socket_are_unreadable(tmp_path):
+    state = tmp_path / "state"
+    sibling = tmp_path / "elsewhere" / "sibling-run"
+    sibling.mkdir(parents=True)
+    (sibling / "admin_token").write_text("the-siblings-admin-token")
+    (sibling / "server.json").write_text(json.dumps({"url": "http://127.0.0.1:4242"}))
+    (state / "servers").mkdir(parents=True)  # the index entry `swarm run` leaves for the sibling
+    (state / "servers" / "4242.json").write_text(json.dumps({
+        "url": "http://127.0.0.1:4242", "admin_token_file": str(state / "servers" / "4242.token"),
+        "run_folder": str(sibling)}))
+    study = tmp_path / "study"
+    (study / "own").mkdir(parents=True)
+    (study / "state.sqlite").write_text("the study's decisions")
+    warm_folder = tmp_path / "warm"
+    warm_folder.mkdir(mode=0o700)
+    targets = [str(sibling / "admin_token"), str(sibling / "server.json"), str(study / "state.sqlite"),
+               str(warm_folder / "warm.sock")]
+    with socket.socket(socket.AF_UNIX) as warm_sock:
+        warm_sock.bind(targets[-1])
+        done = _contain("--hide", str(study), "--writable", str(study / "own"), "--cwd", str(study), "--",
+                        sys.executable, "-c", READ, *targets, cwd=tmp_path,
+                        env={"SWARMRL_STATE": str(state), "SWARMRL_WARM": targets[-1]})
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen[targets[0]] in ("", "PermissionError") and seen[targets[1]] in ("", "PermissionError"), seen
+    assert seen[targets[2]] == "FileNotFoundError", seen  # inside a hidden folder: an empty one
+    assert seen[targets[3]] == "FileNotFoundError", seen  # the warm socket's folder is masked
+    assert seen["wrote"] == "yes" and (study / "own" / "work.txt").read_text() == "mine"  # its own folder stays
+
+
+FLOOD = """
+import os, sys
+where = sys.argv[1] or os.environ["TMPDIR"]
+for i in range(3):
+    try:
+        with open(os.path.join(where, f"flood-{i}"), "wb") as f:
+            for _ in range(30):
+                f.write(b"x" * (1 << 20))
+        print("wrote", i, flush=True)
+    except OSError as e:
+        print("stopped:", e.strerror, flush=True)
+        sys.exit(3)
+"""
+
+
+@needs_bwrap
+@pytest.mark.parametrize("where", ["/tmp", ""], ids=["private-tmp", "home-tmpdir"])
+def test_a_flood_of_the_private_tmp_or_home_ends_on_a_full_disk_not_in_memory(tmp_path, where):
+    # Each file (30 MiB) is under the file-size limit; three are over the 50 MiB the tmpfs holds.
+    done = _contain("--file-size", str(50 << 20), "--", sys.executable, "-c", FLOOD, where, cwd=tmp_path)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["wrote 0", "stopped: No space left on device"], done.stdout
+
+
+@pytest.mark.parametrize("entry, why", [
+    ('"../outside.py"', "it must be a relative path inside the sandbox folder"),
+    ('"/etc/passwd"', "it must be a relative path inside the sandbox folder"),
+    ("3", "it must be a relative path to a .py file"),
+    ('"data.txt"', "is not a Python file that can be imported"),
+    ('"link.py"', "outside the sandbox folder"),
+])
+def test_a_hostile_entry_is_invalid_with_a_clear_error_never_a_crash(tmp_path, entry, why):
+    folder = tmp_path / "hostile"
+    folder.mkdir()
+    (tmp_path / "outside.py").write_text("raise SystemExit('ran code outside the sandbox')\n")
+    (folder / "agent.py").write_text("def tasks(split):\n    yield {}\nasync def rollout(task, llm):\n    return 1.0\n")
+    (folder / "data.txt").write_text("not python")
+    (folder / "link.py").symlink_to(tmp_path / "outside.py")
+    (folder / "sandbox.toml").write_text(f"name = 'hostile'\nentry = {entry}\n")
+    with pytest.raises(ValueError, match=why):
+        load_agent(str(folder))
+    if why != "is not a Python file that can be imported":  # refused on reading sandbox.toml, before any import
+        with pytest.raises(ValueError, match=why):
+            sandbox_meta(folder)
