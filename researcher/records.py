@@ -265,8 +265,11 @@ class SwapResult(BaseModel):
     before: SwapSide | None = None  # the old version's last `swap_window` steps up to the swap: a picture only
     after: SwapSide | None = None  # the new version over the A/B's `swap_window` steps after the swap
     old: SwapSide | None = None  # the old version over the same steps as `after`, beside it
-    # `after` against `old`, paired by step (decision.judge_ab, Holm across the round); never before/after.
+    # `after` against `old`, paired by step (evidence.ab.judge_ab, Holm across the round); never before/after.
     verdict: Verdict | None = None
+    # A `better` verdict's confirmation: the same test on the next `swap_window` steps, which the verdict never
+    # saw (evidence.ab.confirm_ab); the new version is kept only when it is `better` too. None: nothing to confirm.
+    confirmation: Verdict | None = None
     kept: str | None = None  # the version that serves on once the loser drained (None: not yet drained)
 
 

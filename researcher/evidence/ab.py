@@ -41,8 +41,8 @@ BANDWIDTH_FRACTION = 0.5
 # about +-0.002, far below the margins the verdicts turn on; a fixed seed makes every verdict repeatable.
 NULL_DRAWS = 20_000
 NULL_SEED = 20260
-# Steps fewer than this leave no lag to estimate, so the HAC test cannot run.
-MIN_STEPS = 3
+# Fewer steps than this estimate no noise (as `decision.MIN_SEEDS`); at two the test still runs, on its exact null.
+MIN_STEPS = MIN_SEEDS
 # A window's differences that are all equal to this relative precision carry no noise to judge by.
 FLAT = 1e-12
 

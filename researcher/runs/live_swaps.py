@@ -10,11 +10,12 @@ runs proposal code, so it starts contained (`launcher.contain_mode`), and serves
 (open episodes split about 50/50), the core records the swap (`ab`, its `to_spec` our
 folder; tag `swarmrl.sandbox_swap.<n>`) and drains nobody. We tag the live MLflow run
 `swarmrl.swap.<n>` = JSON {step, from_version, to_version, proposal}. `ab_steps` reads both
-versions' per-step rewards (`reward/<sandbox>/version/<v>`) over the steps after the swap where both
-logged, and says why when the window did not fill (the caller's watch of the live run, or a
+versions' per-step paired scores (`core.records.ab_metric`: each version's mean over the task and
+weights cells both reached, the core's pairing) over the steps after the swap (or after a first
+window: the confirmation's) where both logged, and says why when the window did not fill (the caller's watch of the live run, or a
 timeout); `drain` ends the A/B with `swarm swap <sandbox> --drain-version <loser>` (idempotent: a
 version with no clients left is nothing to do). `before` reads the old version's steps up to the
-swap: a picture for the report, never evidence.
+swap (`reward/<sandbox>/version/<v>`, no pairs exist before it): a picture for the report, never evidence.
 
 Intent before act: `.study/swaps/<proposal>.json` is written (fsynced) before `swarm swap` starts,
 and its pid right after. On resume after a kill -9, `swap` finds the intent, waits for a `swarm
@@ -37,6 +38,7 @@ from pathlib import Path
 import httpx
 from mlflow.tracking import MlflowClient
 
+from core.records import ab_metric
 from researcher.evidence.analysis import read_history
 from researcher.runs.launcher import Launcher, contain_mode, log_tail, write_json
 from researcher.records import SwapSide
@@ -182,19 +184,19 @@ class LiveRun:
 
     # -- the comparison ---------------------------------------------------------------------------
     def ab_steps(self, run_id: str, record: dict, window: int, stopped: Callable[[], str | None],
-                 timeout_s: float, poll_s: float = POLL_S) -> tuple[SwapSide, SwapSide, str | None]:
-        """(old, new, cut): both versions' per-step rewards over the first `window` steps after the swap
-        where both logged one, waiting for them to be logged; `cut` is None when the window filled, else
-        why it did not: what `stopped` said (the live run ended, stalled, diverged or spent the budget),
-        or that `timeout_s` passed."""
-        metric = "reward/{sandbox}/version/{version}"
-        step = record["step"] or 0
-        new_metric = metric.format(sandbox=record["sandbox"], version=record["to_version"])
+                 timeout_s: float, poll_s: float = POLL_S,
+                 after: int | None = None) -> tuple[SwapSide, SwapSide, str | None]:
+        """(old, new, cut): both versions' per-step paired scores over the first `window` steps after the swap
+        (after step `after`, when given: a confirmation's window, which the first never saw) where both logged
+        one, waiting for them to be logged; `cut` is None when the window filled, else why it did not: what
+        `stopped` said (the live run ended, stalled, diverged or spent the budget), or that `timeout_s` passed."""
+        step = max(record["step"] or 0, after or 0)
+        new_metric = ab_metric(record["sandbox"], record["to_version"])
         deadline, cut = time.monotonic() + timeout_s, None
         while True:
             old: dict[int, list[float]] = {}
             for version in record["from_versions"]:  # several old clients of different versions: their mean
-                for s, v in read_history(self.client, run_id, metric.format(sandbox=record["sandbox"], version=version)):
+                for s, v in read_history(self.client, run_id, ab_metric(record["sandbox"], version)):
                     if s > step:
                         old.setdefault(s, []).append(v)
             new = {s: v for s, v in read_history(self.client, run_id, new_metric) if s > step}

@@ -4,11 +4,13 @@
 to it, and `launch`). With `run.live: true` they start the live run once (launch key `live`,
 adopted on resume like any launch) and refresh its state. Each approved, validated `hot_swap` proposal of the round is then swapped in
 (`researcher.runs.live_swaps`: intent before act, never twice) as an A/B, tagged `swarmrl.swap.<n>` on the
-live run, and judged: over the first `run.swap_window` steps after the swap where both versions
-logged `reward/<sandbox>/version/<v>`, the per-step difference new - old in the brief's direction
-(`researcher.evidence.decision.judge_ab`: a paired t-test, Holm across the round's comparisons). Then the
-loser drains: the old version when the new one is `better`, else the new one (inconclusive keeps
-the old code). The live run is watched all along (`researcher.runs.live_watch`: the study stops it when
+live run, and judged, each edited sandbox on its own: over the first `run.swap_window` steps after the
+swap where both versions logged their paired score (`core.records.ab_metric`: the same tasks on the same
+weights), the per-step difference new - old in the brief's direction (`researcher.evidence.ab.judge_ab`:
+a HAC t-test, valid under autocorrelated noise, Holm across the round's comparisons). A `better` verdict
+is confirmed on the next `swap_window` steps, which it never saw (`confirm_ab`). Then the loser drains:
+the old version when the new one is better and confirmed, else the new one (inconclusive keeps the old
+code). The live run is watched all along (`researcher.runs.live_watch`: the study stops it when
 it diverges, stalls or spends the budget); an A/B whose window it did not fill ends `inconclusive`
 with the reason ("the live run stalled: ..."), never judged on a partial window, and nothing drains
 from a stopped run. The old version's steps before the swap are kept as a picture (`before`), never as
@@ -27,8 +29,9 @@ import yaml
 from core.config import ConfigError
 from researcher.code.workspace import WorkspaceError
 from researcher.evidence import analysis
-from researcher.evidence.decision import Verdict, judge_ab
-from researcher.records import ExperimentResult, Launch, Proposal, SwapResult
+from researcher.evidence.ab import confirm_ab, judge_ab
+from researcher.evidence.decision import Verdict
+from researcher.records import ExperimentResult, Launch, Proposal, SwapResult, SwapSide
 from researcher.runs import live_watch
 from researcher.runs.live_swaps import LIVE_KEY, LiveRun, SwapFailed
 from researcher.study.nodes.base import StudyState, dump, models_of
@@ -153,7 +156,8 @@ class LiveNode(RunNodes):
                 verdict = None
             judged[f"{p.id}/{record['n']}"] = verdict if verdict is not None else Verdict(result="inconclusive",
                                                                                          test="none")
-            better = verdict is not None and verdict.result == "better"
+            confirmation = self._confirm(runner, run_id, record, verdict, new, stopped) if new else None
+            better = confirmation is not None and confirmation.result == "better"
             serving = Launch.model_validate(watched["live"]).status == "running"
             for version in (record["from_versions"] if better else [record["to_version"]]) if serving else []:
                 runner.drain(record["sandbox"], version, p.id)
@@ -164,23 +168,62 @@ class LiveNode(RunNodes):
             out.append(SwapResult(proposal_id=p.id, n=record["n"], step=record["step"], sandbox=record["sandbox"],
                                   from_version=",".join(record["from_versions"]), to_version=record["to_version"],
                                   before=runner.before(run_id, record, window) if run_id else None, after=new, old=old,
-                                  verdict=verdict, kept=kept))
+                                  verdict=verdict, confirmation=confirmation, kept=kept))
         return out, Launch.model_validate(watched["live"])
 
+    def _confirm(self, runner: LiveRun, run_id: str | None, record: dict, verdict: Verdict | None, first: SwapSide,
+                 stopped) -> Verdict | None:
+        """A better verdict's confirmation on the next `swap_window` steps, after the first window's last (None:
+        nothing to confirm); a window the live run did not fill confirms nothing."""
+        if verdict is None or verdict.result != "better" or not run_id:
+            return None
+        brief = self.ctx.brief
+        old, new, cut = runner.ab_steps(run_id, record, brief.run.swap_window, stopped, brief.launch.run_timeout or 3600.0,
+                                        brief.monitor.poll_s, after=max(first.steps))
+        if cut is not None:
+            return Verdict(result="inconclusive", test="none", baseline=old.version, reason=f"not confirmed: {cut}")
+        confirmation = confirm_ab(verdict, new.steps, old.steps, brief.objective.direction, baseline_id=old.version)
+        self.ctx.emit("swap.confirmation", n=record["n"], sandbox=record["sandbox"], verdict=confirmation.fmt())
+        return confirmation
+
     def _result(self, p: Proposal, swapped: list[SwapResult]) -> ExperimentResult:
-        """The proposal's result: the new version's rewards in the A/B, judged against the old one's beside it."""
+        """The proposal's result: the new version's scores in the A/B, judged against the old one's beside it,
+        each sandbox on its own; the proposal's verdict is its weakest sandbox's (`_weakest`)."""
         values = [v for s in swapped if s.after for v in s.after.steps.values()]
-        first = swapped[0]
-        note = "; ".join(f"A/B swap {s.n} at step {s.step}: {s.from_version} vs {s.to_version} over "
-                         f"{len(s.after.steps) if s.after else 0} steps, reward {_fmt(s.old.mean if s.old else None)} "
-                         f"(old) vs {_fmt(s.after.mean if s.after else None)} (new); "
+        note = "; ".join(f"A/B swap {s.n} of {s.sandbox} at step {s.step}: {s.from_version} vs {s.to_version} over "
+                         f"{len(s.after.steps) if s.after else 0} steps, score {_fmt(s.old.mean if s.old else None)} "
+                         f"(old) vs {_fmt(s.after.mean if s.after else None)} (new): "
+                         f"{s.verdict.fmt() if s.verdict else 'not judged'}"
+                         f"{f'; confirmation: {s.confirmation.fmt()}' if s.confirmation else ''}; "
                          f"kept {s.kept or 'none (the live run stopped)'}" for s in swapped)
         summary = analysis.summarize(values)
+        verdict = _weakest(swapped)
         self.ctx.board.close(p.id, summary, "FINISHED", note)
         self.ctx.emit("result", proposal_id=p.id, status="ok", summary=summary.fmt(),
-                      verdict=first.verdict.fmt() if first.verdict else "")
+                      verdict=verdict.fmt() if verdict else "")
         return ExperimentResult(proposal_id=p.id, status="ok", values=values, summary=summary, note=note,
-                                verdict=first.verdict)
+                                verdict=verdict)
+
+
+# Which sandbox's verdict speaks for a proposal: the first in this order (a win counts only when confirmed).
+_WEAKEST_FIRST = ("worse", "incomplete", "inconclusive", "better")
+
+
+def _weakest(swapped: list[SwapResult]) -> Verdict | None:
+    """The proposal's verdict across its sandboxes: better only when every sandbox's win was confirmed, else the
+    weakest sandbox's own verdict (an unconfirmed win: its confirmation), named by sandbox."""
+    own = []
+    for s in swapped:
+        v = s.confirmation if s.verdict is not None and s.verdict.result == "better" else s.verdict
+        if v is None:
+            return None
+        own.append((_WEAKEST_FIRST.index(v.result) if v.result in _WEAKEST_FIRST else 0, s.sandbox, v))
+    rank, sandbox, verdict = min(own, key=lambda t: t[0])
+    if rank == len(_WEAKEST_FIRST) - 1:  # every sandbox won, confirmed: the first window's evidence
+        return swapped[0].verdict
+    if len(swapped) == 1:
+        return verdict
+    return verdict.model_copy(update={"reason": f"sandbox {sandbox}: {verdict.reason or verdict.result}"})
 
 
 def _edited(names: list[str], diff: str) -> list[str]:
