@@ -340,7 +340,8 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_preexec(limits, nproc, group, detached), **popen)  # type: ignore[arg-type]
         if net is not None:
-            forwarder = _start_forwarder(net / FORWARD_SOCKET, server, proc.pid, detached, popen.get("stderr"))
+            log_to = popen.get("stdout") if popen.get("stderr") == subprocess.STDOUT else popen.get("stderr")
+            forwarder = _start_forwarder(net / FORWARD_SOCKET, server, proc.pid, detached, log_to)
     except BaseException:
         if proc is not None:  # the forwarder did not start: the process would have no way to its server
             os.killpg(proc.pid, signal.SIGKILL)
@@ -358,7 +359,7 @@ def _start_forwarder(socket_path: Path, server: str, pid: int, detached: bool, s
     """The forwarder for the contained process `pid` (`core.clients.forwarder`): our own code, so uncontained;
     it ends with that process, and with its starter unless `detached`. Its refusals go where the process's
     stderr goes when that is a file (a swapped client's log), else to ours."""
-    where = stderr if stderr is not None and stderr != subprocess.PIPE else None
+    where = stderr if stderr not in (None, subprocess.PIPE, subprocess.STDOUT) else None
     return subprocess.Popen([sys.executable, "-I", str(FORWARDER), "--socket", str(socket_path), "--upstream", server,
                              "--watch-pid", str(pid)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=where, start_new_session=True,  # a Ctrl-C to the terminal is for the run
