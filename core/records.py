@@ -61,6 +61,9 @@ class Episode(BaseModel):
     ended_at: float | None = None  # when it finished, aborted or expired
     calls: list[Call] = Field(default_factory=list)
     reward: dict[str, float] | None = None  # model -> reward, set by finish
+    # A judged sandbox's score from its judge (core.clients.judge), which is also the reward of every model
+    # that acted; FAILURE when it raised, timed out or expired. None for unjudged sandboxes.
+    score: float | None = None
     metrics: dict[str, float] = Field(default_factory=dict)
     finish_body: dict[str, Any] | None = None  # remembered so a repeated finish is idempotent
     abort_reason: str | None = None

@@ -172,14 +172,17 @@ async def run_agent(
     limit_s = EPISODE_TIMEOUT_S if episode_timeout_s is None else episode_timeout_s
     source = rollout_source(agent)
 
-    async def attempt(task: dict[str, Any], task_id: str) -> BaseException | None:
-        """One episode; None when it finished, else the error that ended it."""
+    async def attempt(task: dict[str, Any] | None, task_id: str | None) -> BaseException | None:
+        """One episode; None when it finished, else the error that ended it. A judged sandbox's (task None)
+        gets its task from the server, which scores it by its judge."""
         try:
-            async with client.aepisode(task_id, agent.name, group_size, kind, cancel=stop) as ep:
+            async with client.aepisode(task_id, agent.name, group_size, kind, cancel=stop,
+                                       split=split if task is None else None) as ep:
                 leases[0] = max(leases[0], ep.lease_s)
-                out = await within_limit(agent.rollout(task, ep.openai), limit_s, source)
+                out = await within_limit(agent.rollout(task if task is not None else ep.task, ep.openai), limit_s,
+                                         source)
                 out = out if isinstance(out, Outcome) else Outcome(float(out))
-                await ep.finish(out.reward, out.metrics or None)
+                await ep.finish(out.reward, out.metrics or None, out.answer)
         except Exception as e:  # agent code crashed or the server refused: the episode was aborted
             return e
         stats.finished += 1
@@ -187,9 +190,11 @@ async def run_agent(
             stats.rewards.append(float(out.reward))
         return None
 
-    async def one(task: dict[str, Any], task_id: str) -> None:
+    async def one(task: dict[str, Any] | None, task_id: str | None) -> None:
+        """A task's episode, retried so its group can still fill; a judged sandbox's once (a failed one is
+        scored by the server with the judge's failure value and fills its group slot)."""
         try:
-            for _ in range(EPISODE_ATTEMPTS):
+            for _ in range(EPISODE_ATTEMPTS if task is not None else 1):
                 async with gate.admit(stop):
                     if stop.is_set():
                         return
@@ -213,8 +218,19 @@ async def run_agent(
         return bool(max_episodes) and started >= max_episodes
 
     try:
+        judged = await _judged_here(client, agent)
+        if judged:  # the server deals the tasks (from the judge's split): run what it hands out
+            episodes = max_tasks * group_size if max_tasks is not None else None
+            while not stop.is_set() and not budget_spent() and (episodes is None or started < episodes):
+                if not await _acquire(slots, stop):
+                    break
+                t = asyncio.create_task(one(None, None))
+                running.add(t)
+                t.add_done_callback(running.discard)
+                started += 1
         tasks_done, passes = 0, 0
-        while not stop.is_set() and not budget_spent() and (max_tasks is None or tasks_done < max_tasks):
+        while not judged and not stop.is_set() and not budget_spent() and (
+                max_tasks is None or tasks_done < max_tasks):
             empty = True
             order_seed = f"{seed}/{passes}" if seed is not None and split == "train" else None
             passes += 1
@@ -246,6 +262,17 @@ async def run_agent(
             f"client {agent.name} gave up after {gate.consecutive} consecutive failed episodes against {url}: "
             f"{describe(gate.last_error)}. Likely fix: {likely_fix(gate.last_error, agent, url)}")
     return stats
+
+
+async def _judged_here(client: SwarmClient, agent: Agent) -> bool:
+    """Whether the server judges this sandbox (its status says; it alone decides, from the folders its config
+    names): then it deals the tasks. A server that does not answer: what the sandbox's own sandbox.toml says."""
+    try:
+        status = await asyncio.to_thread(client.status)
+    except SwarmError as e:
+        log.warning("%s: cannot ask the server whether it judges this sandbox (%s); going by sandbox.toml", agent.name, e)
+        return agent.judged
+    return agent.name in status.get("judged", [])
 
 
 async def _drain(tasks: set[asyncio.Task], stop: asyncio.Event, bound: Callable[[], float], stats: RunnerStats,

@@ -38,8 +38,9 @@ from typing import Any
 
 @dataclass
 class Outcome:
-    reward: float | dict[str, float]
+    reward: float | dict[str, float]  # the agent's own number: for a judged sandbox only logged (agent_reward)
     metrics: dict[str, float] = field(default_factory=dict)
+    answer: Any = None  # JSON the agent hands a judged sandbox's judge beside the server's record of the episode
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Agent:
     rollout: Callable[[dict[str, Any], Any], Awaitable[float | Outcome]]
     version: str  # code version recorded on every episode
     folder: Path | None = None
+    judged: bool = False  # its sandbox.toml names a judge: the server deals its tasks and scores its episodes
 
 
 class SandboxError(RuntimeError):
@@ -63,6 +65,7 @@ PASS_THROUGH = ("openai", "httpx", "httpcore", "core")
 TASK_WINDOW = 1024  # tasks held at once while shuffling: a whole sandbox split, or a window of an endless one
 
 SANDBOXES_DIR = "sandboxes"  # a project's sandbox folders live under <project>/sandboxes/<name>/
+JUDGE_KEY = "judge"  # the sandbox.toml key naming a judged sandbox's judge file (core.clients.judge)
 
 
 class SandboxNotFound(ValueError):
@@ -131,7 +134,9 @@ def load_agent(spec: str, roots: Sequence[Path] | Path | None = None) -> Agent:
             raise ValueError(f"sandbox {str(folder)!r}: no agent.py in {folder}")
         meta = sandbox_meta(folder)
         module = _import_file(entry_path(folder, meta), f"sandbox_{meta.get('name', folder.name)}")
-        return _agent_from(module, meta.get("name", folder.name), _folder_version(folder), folder)
+        agent = _agent_from(module, meta.get("name", folder.name), _folder_version(folder), folder)
+        agent.judged = JUDGE_KEY in meta
+        return agent
     try:
         module = importlib.import_module(spec)
     except ImportError as e:

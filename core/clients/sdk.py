@@ -171,24 +171,31 @@ class SwarmClient:
                 delay = retry.after_unreachable(e)
             time.sleep(delay)
 
-    def open_body(self, task_id: str, sandbox: str, group_size: int | None, kind: str, lease_s: float | None) -> dict:
-        body = {"sandbox": sandbox, "task_id": str(task_id), "kind": kind, "client_id": self.client_id,
-                "client_version": self.client_version}
+    def open_body(self, task_id: str | None, sandbox: str, group_size: int | None, kind: str, lease_s: float | None,
+                  split: str | None = None) -> dict:
+        """`task_id` None: a judged sandbox's episode, whose task the server deals (from `split`'s deck)."""
+        body = {"sandbox": sandbox, "kind": kind, "client_id": self.client_id, "client_version": self.client_version}
+        if task_id is not None:
+            body["task_id"] = str(task_id)
+        if split is not None:
+            body["split"] = split
         if group_size is not None:
             body["group_size"] = group_size
         if lease_s is not None:
             body["lease_s"] = lease_s
         return body
 
-    def episode(self, task_id: str, sandbox: str = "default", group_size: int | None = None,
-                kind: str = "train", lease_s: float | None = None) -> Episode:
-        opened = self.call("POST", "/episodes", self.open_body(task_id, sandbox, group_size, kind, lease_s))
+    def episode(self, task_id: str | None, sandbox: str = "default", group_size: int | None = None,
+                kind: str = "train", lease_s: float | None = None, split: str | None = None) -> Episode:
+        """`task_id` None: the server deals a judged sandbox's task, in `ep.task`."""
+        opened = self.call("POST", "/episodes", self.open_body(task_id, sandbox, group_size, kind, lease_s, split))
         return Episode(self, opened)
 
-    def aepisode(self, task_id: str, sandbox: str = "default", group_size: int | None = None,
-                 kind: str = "train", lease_s: float | None = None, cancel: asyncio.Event | None = None) -> AsyncEpisode:
+    def aepisode(self, task_id: str | None, sandbox: str = "default", group_size: int | None = None,
+                 kind: str = "train", lease_s: float | None = None, cancel: asyncio.Event | None = None,
+                 split: str | None = None) -> AsyncEpisode:
         """`cancel`: stop waiting for the episode to open once set (a draining client opens nothing new)."""
-        return AsyncEpisode(self, self.open_body(task_id, sandbox, group_size, kind, lease_s), cancel)
+        return AsyncEpisode(self, self.open_body(task_id, sandbox, group_size, kind, lease_s, split), cancel)
 
     def status(self) -> dict:
         return self.call("GET", "/status")
@@ -236,6 +243,8 @@ class _EpisodeBase:
         self.api_key: str = opened["api_key"]
         self.base_url: str = opened["base_url"]
         self.model_versions: dict[str, int] = opened["model_versions"]
+        self.task_id: str | None = opened.get("task_id")  # the episode's task id (the server's for a judged sandbox)
+        self.task: dict | None = opened.get("task")  # a judged sandbox's task, dealt by the server; else None
         self.lease_s = max(1.0, opened["lease_expires_at"] - time.time())
         self.result: dict | None = None
 
@@ -248,10 +257,13 @@ class _EpisodeBase:
     def finished(self) -> bool:
         return self.result is not None
 
-    def _finish_body(self, reward: float | dict[str, float], metrics: dict[str, float] | None) -> dict:
+    def _finish_body(self, reward: float | dict[str, float], metrics: dict[str, float] | None,
+                     answer: Any = None) -> dict:
         body: dict[str, Any] = {"reward": reward}
         if metrics:
             body["metrics"] = metrics
+        if answer is not None:  # a judged sandbox's judge reads it beside the server's record
+            body["answer"] = answer
         return body
 
 
@@ -276,8 +288,9 @@ class Episode(_EpisodeBase):
                     return  # ended elsewhere (expired, finished): nothing left to keep alive
                 log.warning("heartbeat for %s failed: %s", self.id, e)
 
-    def finish(self, reward: float | dict[str, float], metrics: dict[str, float] | None = None) -> dict:
-        self.result = self.client.call("POST", f"/episodes/{self.id}/finish", self._finish_body(reward, metrics),
+    def finish(self, reward: float | dict[str, float], metrics: dict[str, float] | None = None,
+               answer: Any = None) -> dict:
+        self.result = self.client.call("POST", f"/episodes/{self.id}/finish", self._finish_body(reward, metrics, answer),
                                        key=self.api_key)
         self._stop.set()
         return self.result
@@ -349,8 +362,10 @@ class AsyncEpisode(_EpisodeBase):
                     return
                 log.warning("heartbeat for %s failed: %s", self.id, e)
 
-    async def finish(self, reward: float | dict[str, float], metrics: dict[str, float] | None = None) -> dict:
-        self.result = await self.call(f"/episodes/{self.id}/finish", self._finish_body(reward, metrics), key=self.api_key)
+    async def finish(self, reward: float | dict[str, float], metrics: dict[str, float] | None = None,
+                     answer: Any = None) -> dict:
+        self.result = await self.call(f"/episodes/{self.id}/finish", self._finish_body(reward, metrics, answer),
+                                      key=self.api_key)
         return self.result
 
     async def abort(self, reason: str = "") -> None:

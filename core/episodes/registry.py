@@ -114,11 +114,17 @@ class Registry(Admission):
                          "finished_not_train": 0, "restored": 0}
         self._finished_by: dict[str, int] = {}  # client id -> episodes it finished (a restarted client's record)
         self._opened_of: dict[tuple[str, str], int] = {}  # (sandbox, task_id) -> episodes opened: `Episode.ordinal`
+        # Judged sandbox -> its judge's failure value: their train and eval episodes that abort or expire are
+        # finished with it instead (counted, never dropped); set by the server from its judges.
+        self.failure_scores: dict[str, float] = {}
 
     # -- client side ---------------------------------------------------------------------------
     def open(self, req: OpenEpisode, versions: dict[str, int]) -> tuple[Episode, str]:
         with self._lock:
             self._expire_due()
+            if req.task_id is None:  # the route deals a judged sandbox's task before it opens
+                raise EpisodeError(400, f"sandbox {req.sandbox!r} has no judge on this server, so the client "
+                                   "chooses its tasks: give task_id", "missing_task_id")
             if req.kind == "train":
                 self._seen[req.sandbox] = self.clock()  # a refused attempt counts: it wants room
             if self.paused:
@@ -219,41 +225,65 @@ class Registry(Admission):
             ep.lease_expires_at = self.clock() + (lease_s or self._lease_of.get(ep.id, self.lease_s))
             return ep
 
-    def finish(self, episode_id: str, reward: dict[str, float], body: dict) -> Episode:
+    def finish(self, episode_id: str, reward: dict[str, float], body: dict, score: float | None = None,
+               metrics: dict[str, float] | None = None) -> Episode:
+        """`score`: a judged episode's judge score (its reward already), kept on the record; `metrics`: the
+        server's own (a judged episode's `agent_reward`), over the client's."""
         with self._lock:
             ended = self._ended.get(episode_id)
             if ended is not None and ended.state == "finished":
                 if ended.finish_body == body:
                     return ended
+                if ended.finish_body is None:
+                    raise EpisodeError(409, f"episode {episode_id} ended before its finish ({ended.abort_reason}) and "
+                                       "scored its judge's failure value", "episode_failed")
                 raise EpisodeError(409, f"episode {episode_id} was finished with a different body", "conflict")
             ep = self.get_open(episode_id)
             too_big = {m: r for m, r in reward.items() if self.max_abs_reward is not None and abs(r) > self.max_abs_reward}
             if too_big:  # refused, the episode still open: a 1e308 reward would overflow its group's mean
                 raise EpisodeError(400, f"reward {too_big} is beyond trainer.max_abs_reward ({self.max_abs_reward:g}); "
                                    "scale rewards to O(1)", "invalid_reward")
-            ep.state, ep.reward, ep.finish_body = "finished", reward, body
-            ep.metrics = dict(body.get("metrics") or {})
-            self._close(ep)
-            self.counters["finished"] += 1
-            if ep.client_id:
-                self._finished_by[ep.client_id] = self._finished_by.get(ep.client_id, 0) + 1
-            if ep.kind != "train":
-                self.counters["finished_not_train"] += 1
-            if ep.kind == "train":
-                group = self._filling.setdefault(ep.train_group, [])
-                group.append(ep)
-                if len(group) >= ep.group_size:
-                    self._ready.append(self._filling.pop(ep.train_group))
-            elif ep.kind == "eval":
-                self._finished_eval.append(ep)
+            ep.state, ep.reward, ep.finish_body, ep.score = "finished", reward, body, score
+            ep.metrics = {**(body.get("metrics") or {}), **(metrics or {})}
+            self._finished(ep)
             return ep
+
+    def _finished(self, ep: Episode) -> None:
+        """Close a finished episode and put it where it goes: its group (train), the eval list, or nowhere."""
+        self._close(ep)
+        self.counters["finished"] += 1
+        if ep.client_id:
+            self._finished_by[ep.client_id] = self._finished_by.get(ep.client_id, 0) + 1
+        if ep.kind != "train":
+            self.counters["finished_not_train"] += 1
+        if ep.kind == "train":
+            group = self._filling.setdefault(ep.train_group, [])
+            group.append(ep)
+            if len(group) >= ep.group_size:
+                self._ready.append(self._filling.pop(ep.train_group))
+        elif ep.kind == "eval":
+            self._finished_eval.append(ep)
+
+    def _judged_failure(self, ep: Episode, reason: str) -> bool:
+        """A judged sandbox's train or eval episode that ends without a finish scores its judge's failure
+        value and is finished with it (debug episodes count nowhere: they abort as usual). -> whether it did."""
+        failure = self.failure_scores.get(ep.sandbox)
+        if failure is None or ep.kind == "debug":
+            return False
+        ep.state, ep.score, ep.abort_reason = "finished", failure, reason
+        ep.reward = {m: failure for m in dict.fromkeys(c.model for c in ep.calls)}
+        ep.metrics = {"judge/failed": 1.0}
+        self._finished(ep)
+        return True
 
     def abort(self, episode_id: str, reason: str) -> Episode:
         with self._lock:
             ended = self._ended.get(episode_id)
-            if ended is not None and ended.state == "aborted":
-                return ended
+            if ended is not None and (ended.state == "aborted" or ended.abort_reason is not None):
+                return ended  # an abort again, also of a judged episode an abort already failed
             ep = self.get_open(episode_id)
+            if self._judged_failure(ep, reason or "aborted by its client"):
+                return ep
             ep.state, ep.abort_reason = "aborted", reason
             self._close(ep)
             self.counters["aborted"] += 1
@@ -277,6 +307,8 @@ class Registry(Admission):
     def _expire_due(self) -> None:
         now = self.clock()
         for ep in [e for e in self._open.values() if e.lease_expires_at < now]:
+            if self._judged_failure(ep, "expired: its lease ran out"):
+                continue
             ep.state = "expired"
             self._close(ep)
             self.counters["expired"] += 1

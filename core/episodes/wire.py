@@ -7,7 +7,7 @@ Types only; the routes are `core.serve.swarm_routes`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 class OpenEpisode(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sandbox: str = Field("default", min_length=1, max_length=128)  # groups are keyed by (sandbox, task_id, client_version)
-    task_id: str = Field(min_length=1, max_length=512)
+    # The client's own task id; None for a judged sandbox, whose tasks the server deals from its judge
+    # (`EpisodeOpened.task`). Unjudged sandboxes need one (400 without); judged ones refuse one (409).
+    task_id: str | None = Field(None, min_length=1, max_length=512)
+    split: str = Field("train", min_length=1, max_length=64)  # the judge's split a dealt task comes from
     group_size: int | None = Field(None, ge=1, le=1024)  # None: the trainer's default
     kind: Literal["train", "eval", "debug"] = "train"
     client_id: str = Field("", max_length=256)
@@ -29,6 +32,8 @@ class EpisodeOpened(BaseModel):
     base_url: str  # OpenAI base URL for this episode (path form, usable without the key too)
     lease_expires_at: float  # unix seconds
     model_versions: dict[str, int]
+    task_id: str | None = None  # the episode's task id (the client's own, or the one the server dealt)
+    task: dict[str, Any] | None = None  # a judged sandbox's task, dealt by the server from its judge; else None
 
 
 class FinishEpisode(BaseModel):
@@ -37,6 +42,9 @@ class FinishEpisode(BaseModel):
     # (1e6 by default; the registry refuses a finish beyond it with 400, the episode staying open).
     reward: float | dict[str, float]
     metrics: dict[str, float] | None = None
+    # What rollout returned as its answer (any JSON), handed to a judged sandbox's judge with the server's
+    # record of the episode; a judged episode's reward is the judge's score, the one sent here is only logged.
+    answer: Any = None
 
     @field_validator("reward")
     @classmethod

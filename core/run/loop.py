@@ -43,6 +43,7 @@ from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent, locate, sandbox_roots
 from core.serve.server import Server
 from core.run.supervisor import Supervisor
+from core.run.scores import judged_metrics, scored
 from core.run.telemetry import Telemetry
 from core.clients.venvs import client_python
 from core.episodes.wire import SwapRecord
@@ -365,15 +366,16 @@ class CoreRun:
         }
         by_sandbox: dict[str, list[float]] = {}
         for ep in self.server.registry.take_eval():
-            if ep.reward:
-                by_sandbox.setdefault(ep.sandbox, []).append(sum(ep.reward.values()) / len(ep.reward))
+            if (value := scored(ep)) is not None:
+                by_sandbox.setdefault(ep.sandbox, []).append(value)
         for (sandbox, version), eps in batch.by_version().items():  # every episode names its code version
-            rewards = [sum(e.reward.values()) / len(e.reward) for e in eps if e.reward]
+            rewards = [v for v in map(scored, eps) if v is not None]
             out[f"episodes/{sandbox}/version/{version}"] = float(len(eps))
             if rewards:
                 out[f"reward/{sandbox}/version/{version}"] = sum(rewards) / len(rewards)
         for sandbox, rewards in by_sandbox.items():
             out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
+        out.update(judged_metrics(batch.episodes))  # reward/mean and reward/<sandbox>/mean: every episode counted
         for name, p in self.server.policies.items():
             if isinstance(p.engine, ReplicaEngine):  # each replica's load, version and health, per step
                 prefix = "" if len(self.server.policies) == 1 else f"{name}/"

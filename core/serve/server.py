@@ -25,6 +25,8 @@ from core.serve.chat import ChatRenderer
 from core.auth import masked
 from core.clients.dealer import Dealer
 from core.clients.judge import load_judges
+from core.clients.dealer import Dealer
+from core.clients.judge import load_judges
 from core.clients.table import ClientTable
 from core.config import RunConfig
 from core.engine.replicas import ReplicaEngine, make_model_engine
@@ -50,6 +52,11 @@ class Server:
             max_abs_reward=cfg.trainer.max_abs_reward,
         )
         self.clients = ClientTable()  # registered client processes: `swarm swap` drains through it
+        # Judged sandboxes score and deal tasks by the judges in the folders this config names, never by code
+        # a client brings (a hot-swapped client's checkout included): core.clients.judge, DESIGN §3.7.
+        self.judges = load_judges(cfg)
+        self.dealer = Dealer(self.judges, cfg.trainer.seed)
+        self.registry.failure_scores = {name: judge.failure for name, judge in self.judges.items()}
         # Judged sandboxes score and deal tasks by the judges in the folders this config names, never by code
         # a client brings (a hot-swapped client's checkout included): core.clients.judge, DESIGN §3.7.
         self.judges = load_judges(cfg)
@@ -138,6 +145,8 @@ class Server:
                            **({"replicas": p.engine.status()} if isinstance(p.engine, ReplicaEngine) else {})}
                        for n, p in self.policies.items()},
             "trainer": {"group_size": self.cfg.trainer.group_size, "batch_groups": self.cfg.trainer.batch_groups},
+            # Sandboxes this server judges: their clients open episodes without a task id and run the task dealt.
+            "judged": sorted(self.judges),
             "buffer": {"ready_groups": reg["ready_groups"], "filling_groups": reg["filling_groups"],
                        "episodes": reg["buffered_episodes"]},
             "open_episodes": reg["open_episodes"],

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from core.serve.chat import ChatRenderer
+from core.clients.dealer import Dealer
+from core.clients.judge import Judge
 from core.clients.table import ClientTable
 from core.config import RunConfig
 from core.engine import Engine
@@ -73,6 +75,8 @@ class ServerState(Protocol):
     policies: dict[str, Policy]
     registry: Registry
     clients: ClientTable  # registered client processes (hot swap drains through it)
+    judges: dict[str, Judge]  # judged sandbox -> its judge, loaded from the folders the run config names
+    dealer: Dealer  # deals judged sandboxes' tasks from their judges
     admin_token: str
     allow_anonymous: bool  # serve requests without an episode key (unrecorded); False while training
     throughput: Throughput

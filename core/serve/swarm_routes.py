@@ -17,7 +17,10 @@ import logging
 from fastapi import APIRouter, Request
 
 from core.auth import bearer, same_secret
+from core.clients.dealer import Dealt
+from core.clients.judge import JudgeError
 from core.episodes.registry import EpisodeError
+from core.serve.judging import judged_finish
 from core.serve.state import ServerState
 from core.clients.table import ClientError
 from core.episodes.wire import AbortEpisode, ClientOrders, DrainClients, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode, RegisterClient, SwapRecord
@@ -39,21 +42,32 @@ def swarm_router(server: ServerState) -> APIRouter:
 
     @router.post("/episodes", response_model=EpisodeOpened)
     async def open_episode(body: OpenEpisode, request: Request):
+        judged = body.sandbox in server.judges
+        if judged and body.task_id is not None:
+            raise EpisodeError(409, f"sandbox {body.sandbox!r} is judged: the server deals its tasks from its judge; "
+                               "open its episodes without task_id and run the task the answer carries", "judged_sandbox")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ADMISSION_HOLD_S
         while True:
-            try:
-                ep, key = registry.open(body, server.versions())
+            dealt = _deal(server, body) if judged else None
+            try:  # no await between the deal and the open: nobody else deals in between
+                ep, key = registry.open(body if dealt is None else body.model_copy(update={"task_id": dealt.task_id}),
+                                        server.versions())
                 break
             except EpisodeError as e:
+                if dealt is not None:
+                    server.dealer.undo()
                 if e.code != "admission" or loop.time() >= deadline:
                     if e.code == "admission":
                         registry.note_refused()
                     raise
             await asyncio.sleep(ADMISSION_POLL_S)
+        if dealt is not None:
+            server.dealer.assign(ep.id, dealt)
         base = str(request.base_url).rstrip("/")
         return EpisodeOpened(episode_id=ep.id, api_key=key, base_url=f"{base}/episodes/{registry.path_of(ep.id)}/v1",
-                             lease_expires_at=ep.lease_expires_at, model_versions=ep.opened_versions)
+                             lease_expires_at=ep.lease_expires_at, model_versions=ep.opened_versions,
+                             task_id=ep.task_id, task=dealt.task if dealt is not None else None)
 
     @router.post("/episodes/{episode_id}/heartbeat", response_model=EpisodeState)
     async def heartbeat(episode_id: str, request: Request):
@@ -64,6 +78,9 @@ def swarm_router(server: ServerState) -> APIRouter:
     async def finish(episode_id: str, body: FinishEpisode, request: Request):
         registry.authorize(episode_id, bearer(request))
         ep = registry.get_open(episode_id) if not _ended_finished(registry, episode_id) else None
+        if ep is not None and ep.sandbox in server.judges:  # the judge's score, never the agent's number
+            rewards, score, metrics = await asyncio.to_thread(judged_finish, server, ep, body)
+            return state_of(registry.finish(episode_id, rewards, body.model_dump(exclude_none=True), score, metrics))
         rewards = _rewards(server, body.reward, ep)
         return state_of(registry.finish(episode_id, rewards, body.model_dump(exclude_none=True)))
 
@@ -164,3 +181,11 @@ def _rewards(server: ServerState, reward: float | dict[str, float], ep) -> dict[
         return dict(reward)
     called = sorted({c.model for c in ep.calls}) if ep is not None else []
     return {m: float(reward) for m in (called or server.policies)}
+
+
+def _deal(server: ServerState, body: OpenEpisode) -> Dealt:
+    """The next task of a judged sandbox's (kind, split) deck; a judge whose tasks() fails is a 500 naming it."""
+    try:
+        return server.dealer.deal(body.sandbox, body.kind, body.split, body.group_size or server.registry.default_group_size)
+    except JudgeError as e:
+        raise EpisodeError(500, f"the judge of sandbox {body.sandbox!r} cannot deal a task: {e}", "judge_error") from None

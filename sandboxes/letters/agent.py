@@ -3,24 +3,20 @@
 The reward is the share of lowercase ASCII letters in the reply, at most 1. A random byte-level
 model earns about 0.1 by chance, every group has reward variance, and a working trainer drives it up within a few
 dozen steps. It checks the learning loop end to end; it says nothing about language ability.
-The reward lives in `reward.py`, so a study may edit this file but not how replies are scored.
+The sandbox is judged (sandbox.toml `judge`): the server deals the tasks of `judge.py` and scores each
+episode by it from what it recorded, so a study may edit this file but not how replies are scored,
+nor which tasks count. The reward this file returns is logged as `agent_reward`, never decided on.
 """
 
 from __future__ import annotations
 
-from reward import reward  # a sibling file: the sandbox's folder is on sys.path when it loads
+from reward import reward, tasks  # noqa: F401 (a sibling file, the judge's; the folder is on sys.path when it loads)
 
 MAX_TOKENS = 12
 # Eval episodes (a client with `split: eval`) sample at this fixed temperature whatever the run's
 # `engine.default_temperature`, so a study that varies the training temperature scores every arm
 # the same way (studies/tiny-temperature.md). 1.0 is the policy's own distribution.
 EVAL_TEMPERATURE = 1.0
-PROMPTS = ["say something", "write a word", "hello", "type letters", "go on", "more please", "again", "next"]
-
-
-def tasks(split: str = "train"):
-    for i, prompt in enumerate(PROMPTS):
-        yield {"id": f"{split}-{i}", "prompt": prompt}
 
 
 async def rollout(task, llm) -> float:
