@@ -38,6 +38,7 @@ import openai
 from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, ServerUnreachable, SwarmClient, SwarmError, backoff_delay
 from core.clients.deadline import EPISODE_TIMEOUT_S, EpisodeTimeout, rollout_source, within_limit
 from core.clients.sandbox import Agent, Outcome, load_agent, task_order
+from core.clients.task_index import TaskIndex
 from core.clients.contain import host_pid
 from core.clients.server_files import PidFile
 
@@ -171,6 +172,7 @@ async def run_agent(
     started = 0
     limit_s = EPISODE_TIMEOUT_S if episode_timeout_s is None else episode_timeout_s
     source = rollout_source(agent)
+    own = TaskIndex(agent, split)  # an A/B's new version runs the task the server opened instead (its old version's)
 
     async def attempt(task: dict[str, Any] | None, task_id: str | None) -> BaseException | None:
         """One episode; None when it finished, else the error that ended it. A judged sandbox's (task None)
@@ -179,6 +181,8 @@ async def run_agent(
             async with client.aepisode(task_id, agent.name, group_size, kind, cancel=stop,
                                        split=split if task is None else None) as ep:
                 leases[0] = max(leases[0], ep.lease_s)
+                if task is not None and ep.task_id not in (None, task_id):
+                    task = own.get(ep.task_id)
                 out = await within_limit(agent.rollout(task if task is not None else ep.task, ep.openai), limit_s,
                                          source)
                 out = out if isinstance(out, Outcome) else Outcome(float(out))
@@ -372,7 +376,8 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
         registration = Registration(url, {
             "client_id": client_id, "sandbox": agent.name, "version": agent.version, "pid": host_pid(),
             "host": socket.gethostname(), "kind": kind, "group_size": group_size, "concurrency": concurrency,
-            "spec": spec}, stats)
+            "spec": spec, "seed": seed, "split": split, "tasks": max_tasks, "episode_timeout": episode_timeout_s},
+            stats)
         registration.beat()
     except SwarmError as e:
         log.error("client %s cannot start: %s. Likely fix: start the swarm server (`swarm serve ...`) or point "

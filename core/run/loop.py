@@ -376,6 +376,10 @@ class CoreRun:
         for sandbox, rewards in by_sandbox.items():
             out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
         out.update(judged_metrics(batch.episodes))  # reward/mean and reward/<sandbox>/mean: every episode counted
+        for ep in batch.episodes:  # an A/B: both versions' scores over the (task, weights) cells both reached
+            self.server.registry.pairs.add(ep, scored(ep))
+        out.update(self.server.registry.pairs.take())
+        out["episodes/mixed_version_groups"] = float(sum(len({e.client_version for e in g}) > 1 for g in batch.groups))
         for name, p in self.server.policies.items():
             if isinstance(p.engine, ReplicaEngine):  # each replica's load, version and health, per step
                 prefix = "" if len(self.server.policies) == 1 else f"{name}/"

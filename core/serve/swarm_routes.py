@@ -4,7 +4,9 @@ Finishing is idempotent: the same body again returns the same answer, a differen
 Heartbeat, finish and abort need the episode's key as bearer (401 otherwise, and nothing changes);
 admin routes need the server's admin token. An open refused by admission control waits here for
 room (the trainer taking its batch) for up to `ADMISSION_HOLD_S` before it is answered 503 +
-Retry-After, so a client is not left asleep for a whole second after room opened. These handlers
+Retry-After, so a client is not left asleep for a whole second after room opened. While an A/B is open
+(`core.clients.table.ClientTable.ab_role`) each train episode an old-version client opens is owed to
+the new version's client, whose opens take those tasks (held like admission until one is owed). These handlers
 translate HTTP into registry calls and back; the rules themselves live in `core.episodes.registry` (and, for
 client registration and `/admin/drain`, the hot-swap path, in `core.clients.table`).
 """
@@ -31,6 +33,9 @@ log = logging.getLogger(__name__)
 # 503. Room opens when the trainer takes a batch; Retry-After has whole-second resolution only.
 ADMISSION_HOLD_S = 2.0
 ADMISSION_POLL_S = 0.02
+# An A/B's new version with no task owed after the hold retries after this: its old version is idle
+# (the trainer is behind, or it drains); whole seconds are all Retry-After can say.
+PAIRING_RETRY_S = 1.0
 
 
 def swarm_router(server: ServerState) -> APIRouter:
@@ -48,14 +53,26 @@ def swarm_router(server: ServerState) -> APIRouter:
                                "open its episodes without task_id and run the task the answer carries", "judged_sandbox")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ADMISSION_HOLD_S
+        # In an A/B the successor opens only the tasks the old version's clients opened (core.episodes.pairing).
+        role = server.clients.ab_role(body.sandbox, body.client_id) if body.kind == "train" else None
         while True:
-            dealt = _deal(server, body) if judged else None
+            debt = server.clients.pairing.take(body.sandbox, server.versions()) if role == "follower" else None
+            if role == "follower" and debt is None:
+                if loop.time() >= deadline:
+                    raise EpisodeError(503, "an A/B's new version runs the old version's tasks: none is owed yet",
+                                       "ab_pairing", retry_after=PAIRING_RETRY_S)
+                await asyncio.sleep(ADMISSION_POLL_S)
+                continue
+            dealt = Dealt(debt.task_id, debt.task) if debt is not None and judged else (
+                _deal(server, body) if judged else None)
+            task_id = debt.task_id if debt is not None else dealt.task_id if dealt is not None else body.task_id
             try:  # no await between the deal and the open: nobody else deals in between
-                ep, key = registry.open(body if dealt is None else body.model_copy(update={"task_id": dealt.task_id}),
-                                        server.versions())
+                ep, key = registry.open(body.model_copy(update={"task_id": task_id}), server.versions())
                 break
             except EpisodeError as e:
-                if dealt is not None:
+                if debt is not None:
+                    server.clients.pairing.put_back(body.sandbox, debt)
+                elif dealt is not None:
                     server.dealer.undo()
                 if e.code != "admission" or loop.time() >= deadline:
                     if e.code == "admission":
@@ -64,6 +81,8 @@ def swarm_router(server: ServerState) -> APIRouter:
             await asyncio.sleep(ADMISSION_POLL_S)
         if dealt is not None:
             server.dealer.assign(ep.id, dealt)
+        if role == "leader":  # owed to the A/B's new version, on these weights
+            server.clients.pairing.owe(body.sandbox, ep.task_id, dealt.task if dealt else None, ep.opened_versions)
         base = str(request.base_url).rstrip("/")
         return EpisodeOpened(episode_id=ep.id, api_key=key, base_url=f"{base}/episodes/{registry.path_of(ep.id)}/v1",
                              lease_expires_at=ep.lease_expires_at, model_versions=ep.opened_versions,
