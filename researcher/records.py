@@ -43,6 +43,11 @@ class Verdict(BaseModel):
     n_baseline: int = 0  # finished seeds of the baseline
     baseline: str | None = None  # the baseline proposal's id
     reason: str = ""  # why the result is what it is, in words for the report
+    # A look of a group-sequential test (researcher.evidence.sequential): which look this is, how many
+    # the design planned, and the nominal two-sided level it was judged at. None: a fixed-size test.
+    look: int | None = None
+    looks: int | None = None
+    level: float | None = None
 
     def json_view(self) -> dict[str, object]:
         """The machine-readable form of `show --json`: result, test, effect, ci, p."""
@@ -55,8 +60,10 @@ class Verdict(BaseModel):
             return f"{self.result} ({self.reason})" if self.reason else self.result
         p = self.p_adjusted if self.p_adjusted is not None else self.p
         p_text = f"p={p:.3g}" + (" Holm-adjusted" if self.p_adjusted is not None else "") if p is not None else ""
+        look = (f", look {self.look} of {self.looks} at nominal p < {self.level:.3g}"
+                if self.look is not None and self.level is not None else "")
         return (f"{self.result}: effect {self.effect:+.4g} [95% CI {self.ci[0]:+.4g}, {self.ci[1]:+.4g}], "
-                f"{p_text}, {self.test}, n={self.n} vs {self.n_baseline}"
+                f"{p_text}, {self.test}, n={self.n} vs {self.n_baseline}{look}"
                 + (f" ({self.reason})" if self.reason else ""))
 
 
@@ -67,6 +74,7 @@ class Confirmation(BaseModel):
     seeds: list[int]  # the held-out seeds both were re-run on
     verdict: Verdict  # the confirmation's own verdict (no correction: one comparison)
     replicated: bool = Field(description="the recommendation stands only when this is true")
+    stages: list[Verdict] = Field(default_factory=list)  # each look's verdict when seeds were added in stages
 
     def fmt(self) -> str:
         head = "replicated" if self.replicated else "did not replicate"
@@ -147,6 +155,15 @@ class Proposal(ProposalDraft):
     # The workspace commit this proposal's runs check out instead of the base: the confirmation of a code
     # proposal runs the pick's own commit (with its overrides). None: its own code version, else the base.
     commit: str | None = None
+    # An arm others are judged against and never judged itself: a baseline the study added (base code with a
+    # code proposal's overrides), a confirmation's baseline, or a parent's reference (`parent`'s code).
+    reference: bool = False
+    # A replication stage (researcher.evidence.stages): more seeds for the arm `extends`, pooled with it.
+    extends: str | None = None
+    stage: int = 1  # 1 for an arm's first seeds; k for its k-th stage
+    # The group-sequential design of this arm's comparison: seeds per arm planned at each look (the last is
+    # the most it may reach); None: a fixed-size test (researcher.evidence.sequential).
+    looks: list[int] | None = None
 
     @property
     def kind(self) -> Literal["config", "code"]:
@@ -242,6 +259,12 @@ class ExperimentResult(BaseModel):
     curve: dict[str, float] = Field(default_factory=dict)
 
 
+    # A chained code proposal against its parent's code run with the same config, steps and seeds.
+    parent_verdict: Verdict | None = None
+    # seed -> the trainer step a plateau stop ended it at: it is scored there, and so is every arm it is
+    # compared with on that seed (analysis.judge), so no arm loses only its seeds that converged early.
+    stopped_at: dict[int, int] = Field(default_factory=dict)
+    stages: list[Verdict] = Field(default_factory=list)  # each look's verdict when seeds were added in stages
 class SwapSide(BaseModel):
     """One side of a hot swap's comparison: a code version's per-step rewards in the live run."""
 

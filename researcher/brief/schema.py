@@ -201,7 +201,10 @@ class MonitorSettings(_Strict):
     poll_s: float = Field(2.0, gt=0)  # how often running core runs are checked in MLflow
     plateau_patience: int | None = Field(None, ge=2)  # stop after this many steps without improvement
     plateau_min_delta: float = Field(0.0, ge=0)
-    collapse_drop: float | None = Field(0.5, gt=0)  # stop if the objective falls this fraction below its best
+    # Stop a run whose objective falls this fraction below its best and stays there; None (the default): never.
+    # Off by default: RL curves dip and recover (a documented smollm2 run that reached 1.1 would have been
+    # stopped at step 6 at 0.5), and a collapse stop is a failed seed, never re-run.
+    collapse_drop: float | None = Field(None, gt=0)
     divergence_metrics: list[str] = Field(default_factory=lambda: ["train/loss", "reward/mean"])
     stall_s: float | None = None  # a run that logs no new metric for this long is stopped as `stalled` (e.g. 10m)
 
@@ -220,6 +223,21 @@ class ConfirmSettings(_Strict):
 
     enabled: bool = True  # off: the search's `better` verdict is recommended unconfirmed, and the report says so
     seeds: int | None = Field(None, ge=2)  # held-out seeds per arm; None: as many as the search used
+
+
+class ReplicateSettings(_Strict):
+    """Seeds added in stages to an inconclusive comparison (researcher/evidence/stages.py)."""
+
+    # On: an inconclusive search pick or confirmation gets more seeds while the budget pays for them.
+    enabled: bool = True
+    stage_seeds: int | None = Field(None, ge=2)  # seeds per arm each stage adds; None: as many as its first look
+    # The most looks at one comparison, its first included: the group-sequential design's plan, cut to what
+    # the budget can pay when the comparison starts. 4 looks take a 3-seed start to 12 seeds, where a 2-sigma
+    # change is found >= 90% of the time (bench/rigor.py, adaptive_detection_3seeds).
+    max_looks: int = Field(4, ge=2)
+    # How the error rate is spent across the looks (researcher/evidence/sequential.py): O'Brien–Fleming keeps
+    # nearly all of it for the last look (little power lost there), Pocock spends it evenly (earlier stops).
+    boundary: Literal["obrien_fleming", "pocock"] = "obrien_fleming"
 
 
 class LaunchSettings(_Strict):
@@ -252,6 +270,7 @@ class Brief(_Strict):
     review: ReviewSettings = Field(default_factory=ReviewSettings)
     launch: LaunchSettings = Field(default_factory=LaunchSettings)
     confirm: ConfirmSettings = Field(default_factory=ConfirmSettings)
+    replicate: ReplicateSettings = Field(default_factory=ReplicateSettings)
     code: CodeSpec | None = None  # None: the study changes configs only
     body: str = ""  # the Markdown after the front matter: background for the llm planner and the report
 

@@ -4,9 +4,13 @@ The core logs the metrics of DESIGN §3.6 with `step=` the trainer step. This mo
 histories into one score per run, a mean with a 95% confidence interval per experiment, and the
 signals the monitor stops a run on: divergence (a NaN or infinite value), reward collapse and a
 plateau. Only a run that finished all its steps has a score: one stopped early (collapse,
-timeout, stall, budget) or crashed counts as failed, never by its truncated tail. A seed without
-a score is re-run once (unless what stopped it would happen again), and a seed that fails twice
-makes the experiment `incomplete`. The verdicts against the baseline come from `decision`.
+timeout, stall, budget) or crashed counts as failed, never by its truncated tail. The one
+exception is a plateau stop: it is scored at its stop step, and so is every arm it is compared
+with on that seed (`pairing`). A seed without a score is re-run once (unless what stopped it would
+happen again; a reference arm's seed gets one more fresh run, so nothing is judged against a
+baseline that lost seeds to a crash), and a seed that fails twice makes the experiment
+`incomplete`. The verdicts against the matching reference come from `decision` (`matching` says
+which reference; a look of a group-sequential comparison is judged at its nominal level, `sequential`).
 It reads MLflow and computes; it never starts, stops or tags anything.
 """
 
@@ -15,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from mlflow.tracking import MlflowClient
@@ -23,6 +27,13 @@ from mlflow.tracking import MlflowClient
 from core.mlflow_history import one_per_step
 from researcher.brief.schema import MonitorSettings, Objective
 from researcher.evidence import decision
+from researcher.evidence.judging import judge  # noqa: F401  (re-exported: the study judges through analysis)
+from researcher.evidence.matching import (  # noqa: F401  (re-exported: planners and tests ask analysis)
+    baseline_for,
+    config_of,
+    is_baseline,
+    is_reference,
+)
 from researcher.lazy import lazy_module
 from researcher.records import ExperimentResult, Launch, Proposal, Summary
 
@@ -154,12 +165,17 @@ def mean_curve(histories: Sequence[History]) -> History:
 REPEATS_ON_RERUN = ("divergence", "reward collapse", "plateau", "budget")
 
 
+# A plateau stop's reason starts with this word: the run is scored at its stop step (see run_outcome).
+PLATEAU = "plateau"
+
+
 @dataclass(frozen=True)
 class RunScore:
     """One run's contribution to its experiment: a score, or why it has none."""
 
     score: float | None
     reason: str = ""
+    stopped_at: int | None = None  # a plateau stop: the step it was scored at
 
 
 def run_outcome(launch: Launch, history: History | None, objective: Objective, last_step: int | None = None) -> RunScore:
@@ -168,6 +184,10 @@ def run_outcome(launch: Launch, history: History | None, objective: Objective, l
     `last_step` is the run's last trainer step over all metrics read (an eval objective is not
     logged every step); without it the objective's own last step is used.
     """
+    if launch.status == "stopped" and launch.reason.startswith(PLATEAU) and history:
+        value = score(history, objective)  # the plateau is the run's end: scored there, never dropped
+        if not math.isnan(value):
+            return RunScore(value, launch.reason, stopped_at=history[-1][0])
     if launch.status != "finished":
         if launch.reason.startswith(launch.status):  # "stalled: no new metric ...": said once
             return RunScore(None, launch.reason)
@@ -190,17 +210,31 @@ def rerun_of(launch: Launch) -> Launch:
                   config_path=launch.config_path, commit=launch.commit, attempt=1, resumes=launch.key)
 
 
-def _rerunnable(launch: Launch) -> bool:
-    return launch.attempt == 0 and launch.status != "skipped" and not any(
+# A reference arm's seed that failed its run and its resumed re-run gets one fresh run more (attempt 2):
+# a verdict against a baseline that lost seeds compares fewer seeds, and every proposal judged against it
+# pays for that, so the baseline is worth one more try before anything is judged against it.
+REFERENCE_ATTEMPTS = 2
+TIMES = {1: "twice", 2: "three times"}  # a seed's failures after its re-run (and a reference's retry)
+
+
+def retry_of(launch: Launch) -> Launch:
+    """A reference arm's last try for a seed: a fresh run (its resumed re-run failed too)."""
+    return Launch(key=f"{launch.proposal_id}-s{launch.seed}-retry", proposal_id=launch.proposal_id, seed=launch.seed,
+                  steps=launch.steps, config_path=launch.config_path, commit=launch.commit, attempt=2)
+
+
+def _rerunnable(launch: Launch, reference: bool = False) -> bool:
+    most = REFERENCE_ATTEMPTS if reference else 1
+    return launch.attempt < most and launch.status != "skipped" and not any(
         launch.reason.startswith(r) for r in REPEATS_ON_RERUN)
 
 
-def seed_table(launches: list[Launch], outcomes: dict[str, RunScore]) -> tuple[dict[int, float], dict[int, str],
-                                                                               list[Launch]]:
+def seed_table(launches: list[Launch], outcomes: dict[str, RunScore],
+               reference: bool = False) -> tuple[dict[int, float], dict[int, str], list[Launch]]:
     """(seed -> score, seed -> why it failed, re-runs to queue) for one experiment's launches.
 
-    The latest attempt of each seed counts. A seed whose first run has no score is re-run once;
-    while any re-run is owed the failures are provisional.
+    The latest attempt of each seed counts. A seed whose first run has no score is re-run once (a
+    reference arm's, twice: `REFERENCE_ATTEMPTS`); while any re-run is owed the failures are provisional.
     """
     latest: dict[int, Launch] = {}
     for x in launches:
@@ -213,17 +247,23 @@ def seed_table(launches: list[Launch], outcomes: dict[str, RunScore]) -> tuple[d
         got = outcomes.get(x.key, RunScore(None, x.status))
         if got.score is not None:
             scores[seed] = got.score
-        elif _rerunnable(x):
-            reruns.append(rerun_of(x))
+        elif _rerunnable(x, reference):
+            reruns.append(rerun_of(x) if x.attempt == 0 else retry_of(x))
         else:
             failed[seed] = (got.reason if x.attempt == 0 else f"its re-run was skipped: {x.reason}"
-                            if x.status == "skipped" else f"failed twice; last: {got.reason}")
+                            if x.status == "skipped" else f"failed {TIMES[x.attempt]}; last: {got.reason}")
     return scores, failed, reruns
 
 
 def experiment_result(proposal_id: str, launches: list[Launch], outcomes: dict[str, RunScore]) -> ExperimentResult:
     """An experiment's scores over seeds (no verdict yet: that needs the round's baseline)."""
     scores, failed, _ = seed_table(launches, outcomes)
+    latest: dict[int, Launch] = {}
+    for x in launches:
+        if x.seed not in latest or x.attempt > latest[x.seed].attempt:
+            latest[x.seed] = x
+    stopped = {s: got.stopped_at for s, x in latest.items()
+               if s in scores and (got := outcomes.get(x.key)) is not None and got.stopped_at is not None}
     values = list(scores.values())
     summary = summarize(values)
     if scores:
@@ -234,54 +274,7 @@ def experiment_result(proposal_id: str, launches: list[Launch], outcomes: dict[s
         status = "failed"
     note = "; ".join(f"seed {s}: {why}" for s, why in sorted(failed.items()))
     return ExperimentResult(proposal_id=proposal_id, status=status, values=values, summary=summary, note=note,
-                            seed_scores=scores, failed_seeds=failed)
-
-
-def config_of(p: Proposal) -> dict[str, object]:
-    """What a proposal changes besides its training length."""
-    return {k: v for k, v in p.overrides.items() if k != "trainer.steps"}
-
-
-def is_baseline(p: Proposal, base_values: dict[str, object]) -> bool:
-    """A proposal whose every override is the base config's own value, at the base commit (code never is)."""
-    return p.kind == "config" and not p.needs_code_change and p.commit is None and all(base_values.get(k) == v for k, v in config_of(p).items())
-
-
-def baseline_for(p: Proposal, proposals: list[Proposal], base_values: dict[str, object],
-                 default_steps: int) -> Proposal | None:
-    """The baseline trained as long as `p` on the same seeds: the latest such proposal."""
-    steps = int(p.overrides.get("trainer.steps", default_steps))
-    same = [q for q in proposals if is_baseline(q, base_values) and q.seeds == p.seeds
-            and int(q.overrides.get("trainer.steps", default_steps)) == steps]
-    return same[-1] if same else None
-
-
-def judge(results: list[ExperimentResult], proposals: list[Proposal], base_values: dict[str, object],
-          default_steps: int, objective: Objective, known: list[ExperimentResult] | None = None) -> list[ExperimentResult]:
-    """Verdicts against the baseline for a batch of new results, corrected together per baseline.
-
-    `known` are earlier results, where a baseline may already be. A round may hold experiments of different lengths (rungs); each group shares one baseline and
-    one Holm–Bonferroni family. Results of baselines themselves keep `verdict=None`.
-    """
-    by_id = {p.id: p for p in proposals}
-    every = {r.proposal_id: r for r in [*(known or []), *results]}
-    groups: dict[str | None, list[ExperimentResult]] = {}
-    for r in results:
-        p = by_id.get(r.proposal_id)
-        if p is None or is_baseline(p, base_values):
-            continue
-        base = baseline_for(p, proposals, base_values, default_steps)
-        groups.setdefault(base.id if base else None, []).append(r)
-    out = dict(every)
-    for base_id, group in groups.items():
-        base_result = every.get(base_id) if base_id else None
-        verdicts = decision.judge_round(
-            {r.proposal_id: r.seed_scores for r in group},
-            base_result.seed_scores if base_result else None, objective.direction, baseline_id=base_id,
-            incomplete={r.proposal_id: f"seeds without a score: {r.note}" for r in group if r.failed_seeds})
-        for r in group:
-            out[r.proposal_id] = r.model_copy(update={"verdict": verdicts[r.proposal_id]})
-    return [out[r.proposal_id] for r in results]
+                            seed_scores=scores, failed_seeds=failed, stopped_at=stopped)
 
 
 # The training diagnostics a curve summary carries besides the objective (DESIGN §3.6 names).

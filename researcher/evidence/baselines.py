@@ -1,12 +1,18 @@
-"""The baseline rule: every judged proposal has a baseline arm, whatever the planner.
+"""The baseline rule: every judged proposal has a reference arm that differs from it only in what it tests.
 
-A verdict compares a candidate with the base config at the base commit, trained as long on the
-same seeds (`analysis.baseline_for`). This module says which baselines a round still needs: one
-per (steps, seeds) that its proposals use and no earlier baseline covers, so each baseline is run
-once and reused by every later proposal of the same length and seeds. The plan node adds them to
-the round (planner `baseline`), and the review node approves them by policy: a baseline changes
-nothing, so there is nothing for a person to judge. Pure functions over the study's records; this
-module launches, scores and judges nothing.
+A verdict compares a candidate with the arm `matching.baseline_for` gives it: the base config at the
+base code for a config change; the base code *with the proposal's own overrides* for a code change
+(only the code differs); trained as long on the same seeds. A chained code proposal (`parent: A`)
+is also judged against A's code with its overrides (`matching.parent_reference_for`): A itself when
+A ran that config, else an arm this rule adds (planner `baseline`, `parent: A`, run at A's commit).
+
+This module says which reference arms a round still needs: one per (steps, seeds, config, code) that
+its proposals use and no usable earlier arm covers, so each is run once and reused. An earlier arm
+is not usable when it was vetoed, or when it ended failed or lost seeds (a partial baseline): the
+next round that needs it runs it again, within the budget (`prepare` skips what the budget cannot pay).
+The plan node adds them to the round, and the review node approves them by policy: a reference
+changes nothing a person has not approved (a parent's reference runs code its child already holds).
+Pure functions over the study's records; this module launches, scores and judges nothing.
 """
 
 from __future__ import annotations
@@ -14,50 +20,103 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from researcher.evidence.analysis import is_baseline
-from researcher.records import Decision, Proposal
+from researcher.evidence.matching import (
+    BASELINE_PLANNER,
+    at_base_code,
+    changed,
+    is_reference,
+    key,
+    parent_reference_for,
+    reference_config,
+    runs_code,
+    steps_of,
+)
+from researcher.records import Decision, ExperimentResult, Proposal
 
-BASELINE_PLANNER = "baseline"
 REASON = "the study's baseline (base config at the base commit): approved by the study's baseline rule"
 
+# (steps, seeds, config key, parent id or None): what one reference arm runs.
+Need = tuple[int, tuple[int, ...] | None, str, str | None]
 
-def _key(p: Proposal, default_steps: int) -> tuple[int, tuple[int, ...] | None]:
-    return int(p.overrides.get("trainer.steps", default_steps)), tuple(p.seeds) if p.seeds is not None else None
+
+def _seeds(p: Proposal) -> tuple[int, ...] | None:
+    return tuple(p.seeds) if p.seeds is not None else None
+
+
+def _usable(q: Proposal, vetoed: set[str], results: dict[str, ExperimentResult]) -> bool:
+    """Not vetoed, and not ended failed or partial: a baseline that lost seeds is run again, not reused."""
+    r = results.get(q.id)
+    return q.id not in vetoed and (r is None or (r.status == "ok" and not r.failed_seeds))
 
 
 def needed(fresh: Sequence[Proposal], earlier: Sequence[Proposal], decisions: Sequence[Decision],
-           base_values: dict[str, Any], default_steps: int, number: int) -> list[Proposal]:
-    """Baselines to add to round `number` so every proposal in `fresh` has one (none already there).
+           base_values: dict[str, Any], default_steps: int, number: int,
+           results: Sequence[ExperimentResult] = ()) -> list[Proposal]:
+    """Reference arms to add to round `number` so every proposal in `fresh` has its own (none already there).
 
-    An earlier baseline of the same steps and seeds is reused unless it was vetoed. Hot swaps are
-    judged inside the live run, not against runs, and need none.
+    Hot swaps are judged inside the live run, not against runs, and need none; confirmation rounds and
+    replication stages bring their own references.
     """
     vetoed = {d.proposal_id for d in decisions if d.verdict == "vetoed"}
-    have = {_key(p, default_steps) for p in [*earlier, *fresh] if is_baseline(p, base_values) and p.id not in vetoed}
-    wanted: dict[tuple[int, tuple[int, ...] | None], None] = {}
-    for p in fresh:
-        if is_baseline(p, base_values) or p.mode == "hot_swap":
+    done = {r.proposal_id: r for r in results}
+    every = [*earlier, *fresh]
+    have: set[Need] = set()
+    for q in every:
+        if not _usable(q, vetoed, done):
             continue
-        key = _key(p, default_steps)
-        if key not in have:
-            wanted.setdefault(key)
-    taken = {p.id for p in [*earlier, *fresh]}
+        if at_base_code(q):
+            have.add((steps_of(q, default_steps), _seeds(q), key(changed(q, base_values)), None))
+        elif q.reference and q.parent is not None:
+            have.add((steps_of(q, default_steps), _seeds(q), key(changed(q, base_values)), q.parent))
+    wanted: dict[Need, dict[str, object]] = {}
+    for p in fresh:
+        if is_reference(p, base_values) or p.mode == "hot_swap" or p.confirms or p.extends:
+            continue
+        runs = (steps_of(p, default_steps), _seeds(p))
+        config = reference_config(p, base_values)
+        wanted.setdefault((*runs, key(config), None), config)
+        if p.parent is not None and runs_code(p):
+            parent = next((q for q in every if q.id == p.parent), None)
+            if parent is not None and parent_reference_for(p, [parent], base_values, default_steps) is None:
+                wanted.setdefault((*runs, key(changed(p, base_values)), p.parent), changed(p, base_values))
+    taken = {p.id for p in every}
     out: list[Proposal] = []
     index = len([p for p in fresh if p.round == number])
-    for steps, seeds in wanted:
+    for need, config in wanted.items():
+        if need in have:
+            continue
+        steps, seeds, _, parent = need
         index += 1
         while f"r{number}-{index}" in taken:
             index += 1
         on = f"seeds {list(seeds)}" if seeds is not None else "the brief's seeds"
+        what = ", ".join(f"{k}={v}" for k, v in sorted(config.items()))
+        code = f"the code of {parent}" if parent else "the base commit"
         out.append(Proposal(
             id=f"r{number}-{index}", round=number, planner=BASELINE_PLANNER, seeds=list(seeds) if seeds else None,
-            hypothesis="the baseline: the base config at the base commit, as the reference",
-            rationale=f"every judged proposal is compared with the baseline trained {steps} steps on {on}",
-            expected_effect="the reference the candidates of this length and seeds are judged against",
-            overrides={"trainer.steps": steps}, priority=1))
+            hypothesis=(f"the reference: {code}" + (f" with {what}" if what else " with the base config")),
+            rationale=(f"every judged proposal is compared with an arm that differs from it only in what it tests, "
+                       f"trained {steps} steps on {on}"),
+            expected_effect="the reference the proposals of this length, seeds and config are judged against",
+            overrides={**config, "trainer.steps": steps}, priority=1, reference=True, parent=parent))
     return out
 
 
 def is_rule_baseline(p: Proposal) -> bool:
     """A baseline the rule added (approved by policy, never put to a person)."""
     return p.planner == BASELINE_PLANNER
+
+
+# The planner name of replication stages (researcher.evidence.stages): more seeds of arms already approved.
+STAGE_PLANNER = "replication"
+STAGE_REASON = ("a replication stage: more seeds of arms already approved and run, approved by the study's "
+                "replication rule")
+
+
+def policy_reason(p: Proposal) -> str | None:
+    """Why the study approves `p` itself (within budget), or None when its policy or a person decides."""
+    if is_rule_baseline(p):
+        return REASON
+    if p.planner == STAGE_PLANNER:
+        return STAGE_REASON
+    return None

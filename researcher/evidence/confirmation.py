@@ -4,8 +4,12 @@ When the search is over, the experiment the study would recommend (judged `bette
 baseline at the longest training, `decision.recommend`) and the baseline are run again at the
 base config's full length on seeds the search never used. A code pick is confirmed at its own
 commit, with its overrides (a chain, B built on A, at B's commit, which holds both); the baseline
-runs at the base commit. The confirmation is judged like any other comparison; the recommendation stands only when it is `better` again, and otherwise the
-report says the effect did not replicate. One confirmation per study.
+runs at the base commit with the same overrides, so only the code differs. With replication on,
+the confirmation is a group-sequential test: its looks are planned when it starts (`looks`, cut to
+what the budget left can pay), every look is judged at its nominal level, and an inconclusive look
+gets held-out seeds added (`researcher.evidence.stages`). The recommendation stands only when the
+last look is `better`, and otherwise the report says the effect did not replicate, with each
+look's evidence. One confirmation per study.
 
 These are pure functions over the study's records: which proposals the confirmation round
 needs, and what it concluded. The graph nodes launch and score them like any other round.
@@ -18,7 +22,8 @@ from typing import Any
 
 from researcher.brief.schema import Brief
 from researcher.evidence import decision
-from researcher.evidence.analysis import config_of, is_baseline
+from researcher.evidence.analysis import config_of
+from researcher.evidence.matching import is_reference, runs_code
 from researcher.records import CodeVersion, ExperimentResult, Proposal
 
 CONFIRMATION_PLANNER = "confirmation"
@@ -34,7 +39,7 @@ def search_recommendation(proposals: Sequence[Proposal], results: Sequence[Exper
 
     Baselines carry no verdict, so they are never the pick.
     """
-    by_id = {p.id: p for p in proposals if p.confirms is None}
+    by_id = {p.id: p for p in proposals if p.confirms is None and p.extends is None}  # a stage's verdict is its root's
     scored = [(by_id[r.proposal_id], r) for r in results if r.proposal_id in by_id]
     candidates = [decision.Candidate(proposal_id=p.id, steps=_steps(p, default_steps), verdict=r.verdict,
                                      mean=r.summary.mean if r.summary else float("nan")) for p, r in scored]
@@ -55,9 +60,10 @@ def owed(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], def
 
 def proposals_for(pick: Proposal, result: ExperimentResult, proposals: Sequence[Proposal], brief: Brief,
                   base_values: dict[str, Any], default_steps: int, number: int,
-                  code: dict[str, CodeVersion] | None = None) -> list[Proposal]:
+                  code: dict[str, CodeVersion] | None = None, looks: list[int] | None = None) -> list[Proposal]:
     """The confirmation round: the pick (at its commit when it is code) and the baseline at full length on
-    held-out seeds. `code`: the study's code versions by proposal id."""
+    held-out seeds. `code`: the study's code versions by proposal id; `looks`: the group-sequential
+    design (seeds per arm at each planned look), None for a fixed-size test."""
     version = (code or {}).get(pick.id)
     commit = pick.commit or (version.commit if version is not None and version.passed else None)
     if pick.kind == "code" and not commit:
@@ -69,7 +75,9 @@ def proposals_for(pick: Proposal, result: ExperimentResult, proposals: Sequence[
     if commit:
         what += f" at commit {commit[:12]}"
     verdict = result.verdict.fmt() if result.verdict else "no verdict"
-    common = dict(round=number, planner=CONFIRMATION_PLANNER, seeds=seeds, confirms=pick.id, priority=1)
+    common = dict(round=number, planner=CONFIRMATION_PLANNER, seeds=seeds, confirms=pick.id, priority=1, looks=looks)
+    # A code pick's baseline runs its overrides at the base code: only the code differs (matching.py).
+    reference = changed if runs_code(pick) or commit else {k: base_values.get(k) for k in changed}
     return [
         Proposal(id=f"r{number}-1", hypothesis=f"{what} beats the baseline on seeds the search never used",
                  rationale=f"confirmation of {pick.id}, judged better in the search: {verdict}",
@@ -78,8 +86,7 @@ def proposals_for(pick: Proposal, result: ExperimentResult, proposals: Sequence[
         Proposal(id=f"r{number}-2", hypothesis=f"the baseline, as the reference for confirming {pick.id}",
                  rationale=f"the baseline re-run on the same held-out seeds {seeds}",
                  expected_effect=f"worse than {pick.id} if its effect is real",
-                 overrides={**{k: base_values.get(k) for k in changed}, "trainer.steps": default_steps},
-                 **common),
+                 overrides={**reference, "trainer.steps": default_steps}, reference=True, **common),
     ]
 
 
@@ -88,15 +95,22 @@ def attach(results: list[ExperimentResult], proposals: Sequence[Proposal],
     """Copy a judged confirmation onto the result of the proposal it confirms."""
     by_id = {p.id: p for p in proposals}
     out = list(results)
+    looks: dict[str, list[tuple[Proposal, ExperimentResult]]] = {}
     for r in results:
         p = by_id.get(r.proposal_id)
-        if p is None or p.confirms is None or is_baseline(p, base_values) or r.verdict is None:
+        if p is None or p.confirms is None or is_reference(p, base_values) or r.verdict is None:
             continue
-        found = next((i for i, x in enumerate(out) if x.proposal_id == p.confirms), None)
+        looks.setdefault(p.confirms, []).append((p, r))
+    for pick, arms in looks.items():
+        found = next((i for i, x in enumerate(out) if x.proposal_id == pick), None)
         if found is None:
             continue
-        conf = decision.Confirmation(proposal_id=p.confirms, seeds=list(p.seeds or []), verdict=r.verdict,
-                                     replicated=r.verdict.result == "better")
+        arms.sort(key=lambda pr: pr[0].stage)
+        last = arms[-1][1].verdict
+        assert last is not None
+        conf = decision.Confirmation(proposal_id=pick, seeds=[s for p, _ in arms for s in p.seeds or []],
+                                     verdict=last, replicated=last.result == "better",
+                                     stages=[r.verdict for _, r in arms if r.verdict] if len(arms) > 1 or last.looks else [])
         out[found] = out[found].model_copy(update={"confirmation": conf})
     return out
 

@@ -1,9 +1,11 @@
 """The decision rule: is a candidate better than the baseline, given per-seed scores?
 
 Every candidate is compared with the baseline trained on the same seeds, steps and base config.
-- When the two finished the same seeds, the scores pair up by seed (the same seed gives the same
-  initial weights and task order), and the test is a paired t-test on the per-seed differences.
-- Otherwise the test is Welch's t-test, which assumes neither equal variances nor equal counts.
+- The scores pair up by seed (the same seed gives the same initial weights and task order), and the
+  test is a paired t-test on the per-seed differences over the seeds *both* finished: a seed one arm
+  lost leaves the pair, never the pairing (Welch's test on the rest would throw away what the seeds share).
+- Only when fewer than two seeds pair up is the test Welch's t-test, which assumes neither equal
+  variances nor equal counts.
 The verdict is `better` or `worse` when the two-sided test rejects "no difference" at `ALPHA`
 (after Holm–Bonferroni across a round's candidates), `inconclusive` when it does not or cannot
 (fewer than two finished seeds on a side, or no variance to estimate noise from), and
@@ -75,7 +77,9 @@ def compare(candidate: Mapping[int, float], baseline: Mapping[int, float], direc
     # command loads this module (through researcher.records) while only a verdict with numbers uses it.
     from scipy import stats
 
-    paired = len(common) >= MIN_SEEDS and set(cand) == set(base)
+    paired = len(common) >= MIN_SEEDS
+    if paired and set(cand) != set(base):
+        head.update(n=len(common), n_baseline=len(common))  # what the test saw: the seeds both finished
     if paired:
         a = np.array([cand[s] for s in common])
         b = np.array([base[s] for s in common])

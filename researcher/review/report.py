@@ -22,6 +22,7 @@ from researcher.brief.schema import Brief
 from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, decision
 from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal, SwapResult
+from researcher.review.report_stages import stage_lines
 from researcher.review import report_html
 from researcher.review.views import (
     best_result,  # also what `status` prints
@@ -33,12 +34,14 @@ if TYPE_CHECKING:  # the study's folders, passed in by the study: review sits be
 
 # How verdicts are reached, stated in every report so a reader can weigh a "better".
 DECISION_RULE = (
-    f"Decision rule: each candidate is compared with the baseline trained as long on the same seeds, by a "
-    f"{decision.PAIRED} on per-seed scores ({decision.WELCH} when the seeds do not pair up), two-sided at "
+    f"Decision rule: each candidate is compared with a reference trained as long on the same seeds that differs "
+    f"from it only in what it tests (a code change: the base code with the candidate's own overrides), by a "
+    f"{decision.PAIRED} on the seeds both finished ({decision.WELCH} when fewer pair up), two-sided at "
     f"alpha = {decision.ALPHA}, with Holm–Bonferroni across the candidates judged together; effects are "
     f"candidate minus baseline with their 95% CI. Fewer than {decision.MIN_SEEDS} finished seeds is inconclusive; "
     f"runs stopped early count as failed; a failed seed is re-run once, and failing again makes the proposal "
-    f"incomplete. A recommendation must be `better` again on held-out seeds the search never used.")
+    f"incomplete. A recommendation must be `better` again on held-out seeds the search never used; an "
+    f"inconclusive comparison gets seeds added in stages, each look at its group-sequential level.")
 # Figure size in inches: readable in a Markdown preview at its default width.
 _FIG = (7.0, 4.0)
 
@@ -272,6 +275,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     lines += ["", "## Planner", ""]
     lines += [f"- round {n['round']} ({n['planner']}, {n['plan_s']:.2f} s, {n['tokens']} tokens): {n['note']}"
               for n in notes]
+    lines += stage_lines(results)  # each look of a comparison that bought more seeds
     lines += ["", f"Planner overhead: {plan_s:.2f} s over {len(notes)} plan(s) "
               f"({plan_s / max(1, len(notes)):.2f} s per iteration) against {spent.wall_s:.0f} s in core runs.", ""]
     lines += ["## Lineage", "",

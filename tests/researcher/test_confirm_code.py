@@ -47,7 +47,10 @@ def test_a_code_pick_is_confirmed_at_its_commit_with_its_overrides_and_the_basel
     versions = {"r1-1": CodeVersion(proposal_id="r1-1", parent_commit="base0", passed=True, commit="c0ffee1")}
     fresh = confirmation.proposals_for(pick, results[0], props, brief, BASE, 8, 2, versions)
     assert fresh[0].commit == "c0ffee1" and fresh[0].overrides == {"trainer.lr": 0.03, "trainer.steps": 8}
-    assert fresh[1].commit is None and analysis.is_baseline(fresh[1], BASE)
+    # The baseline runs the base code with the pick's own overrides: only the code differs.
+    assert fresh[1].commit is None and fresh[1].overrides == {"trainer.lr": 0.03, "trainer.steps": 8}
+    assert analysis.is_reference(fresh[1], BASE) and not analysis.is_baseline(fresh[1], BASE)
+    assert analysis.baseline_for(fresh[0], [*props, *fresh], BASE, 8) == fresh[1]
     assert not analysis.is_baseline(fresh[0], BASE)  # a commit is a change, even with no overrides left
 
 

@@ -1,11 +1,15 @@
-"""Done means: a manual study given two patches by a person recommends the one with a real effect.
+"""Done means: a manual study given two patches by a person, started from 3 seeds, recommends the one with a
+real effect, confirmed at its commit after adding held-out seeds.
 
 One patch has a large, real effect on the objective (the agent scores bytes the model cannot mean as
 text as filler letters: reward/mean goes from ~0.1 to ~0.75), the other changes nothing (a comment).
 Real `researcher` and `swarm run` processes on the tiny model and the letters sandbox. The study's
-baseline rule gives the person's proposals their baseline; the first patch is judged better, is
-confirmed on held-out seeds at its own commit (its confirmation runs tagged with that commit,
-`swarmrl.sandbox_version`), and is recommended by commit; the second is not called better.
+baseline rule gives the person's proposals their baseline; the first patch is judged better, its
+confirmation on 3 held-out seeds is a group-sequential test (O'Brien–Fleming spending over the 3 looks the
+budget pays for: its first look needs p < 0.0007, out of reach of 3 seeds), so the study adds held-out seeds
+in a stage and decides at the second look; it runs at the patch's own commit (its confirmation runs tagged
+with that commit, `swarmrl.sandbox_version`), and is recommended by commit, the report showing each look;
+the second patch is not called better.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 BRIEF = """---
 title: planted code effect
 objective: {metric: reward/mean, direction: maximize, window: 2}
-budget: {max_runs: 20, max_rounds: 1}
+budget: {max_runs: 27, max_rounds: 1}
 run:
   base_config: configs/tiny.yaml
   overrides: {trainer.steps: 2, trainer.batch_groups: 1}
@@ -79,15 +83,25 @@ def test_a_manual_study_recommends_the_patch_with_a_real_effect_confirmed_at_its
     scores = {k: (r["verdict"], r["seed_scores"]) for k, r in results.items()}
     assert results["p1"]["verdict"]["result"] == "better", scores
     assert results["p2"]["verdict"]["result"] != "better", scores
-    # Confirmed on held-out seeds at p1's own commit, against the baseline at the base commit.
+    # Confirmed on held-out seeds at p1's own commit, against the baseline at the base commit, in looks: the
+    # budget left after the search (18 runs) pays for 3 looks of 3 seeds per arm; look 1 cannot decide.
     confirm = [p for p in proposals.values() if p["confirms"] == "p1"]
-    pick = next(p for p in confirm if p["commit"])
-    reference = next(p for p in confirm if not p["commit"])
-    assert pick["commit"] == commits["p1"] and pick["seeds"] == reference["seeds"] == [3, 4, 5]
-    pick_tags = _core_run_tags(project, "planted", pick["id"])
-    assert len(pick_tags) == 3 and {t["swarmrl.sandbox_version"] for t in pick_tags} == {commits["p1"]}
-    assert {t["swarmrl.sandbox_version"] for t in _core_run_tags(project, "planted", reference["id"])} == {base}
-    assert results["p1"]["confirmation"]["replicated"] is True, scores
+    picks = sorted((p for p in confirm if p["commit"]), key=lambda p: p["stage"])
+    references = sorted((p for p in confirm if not p["commit"]), key=lambda p: p["stage"])
+    assert [p["stage"] for p in picks] == [p["stage"] for p in references] and len(picks) >= 2, scores
+    assert all(p["looks"] == [3, 6, 9] for p in confirm)
+    assert picks[0]["seeds"] == references[0]["seeds"] == [3, 4, 5]
+    assert picks[1]["seeds"] == references[1]["seeds"] == [6, 7, 8] and picks[1]["planner"] == "replication"
+    for pick, reference in zip(picks, references):
+        assert pick["commit"] == commits["p1"] and reference["reference"]
+        pick_tags = _core_run_tags(project, "planted", pick["id"])
+        assert len(pick_tags) == 3 and {t["swarmrl.sandbox_version"] for t in pick_tags} == {commits["p1"]}
+        assert {t["swarmrl.sandbox_version"] for t in _core_run_tags(project, "planted", reference["id"])} == {base}
+    confirmed = results["p1"]["confirmation"]
+    assert confirmed["replicated"] is True, scores
+    looks = confirmed["stages"]
+    assert looks[0]["result"] == "inconclusive" and looks[0]["level"] < 0.001 and looks[-1]["result"] == "better"
+    assert confirmed["seeds"][:6] == [3, 4, 5, 6, 7, 8] and looks[-1]["n"] == 3 * len(looks)
     assert f"recommend p1 (code at commit {commits['p1']})" in values["stop_reason"]
     # The recommended code, written out and in the report.
     out = tmp_path / "recommended"
@@ -95,3 +109,4 @@ def test_a_manual_study_recommends_the_patch_with_a_real_effect_confirmed_at_its
     assert 'else "x" for c in text' in (out / AGENT).read_text()
     report = (paths.root / "report.md").read_text()
     assert "## Recommended code" in report and commits["p1"] in report and '+    text = reply.choices' in report
+    assert "## Seeds added in stages" in report and "| p1 | confirmation | 1 of 3 |" in report

@@ -17,13 +17,17 @@ from mlflow.tracking import MlflowClient
 from core.config import flat_values, flatten
 from researcher.brief.schema import Brief
 from researcher.code.workspace import Workspace
-from researcher.evidence import confirmation
+from researcher.evidence import confirmation, stages
 from researcher.planner.types import Planner
-from researcher.records import Decision, ExperimentResult, Launch, Proposal
+from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
 from researcher.review.mlflow_review import ReviewBoard
 from researcher.runs.launcher import Emit, Launcher
 from researcher.runs.live_watch import LiveWatch
 from researcher.study.store import StudyPaths
+
+
+# A budget without limit: asking whether a stage is owed at all, before asking whether it can be paid.
+UNLIMITED = 1 << 62
 
 
 class StudyState(TypedDict, total=False):
@@ -110,6 +114,15 @@ class NodeBase:
         """The search's recommendation, while its held-out-seed confirmation has not been run."""
         return confirmation.owed(models_of(state.get("proposals"), Proposal),
                                  models_of(state.get("results"), ExperimentResult), self.base_steps, self.ctx.brief)
+
+    def _stage_owed(self, state: StudyState) -> bool:
+        """Whether a replication stage is owed, budget aside (the plan node checks that it can be paid)."""
+        if not self.ctx.brief.replicate.enabled:
+            return False
+        return stages.next_stage(models_of(state.get("proposals"), Proposal),
+                                 models_of(state.get("results"), ExperimentResult), self.ctx.brief, self.base_values,
+                                 self.base_steps, 0, runs_left=UNLIMITED, steps_left=UNLIMITED,
+                                 code={v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}) is not None
 
     def _concluded(self, state: StudyState, why: str) -> str:
         """A stop reason that also says what the study may recommend."""

@@ -1,8 +1,11 @@
 """The outcome nodes: score finished experiments, decide whether to go on, and write the report.
 
-`analyze` reads each experiment's runs from MLflow, queues the one re-run of each failed seed,
-scores the experiments over seeds and judges each against its baseline (`researcher.evidence.decision`,
-`researcher.evidence.confirmation`); `decide` checks the budgets (a confirmation round owed still runs);
+`analyze` reads each experiment's runs from MLflow, queues the one re-run of each failed seed (a
+reference arm's, one fresh retry more), scores the experiments over seeds and judges each against
+its matching reference (`researcher.evidence.judging`), a seed a plateau stopped scored at the same
+step in both arms (it reads the other arm's run there), then carries each replication stage's look
+onto the comparison it extends (`researcher.evidence.stages`, `researcher.evidence.confirmation`);
+`decide` checks the budgets (a confirmation round or a replication stage owed still runs);
 `report` renders the study so far. They start and stop nothing.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from researcher.budget import Spent
-from researcher.evidence import analysis, confirmation
+from researcher.evidence import analysis, confirmation, pairing, stages
 from researcher.records import ExperimentResult, Launch, Proposal
 from researcher.review.report import write_report
 from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
@@ -25,13 +28,36 @@ class OutcomeNodes(NodeBase):
         outcomes: dict[str, analysis.RunScore] = {}
         curves: dict[str, list[dict[str, Any]]] = {}
         for x in launches:
-            if x.status == "finished" and x.run_id:
+            plateau = x.status == "stopped" and x.reason.startswith(analysis.PLATEAU)  # scored at its stop
+            if (x.status == "finished" or plateau) and x.run_id:
                 run = analysis.read_run(self.ctx.client, x.run_id, metrics)
                 outcomes[x.key] = analysis.run_outcome(x, run.histories[objective.metric], objective, run.last_step)
                 curves.setdefault(x.proposal_id, []).append(run.histories)
             else:
                 outcomes[x.key] = analysis.run_outcome(x, None, objective)
         return outcomes, curves
+
+    def _score_at(self, launches: list[Launch]) -> pairing.ScoreAt:
+        """(proposal, seed, step) -> that run's score at the step, read from MLflow once per run: a seed a
+        plateau stopped in one arm is scored at the same step in the other (researcher.evidence.pairing)."""
+        cache: dict[str, analysis.History] = {}
+        objective = self.ctx.brief.objective
+
+        def score_at(proposal_id: str, seed: int, step: int) -> float | None:
+            mine = [x for x in launches if x.proposal_id == proposal_id and x.seed == seed and x.run_id]
+            if not mine:
+                return None
+            run_id = max(mine, key=lambda x: x.attempt).run_id
+            assert run_id is not None
+            if run_id not in cache:
+                cache[run_id] = analysis.read_history(self.ctx.client, run_id, objective.metric)
+            history = [(s, v) for s, v in cache[run_id] if s <= step]
+            if not history or history[-1][0] != step:
+                return None  # no value logged at the stop step: no fair score
+            value = analysis.score(history, objective)
+            return None if value != value else value  # NaN: not finite there
+
+        return score_at
 
     def analyze(self, state: StudyState) -> dict[str, Any]:
         self._enter("analyze", state)
@@ -43,7 +69,10 @@ class OutcomeNodes(NodeBase):
         pending = [pid for pid in dict.fromkeys(x.proposal_id for x in launches) if pid not in done]
         outcomes, curves = self._read([x for x in launches if x.proposal_id in pending])
         mine = {pid: [x for x in launches if x.proposal_id == pid] for pid in pending}
-        reruns = [r for pid in pending for r in analysis.seed_table(mine[pid], outcomes)[2]]
+        by_id = {p.id: p for p in proposals}
+        # A reference arm's seeds get one fresh retry more: every proposal judged against it pays for a lost seed.
+        reruns = [r for pid in pending for r in analysis.seed_table(
+            mine[pid], outcomes, reference=pid in by_id and analysis.is_reference(by_id[pid], self.base_values))[2]]
         if reruns:  # a failed seed is re-run once (resumed from its checkpoint) before anything is judged
             runs_left, steps_left, _ = Spent.of(state).left(brief)
             for i, x in enumerate(reruns):
@@ -53,8 +82,9 @@ class OutcomeNodes(NodeBase):
             return {"launches": dump([*launches, *reruns])}
         new = [analysis.experiment_result(pid, mine[pid], outcomes).model_copy(
             update={"curve": analysis.curve_summary(curves.get(pid, []), brief.objective)}) for pid in pending]
-        new = analysis.judge(new, proposals, self.base_values, self.base_steps, brief.objective, known=results)
-        results = confirmation.attach([*results, *new], proposals, self.base_values)
+        new = analysis.judge(new, proposals, self.base_values, self.base_steps, brief.objective, known=results,
+                             score_at=self._score_at(launches), boundary=brief.replicate.boundary)
+        results = stages.attach(confirmation.attach([*results, *new], proposals, self.base_values), proposals)
         for r in new:
             verdict = r.verdict.fmt() if r.verdict else ""
             note = "; ".join(x for x in (verdict, r.note) if x)
@@ -72,12 +102,13 @@ class OutcomeNodes(NodeBase):
         brief = self.ctx.brief
         live = self._watch_live(state)  # what the live run spent, to its last sign of life
         state = {**state, "live": live}
-        if state.get("round", 0) >= brief.budget.max_rounds and not self._confirmation_owed(state):
+        owed = self._confirmation_owed(state) is not None or self._stage_owed(state)
+        if state.get("round", 0) >= brief.budget.max_rounds and not owed:
             rounds = f"budget: {brief.budget.max_rounds} rounds done"
             return {"live": live, "stop_reason": self._concluded(state, rounds)}
         stop = Spent.of(state, gpus=brief.launch.gpus).exhausted(brief, llm=self.ctx.planner.name.startswith("llm"))
-        if stop and self._confirmation_owed(state):
-            return {"live": live, "stop_reason": ""}  # the plan node runs the confirmation round, then stops
+        if stop and owed:
+            return {"live": live, "stop_reason": ""}  # the plan node runs the confirmation or stage, or stops
         return {"live": live, "stop_reason": self._concluded(state, stop) if stop else ""}
 
     def report(self, state: StudyState) -> dict[str, Any]:

@@ -5,7 +5,9 @@ next to the planner's. With the `manual` planner the study proposes nothing itse
 waits, polling the inbox, until someone proposes (days if need be) or the study is stopped.
 When the search is over (the planner has nothing more, or the rounds or budget ran out) and it
 has a recommendation, the node plans the confirmation round instead of stopping: the pick and
-the baseline at full length on held-out seeds (`researcher.evidence.confirmation`). A failed planner round
+the baseline at full length on held-out seeds (`researcher.evidence.confirmation`), and while the search's
+best comparison or the confirmation is inconclusive, a replication stage of more seeds for both of its
+arms, within the budget (`researcher.evidence.stages`). A failed planner round
 is retried with backoff (`researcher.planner.retry`); after `planner.llm.max_failed_rounds` in a row
 the search ends the same way, every failed round's tokens counted against the budget; a planner
 that never spent anything (an unreachable endpoint) stops the study, to be resumed. Every stop reason ends
@@ -19,7 +21,7 @@ import time
 from typing import Any
 
 from researcher.budget import Spent
-from researcher.evidence import baselines, confirmation
+from researcher.evidence import baselines, confirmation, stages
 from researcher.planner.retry import plan_with_retries
 from researcher.planner.types import PlanContext
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
@@ -61,7 +63,7 @@ class PlanNode(NodeBase):
         stop = (f"budget: {brief.budget.max_rounds} rounds done" if state.get("round", 0) >= brief.budget.max_rounds
                 else spent.exhausted(brief, llm=ctx.planner.name.startswith("llm")))
         if stop:
-            return self._confirm(state, owed, stop) if owed is not None else {"stop_reason": self._concluded(state, stop)}
+            return self._evidence(state, owed, stop)
         runs_left, steps_left, tokens_left = spent.left(brief)
         number = state.get("round", 0) + 1
         started = time.monotonic()
@@ -100,13 +102,30 @@ class PlanNode(NodeBase):
         fresh += [from_person(item, number) for item in people]
         # The baseline rule: whoever planned the round, each proposal judged against runs has its baseline.
         fresh += baselines.needed(fresh, models_of(state.get("proposals"), Proposal),
-                                  models_of(state.get("decisions"), Decision), self.base_values, self.base_steps, number)
+                                  models_of(state.get("decisions"), Decision), self.base_values, self.base_steps, number,
+                                  models_of(state.get("results"), ExperimentResult))
         if not fresh:
-            if owed is not None:
-                return {**update, **self._confirm({**state, **update}, owed, f"planner: {note}")}
-            update["stop_reason"] = self._concluded(state, f"planner: {note}")
-            return update
+            return {**update, **self._evidence({**state, **update}, owed, f"planner: {note}")}
         return {**update, "round": number, "proposals": [*state.get("proposals", []), *dump(fresh)]}
+
+    def _evidence(self, state: StudyState, owed: Proposal | None, why: str) -> dict[str, Any]:
+        """The search is over: a replication stage when a comparison is inconclusive and the budget pays one,
+        else the confirmation round owed, else the stop, saying what the study may recommend."""
+        brief, number = self.ctx.brief, state.get("round", 0) + 1
+        runs_left, steps_left, _ = Spent.of(state, gpus=brief.launch.gpus).left(brief)
+        code = {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
+        fresh = stages.next_stage(models_of(state.get("proposals"), Proposal),
+                                  models_of(state.get("results"), ExperimentResult), brief, self.base_values,
+                                  self.base_steps, number, runs_left, steps_left, code)
+        if fresh:
+            info = {"round": number, "planner": baselines.STAGE_PLANNER, "tokens": 0, "plan_s": 0.0,
+                    "proposals": len(fresh), "note": f"{why}; {fresh[0].hypothesis}"}
+            self.ctx.emit("plan", **info)
+            return {"round": number, "notes": [*state.get("notes", []), info],
+                    "proposals": [*state.get("proposals", []), *dump(fresh)]}
+        if owed is not None:
+            return self._confirm(state, owed, why)
+        return {"stop_reason": self._concluded(state, why)}
 
     def _confirm(self, state: StudyState, pick: Proposal, why: str) -> dict[str, Any]:
         """The confirmation round of the search's recommendation, or a stop when the budget cannot pay it."""
@@ -114,16 +133,18 @@ class PlanNode(NodeBase):
         proposals = models_of(state.get("proposals"), Proposal)
         result = next(r for r in models_of(state.get("results"), ExperimentResult) if r.proposal_id == pick.id)
         code = {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
-        fresh = confirmation.proposals_for(pick, result, proposals, brief, self.base_values, self.base_steps, number,
-                                           code)
         runs_left, steps_left, _ = Spent.of(state, gpus=brief.launch.gpus).left(brief)
+        looks = stages.confirmation_design(brief, runs_left, steps_left, self.base_steps)
+        fresh = confirmation.proposals_for(pick, result, proposals, brief, self.base_values, self.base_steps, number,
+                                           code, looks)
         runs = sum(len(p.seeds or []) for p in fresh)
         if runs > runs_left or runs * self.base_steps > steps_left:
             return {"stop_reason": self._concluded(state, f"{why}; the confirmation round ({runs} runs) does not fit "
                                                           "the budget left")}
         info = {"round": number, "planner": confirmation.CONFIRMATION_PLANNER, "tokens": 0, "plan_s": 0.0,
                 "proposals": len(fresh), "note": f"{why}; confirming {pick.id} against the baseline on held-out "
-                                                 f"seeds {fresh[0].seeds} at {self.base_steps} steps"}
+                                                 f"seeds {fresh[0].seeds} at {self.base_steps} steps"
+                                                 + (f", up to {len(looks)} looks ({looks} seeds per arm)" if looks else "")}
         self.ctx.emit("plan", **info)
         return {"round": number, "notes": [*state.get("notes", []), info],
                 "proposals": [*state.get("proposals", []), *dump(fresh)]}

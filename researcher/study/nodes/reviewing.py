@@ -2,7 +2,8 @@
 
 Config proposals and validated code proposals wait for a person unless the brief's approval
 policy auto-approves them within budget (`approval.config_only`, `approval.code_change`); the
-baselines the study's rule adds (`researcher.evidence.baselines`) are approved by policy. Code
+baselines the study's rule adds and the replication stages (`researcher.evidence.baselines`) are
+approved by policy. Code
 proposals that failed validation are published as `invalid`, with their log, and are never put
 to a person. Waiting is a LangGraph `interrupt()`; the runner resumes it with the decisions.
 Edits of already decided proposals' tags are recorded as ignored (`ReviewBoard.audit`) each round.
@@ -38,10 +39,11 @@ class ReviewNode(NodeBase):
         new: dict[str, Decision] = {d.proposal_id: d for d in ctx.board.collect([p.id for p in undecided])}
         runs_left, steps_left, _ = Spent.of(state).left(brief)
         for p in undecided:
-            runs, steps = len(brief.seeds), len(brief.seeds) * self._steps(p)
+            runs = len(p.seeds or brief.seeds)
+            steps = runs * self._steps(p)
             fits = runs <= runs_left and steps <= steps_left
-            if baselines.is_rule_baseline(p):  # it changes nothing: no person is asked
-                auto, reason = fits, baselines.REASON
+            if policy := baselines.policy_reason(p):  # a reference or more seeds: nothing new for a person
+                auto, reason = fits, policy
             elif p.kind == "code":
                 auto, reason = brief.approval.code_change == "auto" and fits, AUTO_CODE_REASON
             else:

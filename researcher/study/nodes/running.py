@@ -75,8 +75,17 @@ class RunNodes(NodeBase):
                 results.append(ExperimentResult(proposal_id=p.id, status="failed", note=f"invalid run config: {e}"))
                 ctx.board.close(p.id, None, "FAILED", f"invalid run config: {e}")
                 continue
-            # Its own code version, else the commit it was given (a code pick's confirmation), else the base.
+            # Its own code version, else the commit it was given (a code pick's confirmation), else its parent's
+            # (a parent's reference arm: the parent's code with a child's overrides), else the base.
             commit = code[p.id].commit if p.id in code else p.commit or state.get("workspace_base", "")
+            if p.reference and p.parent:
+                parent = code.get(p.parent)
+                if parent is None or not parent.passed:
+                    note = f"not run: the code of its parent {p.parent} did not pass validation"
+                    results.append(ExperimentResult(proposal_id=p.id, status="failed", note=note))
+                    ctx.board.close(p.id, None, "FAILED", note)
+                    continue
+                commit = parent.commit
             ctx.paths.configs.mkdir(parents=True, exist_ok=True)
             for seed in p.seeds or ctx.brief.seeds:  # a confirmation round runs held-out seeds
                 key = f"{p.id}-s{seed}"
