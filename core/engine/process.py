@@ -75,7 +75,8 @@ def pack_weights(weights: dict[str, torch.Tensor]) -> bytes:
     return buf.getvalue()
 
 
-def _load_into(model: torch.nn.Module, blob: bytes) -> None:
+def load_weights(model: torch.nn.Module, blob: bytes) -> None:
+    """Copy packed weights (`pack_weights`) into `model`'s parameters of the same names."""
     weights = torch.load(io.BytesIO(blob), weights_only=True)
     params = dict(model.named_parameters())
     unknown = sorted(set(weights) - set(params))
@@ -86,14 +87,29 @@ def _load_into(model: torch.nn.Module, blob: bytes) -> None:
             params[name].copy_(t)
 
 
-def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
-    """The child: build the engine, then serve requests from the pipe until it closes."""
-    mc = ModelConfig.model_validate(spec.model)
+def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
+    """A replica's engine and the module it generates with (LoRA-wrapped like the trainer's, so the
+    adapters' names match), as a replica process or a Ray replica actor builds them."""
+    mc, engine_cfg = ModelConfig.model_validate(spec.model), EngineConfig.model_validate(spec.engine)
     torch.manual_seed(spec.seed)
     model, tok = models.load(mc)
     policy = models.prepare_policy(model, mc.lora) if mc.lora is not None and mc.trainable else model
-    engine = make_engine(EngineConfig.model_validate(spec.engine).kind, policy, tok,
-                         EngineConfig.model_validate(spec.engine), spec.max_context, spec.seed)
+    return make_engine(engine_cfg.kind, policy, tok, engine_cfg, spec.max_context, spec.seed), policy
+
+
+def sync_replica(engine: Any, policy: torch.nn.Module, blob: bytes, version: int) -> int:
+    """Load the weights between two decode steps and serve `version` from then on; returns it."""
+    def apply() -> bool:
+        load_weights(policy, blob)
+        engine.version = version  # set between two decode steps; False below: no extra bump
+        return False
+    engine.swap_weights(apply)
+    return engine.version
+
+
+def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
+    """The child: build the engine, then serve requests from the pipe until it closes."""
+    engine, policy = build_replica(spec)
     send_lock = threading.Lock()
 
     def send(*msg: Any) -> None:
@@ -116,13 +132,8 @@ def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
             running.pop(rid, None)
 
     def sync(seq: int, blob: bytes, version: int) -> None:
-        def apply() -> bool:
-            _load_into(policy, blob)
-            engine.version = version  # set between two decode steps; False below: no extra bump
-            return False
         try:
-            engine.swap_weights(apply)
-            send("ack", seq, engine.version)
+            send("ack", seq, sync_replica(engine, policy, blob, version))
         except Exception as e:  # noqa: BLE001 - the parent fails the sync loudly with it
             send("ack", seq, f"error: {type(e).__name__}: {e}")
 

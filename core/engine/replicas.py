@@ -1,8 +1,8 @@
 """Rollout replicas of one model behind one `Engine`: sticky routing by episode, weight sync, faults.
 
-`ReplicaEngine` is what the gateway sees when `models[].replicas` is 2 or more. It holds the
-trainer's module (rank 0's, which the trainer updates in place; it never generates) and N replica
-engines, each a process on its own device (`core.engine.process.ProcessEngine`) or, under Ray
+`ReplicaEngine` is what the gateway sees when `models[].replicas` is 2 or more. It reads the
+trainer's weights through a callable (rank 0's module, updated in place and never generating, or
+the model actor under Ray) and holds N replica engines, each a process on its own device (`core.engine.process.ProcessEngine`) or, under Ray
 placement, an actor (`core.ray.replicas`), anything with the replica methods used here.
 
 Routing. Each call's episode is the `core.engine.routing.EPISODE` context variable (set where the
@@ -61,11 +61,12 @@ class ReplicaBehind(RuntimeError):
 class ReplicaEngine:
     """N replicas of one model as one `Engine` (see the module doc)."""
 
-    def __init__(self, source: torch.nn.Module, start: Callable[[int, Callable], Any], count: int,
+    def __init__(self, weights: Callable[[], bytes], start: Callable[[int, Callable], Any], count: int,
                  max_staleness: int, max_context: int, route_wait_s: float):
-        """`start(i, on_lost)` builds replica slot i (a `ProcessEngine` or an actor handle); `route_wait_s`
-        bounds how long a new episode waits for an eligible replica before its call fails."""
-        self.source, self._start, self.max_staleness = source, start, max_staleness
+        """`weights()` packs the trainer's current trainable weights (`pack_weights`); `start(i, on_lost)`
+        builds replica slot i (a `ProcessEngine` or an actor handle); `route_wait_s` bounds how long a new
+        episode waits for an eligible replica before its call fails."""
+        self.weights, self._start, self.max_staleness = weights, start, max_staleness
         self.max_context, self.route_wait_s = max_context, route_wait_s
         self.version = 0
         self.last_sync_s = 0.0  # seconds the last weight sync took (packing, sending, every replica's ack)
@@ -172,8 +173,7 @@ class ReplicaEngine:
     def swap_weights(self, apply: Callable[[], bool]) -> bool:
         """`apply` changes the trainer's module (nothing generates with it); the replicas then take the
         new weights between two of their decode steps, and the version goes up by one."""
-        with torch.no_grad():
-            changed = bool(apply())
+        changed = bool(apply())
         if changed:
             self._sync_all(self.version + 1)
         return changed
@@ -185,7 +185,7 @@ class ReplicaEngine:
 
     def _sync_locked(self, version: int) -> None:
         started = time.perf_counter()
-        blob = pack_weights(weights_of(self.source))
+        blob = self.weights()
         behind: list[str] = []
         threads = []
 
@@ -247,7 +247,7 @@ class ReplicaEngine:
                     replica.close()
                     return
                 with self._version_lock:  # the version cannot move while a new replica catches up with it
-                    replica.sync(pack_weights(weights_of(self.source)), self.version)
+                    replica.sync(self.weights(), self.version)
                     self.replicas[index] = replica
                 log.warning("replica %d is back, serving version %d", index, replica.version)
                 return
@@ -308,5 +308,5 @@ def make_model_engine(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, t
                            engine=cfg.engine.model_dump(), max_context=max_context, seed=cfg.trainer.seed + i)
         return ProcessEngine(spec, cfg.server.request_timeout_s, on_lost)
 
-    return ReplicaEngine(model, start, mc.replicas, cfg.trainer.max_staleness, max_context,
+    return ReplicaEngine(lambda: pack_weights(weights_of(model)), start, mc.replicas, cfg.trainer.max_staleness, max_context,
                          route_wait_s=cfg.server.request_timeout_s)

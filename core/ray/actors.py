@@ -28,6 +28,8 @@ from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.serve.server import load_policies
+from core.engine.process import pack_weights, weights_of
+from core.train.distributed import DistributedTrainer, build_trainer
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
 
@@ -50,9 +52,10 @@ class ModelActor:
         seed_everything(cfg.trainer.seed)
         mc = next(m for m in cfg.models if m.name == name)
         self.name = name
-        self.policy = load_policies(cfg.model_copy(update={"models": [mc]}))[name]
+        # The model's replicas (if any) are actors of their own (`core.ray.replicas`), not processes of this one.
+        self.policy = load_policies(cfg.model_copy(update={"models": [mc.model_copy(update={"replicas": 1})]}))[name]
         self.engine = self.policy.engine
-        self.trainer = Trainer(self.policy.model, cfg.trainer, name, lora=mc.lora is not None) if mc.trainable else None
+        self.trainer = build_trainer(self.policy.model, cfg, name) if mc.trainable else None
         self.prepared: PreparedStep | None = None
 
     async def adopt(self) -> dict[str, Any]:
@@ -114,8 +117,15 @@ class ModelActor:
         ckpt = checkpoint.load(path)
         await asyncio.to_thread(checkpoint.restore_one, ckpt, self.name, self._trainer(adopted=False))
 
+    async def weights(self) -> bytes:
+        """The trainer's trainable weights, packed for the model's replica actors (`core.ray.replicas`)."""
+        self._serving()
+        return await asyncio.to_thread(lambda: pack_weights(weights_of(self.policy.model)))
+
     async def close(self) -> None:
         self.engine.close()
+        if isinstance(self.trainer, DistributedTrainer):
+            self.trainer.close()
 
     def _serving(self) -> None:
         if not self.adopted:

@@ -39,6 +39,7 @@ from core.config import RunConfig
 from core.engine import Generation, SamplingParams
 from core.run.plan import PlacementError
 from core.ray.actors import ClientActor, ModelActor, NotAdopted
+from core.ray.replicas import ray_replicas
 from core.run.loop import CLIENT_DRAIN_S, CoreRun
 from core.serve.server import Server
 from core.serve.state import Policy
@@ -353,7 +354,11 @@ def ray_core_run(cfg: RunConfig) -> RayRun:
             ).remote(cfg.model_dump(), mc.name)
             link = ActorLink(actor, mc.name, cfg, lost)
             tok = models.load_tokenizer(mc)
-            policies[mc.name] = Policy(mc.name, None, tok, ChatRenderer(tok), RemoteEngine(link), trainable=mc.trainable)
+            engine = RemoteEngine(link)
+            if mc.replicas > 1:  # rollouts on replica actors, synced from this model actor's trainer
+                engine = ray_replicas(cfg, mc, lambda link=link: link.call("weights", retry=True),
+                                      link.info["max_context"])
+            policies[mc.name] = Policy(mc.name, None, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
             if mc.trainable:
                 trainers[mc.name] = RemoteTrainer(link)
     except RayActorError as e:  # an actor that cannot even start (its model does not load)

@@ -16,7 +16,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from core.config import ConfigError, RunConfig
+import torch
+
+from core.config import ConfigError, ModelConfig, RunConfig, model_devices
+from core.run.memory import device_memory_gb, footprint
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -59,6 +62,9 @@ def plan(cfg: RunConfig) -> Plan:
                    note=f"clients reach it at http://{_shown_host(cfg.server.host)}:{cfg.server.port or '<free port>'}")]
     warnings: list[str] = []
     for i, m in enumerate(cfg.models):
+        if m.replicas > 1 or m.trainer.world_size > 1:
+            rows += _spread_model(cfg, i, m, ray, warnings)
+            continue
         part = f"model {m.name} ({m.source}): engine {cfg.engine.kind}" + (" + trainer" if m.trainable else "")
         part += " (LoRA r=%d)" % m.lora.r if m.lora is not None else ""
         if ray:
@@ -87,6 +93,63 @@ def plan(cfg: RunConfig) -> Plan:
         warnings.append(f"clients keep {in_flight} episodes in flight but server.max_open_episodes is "
                         f"{cfg.server.max_open_episodes}: the rest are refused and retried")
     return Plan(cfg.placement.kind, rows, warnings, in_flight)
+
+
+def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warnings: list[str]) -> list[Placed]:
+    """The rows of a model on several devices: its trainer ranks and its replicas, each device
+    checked (it exists here, a replica and a rank share one only when colocated) and its memory summed."""
+    key = f"models.{index}"
+    gpus = torch.cuda.device_count()
+    on_gpu = m.device.startswith("cuda") or (m.device == "auto" and gpus > 0) or m.trainer.devices is not None and \
+        any(d.startswith("cuda") for d in m.trainer.devices)
+    ranks, replicas = model_devices(m, gpus)
+    if m.replicas > 1 and cfg.engine.kind != "hf":
+        raise ConfigError(f"{key}.replicas: replicas run the hf engine (engine.kind {cfg.engine.kind!r} is not built "
+                          "for replica processes)")
+    if m.trainer.world_size > 1 and not m.trainable:
+        raise ConfigError(f"{key}.trainer.world_size: {m.trainer.world_size} ranks for a model that does not train")
+    if ray and on_gpu and m.ray.num_gpus < m.trainer.world_size:
+        raise ConfigError(f"{key}.ray.num_gpus: {m.trainer.world_size} trainer ranks on GPUs live in the model's "
+                          f"actor, which reserves {m.ray.num_gpus} GPU(s); reserve one per rank")
+    if not ray:
+        for d in ranks + replicas:
+            if d.startswith("cuda") and (gpus == 0 or (":" in d and int(d.split(":")[1]) >= gpus)):
+                raise ConfigError(f"{key}: device {d}, but this machine has {gpus} GPU(s)")
+    shared = sorted(set(ranks) & set(replicas) - {"cpu"})
+    if shared and m.layout == "split":
+        warnings.append(f"{key}: layout split, yet {shared} hold both a trainer rank and a replica")
+    fp = footprint(cfg, m, on_gpu)
+    per_device: dict[str, float] = {}
+    for d in ranks:
+        per_device[d] = per_device.get(d, 0.0) + fp.rank_gb
+    for d in replicas:
+        per_device[d] = per_device.get(d, 0.0) + fp.replica_gb
+    for d, need in per_device.items():
+        have = device_memory_gb(d)
+        if have is not None and need > have:
+            raise ConfigError(f"{key}: {d} would hold {need:.1f} GB of weights and optimizer state (before "
+                              f"activations and KV cache) but has {have:.1f} GB; use LoRA, fewer replicas on it, "
+                              "or more devices")
+    lora = f", LoRA r={m.lora.r}" if m.lora is not None else ""
+    memory = (f"{fp.parameters / 1e6:.1f}M params x {fp.weight_bytes} B; rank {_size(fp.rank_gb)} "
+              f"(DDP; FSDP2 would be {_size(fp.fsdp_rank_gb)}), replica {_size(fp.replica_gb)}")
+    where_rank = "the model's Ray actor + its rank processes" if ray else "rank 0 here, the rest processes here"
+    rows = [Placed(f"model {m.name} ({m.source}{lora}): trainer x{m.trainer.world_size} "
+                   f"({'nccl' if on_gpu else 'gloo'} data-parallel)", where_rank,
+                   m.ray.num_cpus if ray else 0.0, m.ray.num_gpus if ray else 0.0,
+                   f"devices {','.join(ranks)}; {memory}")]
+    if m.replicas > 1:
+        rows.append(Placed(f"model {m.name}: {m.replicas} {cfg.engine.kind} replicas ({m.layout})",
+                           f"{m.replicas} Ray actors" if ray else f"{m.replicas} processes here",
+                           m.ray.num_cpus * m.replicas if ray else 0.0, (1.0 if on_gpu else 0.0) * m.replicas if ray else 0.0,
+                           f"devices {','.join(replicas) if not ray else ('1 GPU each' if on_gpu else 'cpu')}; "
+                           "weights synced after each step (" + ("the LoRA adapters" if m.lora is not None else
+                                                                 f"{_size(fp.replica_gb)} of weights") + " to each)"))
+    return rows
+
+
+def _size(gb: float) -> str:
+    return f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1000:.1f} MB"
 
 
 def _shown_host(host: str) -> str:

@@ -1,0 +1,181 @@
+"""Rollout replicas as Ray actors: `models[].replicas` engines of one model spread over a Ray cluster.
+
+`ReplicaActor` is one replica's engine inside a Ray actor (built as a replica process builds it,
+`core.engine.process.build_replica`), with its own `models[].ray` reservation (`num_gpus` each).
+`RayReplica` is the driver's handle on it, with the replica interface the router
+(`core.engine.replicas.ReplicaEngine`) routes over: generate, admission, `sync(weights, version)`,
+and health from a heartbeat the handle polls. Weights reach the replicas from the model actor
+(rank 0 of the trainer, `ModelActor.weights`) through the driver, as `torch.save` bytes in Ray's
+object store.
+
+A replica actor is started with `max_restarts=0`: a dead one is replaced by the router (a new actor,
+synced before it is routed to), not restarted by Ray behind its back with initial weights.
+Deliberately not here: routing and restarts (the router's), the trainer (the model actor's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from core.config import ModelConfig, RunConfig
+from core.engine import EngineLoad, Generation, SamplingParams
+from core.engine.replicas import ReplicaEngine
+from core.engine.process import HEARTBEAT_S, SILENT_S, START_S, SYNC_S, ReplicaLost, ReplicaSpec, build_replica, \
+    sync_replica
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaActor:
+    """One replica engine in a Ray actor; every method is async, blocking work runs on a thread."""
+
+    def __init__(self, spec: ReplicaSpec):
+        self.engine, self.policy = build_replica(spec)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return await self.engine.generate(prompt_ids, params)
+
+    async def hold(self) -> None:
+        self.engine.hold()
+
+    async def pause(self) -> None:
+        await asyncio.to_thread(self.engine.pause_blocking)
+
+    async def resume(self, new_version: int | None) -> None:
+        self.engine.resume(new_version)
+
+    async def sync(self, blob: bytes, version: int) -> int:
+        return await asyncio.to_thread(sync_replica, self.engine, self.policy, blob, version)
+
+    async def beat(self) -> tuple[int, dict, int]:
+        return self.engine.version, asdict(self.engine.load()), os.getpid()
+
+    async def close(self) -> None:
+        self.engine.close()
+
+
+class RayReplica:
+    """The driver's handle on one `ReplicaActor` (the replica interface of `core.engine.replicas`)."""
+
+    def __init__(self, spec: ReplicaSpec, resources: dict[str, Any], hang_s: float,
+                 on_lost: Callable[[RayReplica, str], None]):
+        self.spec, self.hang_s, self.on_lost = spec, hang_s, on_lost
+        self.device = spec.model["device"]
+        self.max_context = spec.max_context
+        self.lost: str | None = None
+        self.inflight = 0
+        self._lock = threading.Lock()
+        self._load = EngineLoad(queued=0, active=0, admitting=True, oldest_s=None)
+        self.actor = ray.remote(ReplicaActor).options(max_restarts=0, **resources).remote(spec)
+        try:
+            self.version, load, self.pid = ray.get(self.actor.beat.remote(), timeout=START_S)
+        except (RayActorError, GetTimeoutError) as e:
+            ray.kill(self.actor)
+            raise ReplicaLost(f"replica actor {spec.index} could not start: {e}") from e
+        self._load = EngineLoad(**load)
+        self._beat = time.monotonic()
+        threading.Thread(target=self._watch, name=f"ray-replica-{spec.index}", daemon=True).start()
+
+    def healthy(self) -> bool:
+        if self.lost:
+            return False
+        if time.monotonic() - self._beat > SILENT_S:
+            self.kill(f"no heartbeat for {SILENT_S:g} s")
+        elif self._load.oldest_s is not None and self._load.oldest_s > self.hang_s:
+            self.kill(f"a request waited {self._load.oldest_s:.0f} s (hang_s {self.hang_s:g})")
+        return self.lost is None
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       on_token: Callable[[int], None] | None = None) -> Generation:
+        if self.lost:
+            raise ReplicaLost(f"replica {self.spec.index} is out of service: {self.lost}")
+        self.inflight += 1
+        try:
+            gen: Generation = await self.actor.generate.remote(list(prompt_ids), params)
+        except RayActorError as e:
+            self.kill(f"its actor died: {e}")
+            raise ReplicaLost(f"replica {self.spec.index} was lost: {e}") from e
+        finally:
+            self.inflight -= 1
+        for token in gen.token_ids if on_token is not None else ():  # tokens arrive with the generation
+            on_token(token)
+        gen.timings["replica"] = float(self.spec.index)
+        return gen
+
+    def hold(self) -> None:
+        self._call("hold")
+
+    def pause_blocking(self) -> None:
+        self._call("pause")
+
+    def resume(self, new_version: int | None = None) -> None:
+        self._call("resume", new_version)
+
+    def sync(self, blob: bytes, version: int) -> int:
+        self.version = self._call("sync", blob, version)
+        return self.version
+
+    def kill(self, why: str) -> None:
+        with self._lock:
+            if self.lost:
+                return
+            self.lost = why
+        log.error("replica actor %d (%s) lost: %s", self.spec.index, self.device, why)
+        ray.kill(self.actor, no_restart=True)
+        self.on_lost(self, why)
+
+    def close(self) -> None:
+        with self._lock:
+            self.lost = self.lost or "closed"
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        except Exception as e:  # noqa: BLE001 - a dead actor has nothing left to close
+            log.info("closing replica actor %d: %s", self.spec.index, e)
+        ray.kill(self.actor, no_restart=True)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=SYNC_S)
+        except (RayActorError, GetTimeoutError) as e:
+            self.kill(f"{method} failed: {e}")
+            raise ReplicaLost(f"replica {self.spec.index} was lost during {method}: {e}") from e
+
+    def _watch(self) -> None:
+        while not self.lost:
+            try:
+                self.version, load, _ = ray.get(self.actor.beat.remote(), timeout=SILENT_S)
+                self._load, self._beat = EngineLoad(**load), time.monotonic()
+            except (RayActorError, GetTimeoutError) as e:
+                if not self.lost:
+                    self.kill(f"its heartbeat failed: {e}")
+                return
+            time.sleep(HEARTBEAT_S)
+
+
+def ray_replicas(cfg: RunConfig, mc: ModelConfig, weights: Callable[[], bytes], max_context: int) -> ReplicaEngine:
+    """`mc.replicas` replica actors behind one router; each reserves `models[].ray.num_cpus`, one GPU for a
+    model on cuda (the actor then sees it as cuda:0), and `models[].ray.resources`."""
+    on_gpu = mc.device.startswith("cuda") or mc.ray.num_gpus > 0
+    resources = {"num_cpus": mc.ray.num_cpus, "num_gpus": 1 if on_gpu else 0, "resources": mc.ray.resources or None,
+                 "max_concurrency": max(cfg.server.max_open_episodes, 64)}
+
+    def start(i: int, on_lost: Callable) -> RayReplica:
+        spec = ReplicaSpec(index=i, model=mc.model_copy(update={"device": "cuda:0" if on_gpu else "cpu"}).model_dump(),
+                           engine=cfg.engine.model_dump(), max_context=max_context, seed=cfg.trainer.seed + i)
+        return RayReplica(spec, resources, cfg.server.request_timeout_s, on_lost)
+
+    return ReplicaEngine(weights, start, mc.replicas, cfg.trainer.max_staleness, max_context,
+                         route_wait_s=cfg.server.request_timeout_s)

@@ -1,0 +1,76 @@
+"""The memory arithmetic of one model's placement: what a trainer rank and a rollout replica hold.
+
+`swarm run --dry-run` prints it and `core.run.plan` refuses a placement whose arithmetic exceeds a
+GPU this machine has. Counted, per parameter: the weights in their dtype; for a full fine-tune
+the gradients (same dtype), fp32 master copies of low-precision weights (`trainer.master_weights`),
+AdamW's two fp32 moments and, with `kl_coef` > 0, a frozen reference copy; for LoRA only the
+frozen weights (adapters are a rounding error at r <= 64). A replica holds the weights alone.
+Not counted: activations (set by `micro_batch_tokens`) and the KV cache (set by the engine's
+batch and context), so the figures are floors, not a guarantee. The parameter count comes from the
+model's config on the meta device: nothing is loaded or allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from core.config import ModelConfig, RunConfig
+from core.models import build_tiny
+
+GB = 1e9  # figures in decimal GB, as GPU makers state memory
+# SmolLM2-135M's parameters (tied embeddings), so planning it never downloads or converts the model.
+SMOLLM2_PARAMETERS = 134_515_008
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+ADAM_BYTES = 8  # two fp32 moments a parameter
+MASTER_BYTES = 4  # an fp32 master copy of a bf16/fp16 weight
+
+
+@dataclass(frozen=True)
+class Footprint:
+    parameters: int
+    weight_bytes: int  # bytes a parameter takes in the model's dtype
+    rank_gb: float  # one data-parallel (DDP) trainer rank: everything replicated
+    fsdp_rank_gb: float  # the same state sharded over the ranks (FSDP2 arithmetic; not built here)
+    replica_gb: float  # one rollout replica: the weights
+
+
+def parameters(mc: ModelConfig) -> int:
+    """The model's parameter count, from its config alone (instantiated on the meta device)."""
+    if mc.source == "tiny":
+        return sum(p.numel() for p in build_tiny(mc.seed)[0].parameters())
+    if mc.source == "smollm2-135m":
+        return SMOLLM2_PARAMETERS
+    config = AutoConfig.from_pretrained(Path(mc.source).expanduser())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def footprint(cfg: RunConfig, mc: ModelConfig, on_gpu: bool) -> Footprint:
+    n = parameters(mc)
+    dtype = mc.dtype or ("bfloat16" if on_gpu else "float32")
+    w = BYTES[dtype]
+    if mc.lora is not None:
+        rank = n * w
+    else:
+        master = MASTER_BYTES if w < 4 and cfg.trainer.master_weights else 0
+        optimizer = ADAM_BYTES if master or w == 4 else 2 * w  # moments in the dtype of what is stepped
+        ref = w if cfg.trainer.kl_coef > 0 else 0
+        rank = n * (w + w + master + optimizer + ref)
+    reference = n * w if mc.lora is None and cfg.trainer.kl_coef > 0 else 0  # not sharded: each rank scores with it
+    sharded = (rank - reference) / mc.trainer.world_size + reference
+    return Footprint(n, w, rank / GB, sharded / GB, n * w / GB)
+
+
+def device_memory_gb(device: str) -> float | None:
+    """Total memory of a local CUDA device, or None when this machine does not have it (or it is cpu)."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        return None
+    return torch.cuda.get_device_properties(index).total_memory / GB

@@ -1,0 +1,67 @@
+"""`swarm run --dry-run` for one model on many devices: trainer ranks and replicas placed, checked, sized."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from core.config import ConfigError, load_config, model_devices
+from core.run.cli import app
+from core.run.memory import footprint
+from core.run.plan import plan
+
+
+def test_dry_run_prints_the_ranks_and_replicas_with_their_devices_and_memory(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"device": "cpu", "replicas": 2, "trainer": {"world_size": 2}}]}))
+    result = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "trainer x2 (gloo data-parallel)" in result.output
+    assert "2 hf replicas (split)" in result.output and "2 processes here" in result.output
+    assert "devices cpu,cpu" in result.output and "weights synced after each step" in result.output
+
+
+@pytest.mark.parametrize("layout, replicas", [("split", ["cuda:4", "cuda:5", "cuda:6", "cuda:7"]),
+                                              ("colocated", ["cuda:0", "cuda:1", "cuda:2", "cuda:3"])])
+def test_layout_puts_replicas_beside_or_on_the_trainer_ranks_gpus(layout, replicas):
+    mc = load_config({"models": [{"device": "cuda", "replicas": 4, "layout": layout,
+                                  "trainer": {"world_size": 4}}]}).models[0]
+    assert model_devices(mc, 8) == (["cuda:0", "cuda:1", "cuda:2", "cuda:3"], replicas)
+
+
+def test_a_cpu_model_keeps_every_rank_and_replica_on_cpu_whatever_the_gpus():
+    mc = load_config({"models": [{"device": "cpu", "replicas": 3, "trainer": {"world_size": 2}}]}).models[0]
+    assert model_devices(mc, 8) == (["cpu", "cpu"], ["cpu", "cpu", "cpu"])
+
+
+@pytest.mark.parametrize("model, match", [
+    ({"device": "cuda", "replicas": 2}, "this machine has 0 GPU"),  # a local plan on a machine without them
+    ({"device": "cpu", "replicas": 2, "trainable": False, "trainer": {"world_size": 2}}, "does not train"),
+])
+def test_a_placement_that_cannot_work_is_refused_naming_the_key(model, match):
+    with pytest.raises(ConfigError, match=match):
+        plan(load_config({"models": [model]}))
+
+
+def test_trainer_ranks_on_ray_gpus_need_that_many_gpus_in_the_model_actor():
+    cfg = load_config({"placement": {"kind": "ray"},
+                       "models": [{"device": "cuda", "replicas": 2, "trainer": {"world_size": 4}, "ray": {"num_gpus": 1}}]})
+    with pytest.raises(ConfigError, match=r"models.0.ray.num_gpus: 4 trainer ranks"):
+        plan(cfg)
+
+
+def test_lists_of_devices_must_match_the_counts():
+    with pytest.raises(ConfigError, match="replica_devices lists 1 devices for 2 replicas"):
+        load_config({"models": [{"replicas": 2, "replica_devices": ["cpu"]}]})
+    with pytest.raises(ConfigError, match="devices lists 3 devices for world_size 2"):
+        load_config({"models": [{"trainer": {"world_size": 2, "devices": ["cpu"] * 3}}]})
+
+
+def test_the_memory_arithmetic_of_a_bf16_full_fine_tune():
+    # 2 B weights + 2 B grads + 4 B fp32 master + 8 B AdamW moments = 16 B a parameter.
+    cfg = load_config({"models": [{"source": "smollm2-135m", "device": "cuda", "trainer": {"world_size": 4}}]})
+    fp = footprint(cfg, cfg.models[0], on_gpu=True)
+    assert fp.parameters == 134_515_008 and fp.weight_bytes == 2
+    assert fp.rank_gb == pytest.approx(134_515_008 * 16 / 1e9)
+    assert fp.fsdp_rank_gb == pytest.approx(fp.rank_gb / 4) and fp.replica_gb == pytest.approx(134_515_008 * 2 / 1e9)
