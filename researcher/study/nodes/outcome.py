@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from researcher.budget import Spent
-from researcher.evidence import analysis, confirmation, pairing, stages
+from researcher.evidence import analysis, confirmation, matching, pairing, stages
 from researcher.records import ExperimentResult, Launch, Proposal
 from researcher.review.report import write_report
 from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
@@ -69,10 +69,11 @@ class OutcomeNodes(NodeBase):
         pending = [pid for pid in dict.fromkeys(x.proposal_id for x in launches) if pid not in done]
         outcomes, curves = self._read([x for x in launches if x.proposal_id in pending])
         mine = {pid: [x for x in launches if x.proposal_id == pid] for pid in pending}
-        by_id = {p.id: p for p in proposals}
-        # A reference arm's seeds get one fresh retry more: every proposal judged against it pays for a lost seed.
-        reruns = [r for pid in pending for r in analysis.seed_table(
-            mine[pid], outcomes, reference=pid in by_id and analysis.is_reference(by_id[pid], self.base_values))[2]]
+        # An arm some proposal is judged against gets one fresh retry more for a lost seed: they all pay for it.
+        refs = {ref.id for q in proposals if not analysis.is_reference(q, self.base_values)
+                for ref in (matching.baseline_for(q, proposals, self.base_values, self.base_steps),
+                            matching.parent_reference_for(q, proposals, self.base_values, self.base_steps)) if ref}
+        reruns = [r for pid in pending for r in analysis.seed_table(mine[pid], outcomes, reference=pid in refs)[2]]
         if reruns:  # a failed seed is re-run once (resumed from its checkpoint) before anything is judged
             runs_left, steps_left, _ = Spent.of(state).left(brief)
             for i, x in enumerate(reruns):
