@@ -238,6 +238,7 @@ class CoreRun:
                 batch = registry.take_batch(self.server.versions(), self.cfg.trainer.max_staleness)
                 if batch is not None:
                     taken = time.perf_counter()
+                    batch.groups = _in_stable_order(batch.groups)
                     metrics = self._train_batch(batch)
                     self.step += 1
             if batch is None:
@@ -393,6 +394,15 @@ class CoreRun:
 # A step's metrics that say it learnt nothing: it raised (`train/failed`) or its optimizer step was
 # skipped for a non-finite loss or gradient (`train/skipped`); both count toward max_failed_steps.
 FAILED_STEP = ("train/failed", "train/skipped")
+
+
+def _in_stable_order(groups: list[list[Episode]]) -> list[list[Episode]]:
+    """A batch's groups by (sandbox, task, ordinal), each group's episodes by ordinal: not the order they
+    finished in. Float sums over a batch (reward/mean, the gradient) depend on the order of their terms,
+    so a run that repeats its episodes (`engine.repeatable_sampling`) then logs the same rewards and
+    feeds its trainer the same samples in the same order."""
+    ordered = [sorted(group, key=lambda e: e.ordinal) for group in groups]
+    return sorted(ordered, key=lambda g: (g[0].sandbox, g[0].task_id, g[0].ordinal))
 
 
 def _timed(spent: list[float], fn, *args):
