@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from mlflow.tracking import MlflowClient
@@ -35,7 +35,7 @@ from researcher.evidence.matching import (  # noqa: F401  (re-exported: planners
     is_reference,
 )
 from researcher.lazy import lazy_module
-from researcher.records import ExperimentResult, Launch, Proposal, Summary
+from researcher.records import ExperimentResult, Launch, Summary
 
 # scipy.stats loads with the first interval (~1.2 s of CPU): every study process imports this module,
 # and most of them (a restart, a review, a launch) compute none.

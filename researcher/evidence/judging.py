@@ -15,7 +15,13 @@ from collections.abc import Sequence
 
 from researcher.brief.schema import Objective
 from researcher.evidence import decision, pairing, sequential
-from researcher.evidence.matching import baseline_for, is_reference, line, parent_reference_for, root
+from researcher.evidence.matching import (
+    baseline_for,
+    is_reference,
+    line,
+    parent_reference_for,
+    root,
+)
 from researcher.records import ExperimentResult, Proposal
 
 

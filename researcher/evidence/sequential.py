@@ -30,6 +30,7 @@ conservative. This module is numbers only: it decides no verdict and plans no se
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Literal
 
@@ -63,7 +64,7 @@ def spent(t: float, alpha: float, boundary: Boundary) -> float:
 @functools.lru_cache(maxsize=256)
 def boundaries(fractions: tuple[float, ...], alpha: float, boundary: Boundary) -> tuple[float, ...]:
     """The two-sided z boundaries c_1..c_K at increasing information fractions (the last is 1)."""
-    if not fractions or any(b <= a for a, b in zip(fractions, fractions[1:])) or fractions[0] <= 0:
+    if not fractions or any(b <= a for a, b in itertools.pairwise(fractions)) or fractions[0] <= 0:
         raise ValueError(f"information fractions must increase from above 0: {fractions}")
     if not math.isclose(fractions[-1], 1.0):
         raise ValueError(f"the last look must be at information fraction 1, not {fractions[-1]}")
@@ -80,13 +81,14 @@ def boundaries(fractions: tuple[float, ...], alpha: float, boundary: Boundary) -
         else:
             weights = density * np.gradient(grid)  # trapezoid-like weights on a uniform grid
 
-            def crossing(c: float, g: np.ndarray = grid, w: np.ndarray = weights) -> float:
+            def crossing(c: float, g: np.ndarray = grid, w: np.ndarray = weights, t: float = t,
+                         sd: float = math.sqrt(step), target: float = target) -> float:
+                """Null probability of crossing at this look (not before), minus what it may spend."""
                 edge = c * math.sqrt(t)
-                return float(np.sum(w * (norm.sf((edge - g) / math.sqrt(step)) + norm.cdf((-edge - g) / math.sqrt(step)))))
+                return float(np.sum(w * (norm.sf((edge - g) / sd) + norm.cdf((-edge - g) / sd)))) - target
 
             # Nothing left to spend (a flat spending function): the boundary is at the grid's edge.
-            c = (GRID_SD / math.sqrt(t) if target <= 0 else
-                 float(optimize.brentq(lambda c: crossing(c) - target, 1e-6, GRID_SD * 2)))
+            c = GRID_SD / math.sqrt(t) if target <= 0 else float(optimize.brentq(crossing, 1e-6, GRID_SD * 2))
         out.append(c)
         edge = c * math.sqrt(t)
         points = max(int(2 * edge * GRID_PER_SD / math.sqrt(t)) | 1, 101)

@@ -32,7 +32,13 @@ from typing import Any
 from researcher.brief.schema import Brief
 from researcher.evidence import confirmation, decision
 from researcher.evidence.baselines import STAGE_PLANNER
-from researcher.evidence.matching import baseline_for, is_reference, line, root, steps_of
+from researcher.evidence.matching import (
+    baseline_for,
+    is_reference,
+    line,
+    root,
+    steps_of,
+)
 from researcher.records import CodeVersion, ExperimentResult, Proposal, Verdict
 
 # Looks of the confirmation the search's stages must leave the budget for: one look and one added stage,
@@ -136,8 +142,9 @@ def next_stage(proposals: Sequence[Proposal], results: Sequence[ExperimentResult
     seeds = decision.held_out_seeds(used, add)
     stage = last.stage + 1
     look = f"look {stage} of {len(looks)} ({looks[stage - 1]} seeds per arm)"
-    common = dict(round=number, planner=STAGE_PLANNER, seeds=seeds, stage=stage, looks=looks, priority=1,
-                  expected_effect=f"the comparison's {look} decides it, or the next stage is owed")
+    common: dict[str, Any] = {"round": number, "planner": STAGE_PLANNER, "seeds": seeds, "stage": stage,
+                              "looks": looks, "priority": 1,
+                              "expected_effect": f"the comparison's {look} decides it, or the next stage is owed"}
     ref_root = root(reference, proposals)
     return [
         Proposal(id=f"r{number}-1", hypothesis=f"{first.id} again on seeds {seeds}: {look}",

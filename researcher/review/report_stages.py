@@ -37,5 +37,5 @@ def stage_lines(results: Mapping[str, ExperimentResult]) -> list[str]:
     if not rows:
         return []
     return ["## Seeds added in stages", "", EXPLAINED, "",
-            "| proposal | comparison | look | seeds (candidate vs reference) | effect [95% CI] | p | level to beat "
-            "| result |", "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, ""]
+            ("| proposal | comparison | look | seeds (candidate vs reference) | effect [95% CI] | p | level to beat "
+             "| result |"), "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows, ""]

@@ -25,7 +25,6 @@ from researcher.runs.launcher import Emit, Launcher
 from researcher.runs.live_watch import LiveWatch
 from researcher.study.store import StudyPaths
 
-
 # A budget without limit: asking whether a stage is owed at all, before asking whether it can be paid.
 UNLIMITED = 1 << 62
 

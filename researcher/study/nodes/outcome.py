@@ -11,6 +11,7 @@ onto the comparison it extends (`researcher.evidence.stages`, `researcher.eviden
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from researcher.budget import Spent
@@ -55,7 +56,7 @@ class OutcomeNodes(NodeBase):
             if not history or history[-1][0] != step:
                 return None  # no value logged at the stop step: no fair score
             value = analysis.score(history, objective)
-            return None if value != value else value  # NaN: not finite there
+            return None if math.isnan(value) else value  # not finite there: no fair score
 
         return score_at
 
