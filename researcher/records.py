@@ -173,6 +173,11 @@ class Proposal(ProposalDraft):
         """`key: old -> new` lines against the flattened base config."""
         rows = [f"{k}: {base.get(k, '(unset)')} -> {v}" for k, v in sorted(self.overrides.items())
                 if base.get(k) != str(v)]
+    # A decision read from MLflow (source `mlflow`): whether the server authenticated whoever wrote it (MLflow's
+    # basic-auth app: one of the accounts with edit rights on the study's experiment). MLflow records no author
+    # of a tag edit, so `by` stays the name the reviewer typed; without authentication anyone who reached the
+    # server could have written it (docs/security.md).
+    authenticated: bool = False
         if self.code_change:
             rows.append(f"code: {self.code_change}")
         if self.kind == "code":

@@ -253,6 +253,10 @@ class LaunchSettings(_Strict):
 
     @field_validator("run_timeout", mode="before")
     @classmethod
+    # How proposal code runs (validation's executing steps, core runs' clients, hot-swapped clients):
+    # `required` (the default) needs bubblewrap and refuses to run it without; `auto`, set on purpose, runs
+    # it without bubblewrap where it is missing, giving up what docs/security.md lists (the warning says it).
+    containment: Literal["required", "auto"] = "required"
     def _timeout(cls, value: Any) -> float | None:
         return None if value is None else parse_duration(value)
 

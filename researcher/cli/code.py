@@ -20,11 +20,14 @@ import typer
 import yaml
 from rich.console import Console
 from rich.syntax import Syntax
+from rich.text import Text
 
 from researcher.brief.schema import BriefError
 from researcher.lazy import lazy_module
-from researcher.records import ExperimentResult, Proposal
-from researcher.review.views import proposal_diff, proposal_view
+from researcher.code.lineage import lineage, parent_problem
+from researcher.records import CodeVersion, Decision, ExperimentResult, Proposal
+from researcher.review.plain import plain
+from researcher.review.views import proposal_view
 from researcher.study import inbox
 from researcher.study.snapshot import read_state as read_snapshot
 from researcher.study.store import StudyError, StudyMeta, StudyPaths, load_meta, study_brief, study_paths
@@ -97,6 +100,13 @@ def propose(ctx: typer.Context, name: str,
         raise _fail(f"study {name} edits no code: its brief has no `code:` section")
     if hot_swap and (text is None or not brief.run.live):
         raise _fail("--hot-swap needs --patch and a study with a live run (brief `run.live: true`)")
+    if parent is not None:
+        if text is None:
+            raise _fail("--parent names the code proposal a --patch applies on; give --patch too")
+        values, _, _ = read_snapshot(paths, name) or runner.read_state(paths, name)
+        problem = parent_problem(parent, *state_records(values))
+        if problem:
+            raise _fail(f"--parent {parent}: {problem}")
     try:
         brief.resolve_config(Path(meta.workdir), overrides)
     except Exception as e:  # noqa: BLE001 - any config error is the person's to fix; nothing was stored
@@ -105,6 +115,13 @@ def propose(ctx: typer.Context, name: str,
                                    "by": by or getpass.getuser(), "hot_swap": hot_swap})
     console.print(f"proposed to study {name}; it is validated and put up for review at the study's next plan")
     print(item.id)
+
+
+def state_records(values: dict) -> tuple[list[Proposal], list[Decision], list[CodeVersion]]:
+    """The proposals, decisions and code versions of a study's state (what the parent rule reads)."""
+    return ([Proposal.model_validate(x) for x in values.get("proposals", [])],
+            [Decision.model_validate(x) for x in values.get("decisions", [])],
+            [CodeVersion.model_validate(x) for x in values.get("code", [])])
 
 
 def _state(ctx: typer.Context, name: str) -> tuple[StudyPaths, StudyMeta, dict]:
@@ -132,48 +149,72 @@ def show(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..., m
     if as_json:
         print(view.model_dump_json(indent=1))
         return
-    console.print(f"[bold]{view.id}[/bold] ({view.kind}, {view.planner}): [bold]{view.status}[/bold]")
-    console.print(f"hypothesis: {view.hypothesis}")
+    say = _say
+    say(Text.assemble((view.id, "bold"), f" ({view.kind}, {plain(view.planner)}): ", (view.status, "bold")))
+    say(f"hypothesis: {plain(view.hypothesis)}")
     if view.overrides:
-        console.print(f"overrides: {view.overrides}")
+        say(f"overrides: {plain(view.overrides)}")
     if view.kind == "code":
-        console.print(f"validation: {'passed' if view.validation.passed else 'FAILED at ' + str(view.validation.step)}"
-                      if view.validation.passed is not None else "validation: running")
-        console.print(view.validation.log, markup=False, highlight=False)
-        console.print(f"commit: {view.commit or '-'}" + (f" (on {view.parent})" if view.parent else ""))
+        say(f"validation: {'passed' if view.validation.passed else 'FAILED at ' + str(view.validation.step)}"
+            if view.validation.passed is not None else "validation: running")
+        say(plain(view.validation.log))
+        say(f"commit: {view.commit or '-'}" + (f" (on {view.parent})" if view.parent else ""))
+        if view.chain:
+            say("chain: " + " -> ".join(["base", *view.chain, view.id]) + " (approving it approves all of this "
+                f"code: `researcher study diff {name} {view.id}` prints the whole change against the base)")
     if view.decision:
         d = view.decision
-        console.print(f"decision: {d['verdict']} by {d['by']} at {d['at']}" + (f": {d['reason']}" if d["reason"] else ""))
+        say(f"decision: {d['verdict']} by {plain(d['by'])} at {plain(d['at'])}" + (f": {plain(d['reason'])}" if d["reason"] else ""))
     for r in view.runs:
-        console.print(f"run {r.key}: {r.status} (MLflow {r.mlflow_run_id or '-'})")
+        say(f"run {r.key}: {r.status} (MLflow {r.mlflow_run_id or '-'})")
     if view.score is not None:
-        console.print(f"score: {view.score:.4g}")
+        say(f"score: {view.score:.4g}")
     if view.swap:
-        console.print(f"swap: {view.swap}", markup=False, highlight=False)
+        say(f"swap: {plain(view.swap)}")
     if view.result:
-        console.print(f"result: {view.result}")
+        say(f"result: {plain(view.result)}")
+
+
+def _say(line: str | Text) -> None:
+    """One line of `show`: plain text, never rich markup, with control characters escaped (review/plain.py)."""
+    console.print(line if isinstance(line, Text) else Text(plain(line)), markup=False, highlight=False,
+                  soft_wrap=True)
 
 
 def print_diff(text: str) -> None:
-    """A diff with syntax highlighting on a terminal, plain when piped."""
+    """A diff with syntax highlighting on a terminal, plain when piped; either way its control characters are
+    escaped (`\\x1b`), so a comment in it cannot drive the reviewer's terminal. The exact bytes are the
+    study's `diffs/<id>.diff` and `checkout`'s."""
+    shown = plain(text)
     if console.is_terminal:
-        console.print(Syntax(text, "diff", theme="ansi_dark", word_wrap=True))
+        console.print(Syntax(shown, "diff", theme="ansi_dark", word_wrap=True))
     else:
-        print(text, end="" if text.endswith("\n") else "\n")
+        print(shown, end="" if shown.endswith("\n") else "\n")
 
 
 def diff(ctx: typer.Context, name: str, proposal_id: str = typer.Argument(..., metavar="ID")) -> None:
     """Print a proposal's code diff."""
-    _, _, values = _state(ctx, name)
+    paths, _, values = _state(ctx, name)
     if proposal_view(values, proposal_id) is None:
         raise _fail(f"study {name} has no proposal {proposal_id}")
-    text = proposal_diff(values, proposal_id)
+    text = reviewed_diff(paths, values, proposal_id)
     if text is None:
         raise _fail(f"proposal {proposal_id} has no code diff (a config proposal, or still validating)")
     if not text:
         raise _fail(f"proposal {proposal_id}'s change did not apply, so it has no diff; see "
                     f"`researcher study show {name} {proposal_id}`")
     print_diff(text)
+
+
+def reviewed_diff(paths: StudyPaths, values: dict, proposal_id: str) -> str | None:
+    """What `diff` and `review` print of a code proposal: its diff, or for one on a parent its chain and its
+    whole change against the base commit first (`code.lineage`); None without a code version."""
+    proposals, _, code = state_records(values)
+    version = next((v for v in code if v.proposal_id == proposal_id), None)
+    if version is None:
+        return None
+    chained = lineage(proposal_id, proposals, version, paths.workspace, values.get("workspace_base", ""))
+    return chained.review_diff(proposal_id, version.diff) if version.diff else ""
 
 
 def checkout(ctx: typer.Context, name: str,

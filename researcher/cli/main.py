@@ -25,21 +25,25 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.text import Text
 
 from core.config import ConfigError, flatten
 from researcher.brief.schema import BriefError
 from researcher.budget import Spent
-from researcher.cli.code import checkout, diff, print_diff, propose, show
+from researcher.cli.code import checkout, diff, print_diff, propose, reviewed_diff, show, state_records
 from researcher.lazy import lazy_module
 from researcher.planner.types import PlannerError, choose_planner
+from researcher.code.lineage import parent_problem
 from researcher.records import CodeVersion, Decision
 from researcher.review.console import StudyConsole, budget_table, decisions_table, proposals_table, verdicts_table
+from researcher.review.plain import plain
 from researcher.review.views import best_result, proposal_view, status_json
 from researcher.study.snapshot import read_state as read_snapshot
 from researcher.study.store import (
     StudyError,
     StudyMeta,
     StudyPaths,
+    failure,
     list_studies,
     load_meta,
     owner_pid,
@@ -203,10 +207,20 @@ def list_(ctx: typer.Context) -> None:
     if not names:
         console.print(f"no studies in {ctx.obj}")
     for n in names:
-        values, nxt, waiting = runner.read_state(study_paths(ctx.obj, n), n)
-        pid = owner_pid(study_paths(ctx.obj, n))
-        phase = "done" if values and not nxt else ("waiting for review" if waiting else (nxt[0] if nxt else "new"))
-        console.print(f"{n}: {phase}" + (f" (running, pid {pid})" if pid else "") + f", round {values.get('round', 0)}")
+        paths = study_paths(ctx.obj, n)
+        values, nxt, waiting = runner.read_state(paths, n)
+        pid = owner_pid(paths)
+        line = f"{n}: {_phase(paths, values, nxt, waiting, pid)}" + (f" (running, pid {pid})" if pid else "")
+        console.print(Text(plain(line + f", round {values.get('round', 0)}")), highlight=False)
+
+
+def _phase(paths: StudyPaths, values: dict, nxt: tuple[str, ...], waiting: list[str], pid: int | None) -> str:
+    """One word or line for where a study is: done, failed (with why: a study that cannot go on is never
+    shown at the node it failed in), waiting for review, or its next node."""
+    failed = failure(paths)
+    if failed and not pid:
+        return failed
+    return "done" if values and not nxt else ("review: waiting for decisions" if waiting else (nxt[0] if nxt else "new"))
 
 
 def _load(ctx: typer.Context, name: str) -> tuple[StudyPaths, StudyMeta]:
@@ -226,14 +240,15 @@ def status(ctx: typer.Context, name: str,
     brief = study_brief(paths, meta)
     values, nxt, waiting = read_snapshot(paths, name) or runner.read_state(paths, name)
     pid = owner_pid(paths)
-    phase = "done" if values and not nxt else ("review: waiting for decisions" if waiting else (nxt[0] if nxt else "new"))
+    phase = _phase(paths, values, nxt, waiting, pid)
     if as_json:
         print(json.dumps(status_json(name, values, phase, pid, brief), indent=1))
         return
-    console.print(f"study [bold]{name}[/bold] ({meta.planner.kind} planner): phase {phase}, round {values.get('round', 0)}; "
-                  + (f"running (pid {pid})" if pid else "not running"))
+    console.print(Text.assemble("study ", (name, "bold"), plain(f" ({meta.planner.kind} planner): phase {phase}, round "
+                                                               f"{values.get('round', 0)}; ")
+                                + (f"running (pid {pid})" if pid else "not running")), highlight=False)
     if values.get("stop_reason"):
-        console.print(f"stopped: {values['stop_reason']}")
+        console.print(Text(plain(f"stopped: {values['stop_reason']}")), highlight=False)
     console.print(budget_table(Spent.of(values, gpus=brief.launch.gpus), brief))
     # A proposal decided in the state is decided on the board too (a decision is final), and one that
     # failed validation is published as invalid: the board can hold a pending review only when the
@@ -244,7 +259,8 @@ def status(ctx: typer.Context, name: str,
             console.print(proposals_table("pending reviews", pending))
     best = best_result(values, brief)
     if best:
-        console.print(f"best so far: {best[0].id} {best[0].overrides}: {brief.objective.metric} {best[1].summary.fmt()}")  # type: ignore[union-attr]
+        console.print(Text(plain(f"best so far: {best[0].id} {best[0].overrides}: {brief.objective.metric} "
+                                 f"{best[1].summary.fmt()}")), highlight=False)  # type: ignore[union-attr]
 
 
 @study_app.command()
@@ -253,14 +269,17 @@ def review(ctx: typer.Context, name: str, all_: bool = typer.Option(False, "--al
     _, meta = _load(ctx, name)
     rows = [r for r in runner.open_board(meta).board() if all_ or r["status"] not in ("approved", "vetoed", "invalid")]
     console.print(proposals_table(f"proposals of {name}", rows) if rows else "nothing awaits review")
-    values, _, _ = runner.read_state(_paths(ctx, name), name)
+    paths = _paths(ctx, name)
+    values, _, _ = runner.read_state(paths, name)
     code = {v["proposal_id"]: v for v in values.get("code", [])}
     for r in rows:
-        if r["id"] in code:
-            console.print(f"[bold]{r['id']}[/bold] {CodeVersion.model_validate(code[r['id']]).checks()}")
-        if code.get(r["id"], {}).get("diff"):
-            console.print(f"[bold]{r['id']}[/bold] code diff (commit {code[r['id']]['commit'][:12] or '-'}):")
-            print_diff(code[r["id"]]["diff"])
+        version = CodeVersion.model_validate(code[r["id"]]) if r["id"] in code else None
+        if version is None:
+            continue
+        console.print(Text.assemble((plain(r["id"]), "bold"), f" {version.checks()}"))
+        if version.diff:
+            console.print(Text.assemble((plain(r["id"]), "bold"), f" code diff (commit {version.commit[:12] or '-'}):"))
+            print_diff(reviewed_diff(paths, values, r["id"]) or version.diff)
     console.print(f"MLflow: experiment {meta.experiment} at {meta.tracking_uri}")
 
 
@@ -273,6 +292,14 @@ def _decide(ctx: typer.Context, name: str, ids: list[str], every: bool, verdict:
     if not ids:
         raise _fail("name the proposals to decide (or --all for every pending one)")
     who = by or getpass.getuser()
+    if verdict == "approved":  # a proposal on a parent that is not approved and executed is never approved
+        values, _, _ = read_snapshot(paths, name) or runner.read_state(paths, name)
+        proposals, decisions, code = state_records(values)
+        for pid in ids:
+            p = next((x for x in proposals if x.id == pid), None)
+            problem = parent_problem(p.parent, proposals, decisions, code) if p and p.kind == "code" and p.parent else None
+            if problem:
+                raise _fail(f"{pid} cannot be approved: {problem}")
     try:
         for pid in ids:
             board.decide(Decision(proposal_id=pid, verdict=verdict, by=who, reason=reason, source="cli"))  # type: ignore[arg-type]
@@ -340,7 +367,8 @@ def report(ctx: typer.Context, name: str) -> None:
 
     board = runner.open_board(meta)
     board.audit([Decision.model_validate(d) for d in values.get("decisions", [])])
-    path = reports.write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base, board.ignored())
+    path = reports.write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base, board.ignored(),
+                                failed=failure(paths))
     console.print(f"report written: [bold]{path}[/bold]")
 
 

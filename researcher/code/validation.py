@@ -18,9 +18,10 @@ Executing (they run the proposal's code):
 approve code (`approval.code_change: human`, unless the brief sets `code.execute_before_review`),
 nothing of a proposal runs before approval, and `execute` runs its pending steps afterwards; a
 failure there drops its commit. Each process of an executing step runs contained, through the
-core's `swarm contain` (core/clients/contain.py): an environment allowlist without the study's
+core's `swarm contain --required` (core/clients/contain.py): an environment allowlist without the study's
 secrets, resource limits, its own process group killed at the timeout, and bubblewrap (only the
-trial worktree writable) when `bwrap` is on PATH. The `swarm serve` of the smoke run is the core's
+trial worktree writable, the study's state and MLflow store masked, no network but the smoke server's
+episode routes); without bubblewrap the step fails, unless the brief sets `containment: auto`. The `swarm serve` of the smoke run is the core's
 own code and runs as the study does.
 
 Each step's result and log is recorded; the first failure stops the rest. Only when every step that
@@ -112,6 +113,12 @@ class Validator:
     trials: Path  # where trial worktrees and smoke logs live (under the study's state)
     swarm: Path  # the `swarm` executable
     limits: ContainLimits = field(default_factory=ContainLimits)  # for every process that runs the proposal's code
+    # Masked from every process that runs the proposal's code (`swarm contain --hide`): the study's state and
+    # MLflow's local store (`study.store.private_paths`); every run's token and server files are masked anyway.
+    hidden: list[Path] = field(default_factory=list)
+    # `swarm contain --required`: refuse to run proposal code without bubblewrap. False only for a brief that
+    # sets `containment: auto` on purpose (runs.launcher.AUTO_LOSS says what that gives up).
+    required: bool = True
     _against: list[str] = field(default_factory=lambda: ["--cached"], init=False, repr=False)  # what `_changed` diffs
 
     def validate(self, p: Proposal, parent_commit: str, emit: Callable[..., None],
@@ -249,13 +256,17 @@ class Validator:
                 logs.append(f"{folder.relative_to(tree)}: no tests/ folder")
         return "\n".join(logs)
 
-    def _run(self, argv: list[str], cwd: Path, timeout: float, what: str, tree: Path) -> str:
+    def _run(self, argv: list[str], cwd: Path, timeout: float, what: str, tree: Path, server: str | None = None) -> str:
         """Run a step that executes the proposal's code, contained (`swarm contain`): only `tree` (the
-        trial worktree) is writable, and the environment holds none of the study's secrets."""
+        trial worktree) is writable, the environment holds none of the study's secrets, the study's state and
+        MLflow store are masked (`hidden`), bubblewrap is required (unless the brief said `auto`), and the
+        network is the swarm `server`'s episode routes only (none without one)."""
         limits = [f for name, value in self.limits.model_dump().items()
                   for f in (f"--{name.replace('_', '-')}", str(value))]
+        hide = [f for path in self.hidden if path.exists() for f in ("--hide", str(path))]
         cmd = [str(self.swarm), "contain", "--cwd", str(cwd), "--writable", str(tree), "--timeout", f"{timeout:g}",
-               *limits, "--", *argv]
+               *limits, *hide, *(["--required"] if self.required else []),
+               *(["--server", server] if server else []), "--", *argv]
         try:
             done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   text=True, errors="replace", timeout=timeout + CONTAIN_GRACE_S)
@@ -322,7 +333,7 @@ class Validator:
         argv = [str(self.swarm), "client", str(folder), "--server", url, "--kind", "debug", "--episodes", str(n),
                 "--group-size", "1", "--concurrency", str(n)]
         what = f"smoke episodes of {folder.relative_to(tree)}"
-        return self._run(argv, tree, max(1.0, deadline - time.monotonic()), what, tree)
+        return self._run(argv, tree, max(1.0, deadline - time.monotonic()), what, tree, server=url)
 
 
 _SIGNALS = {int(s) for s in signal.Signals}  # `swarm contain` exits 128+N for a command killed by signal N

@@ -198,6 +198,16 @@ class Workspace:
     def check_changes(self, tree: Path) -> list[tuple[str, str]]:
         """Stage everything in a trial tree and refuse what the rules forbid. -> [(status, path)]."""
         _git(tree, "add", "-A")
+        # A file the edit wrote that git ignores (a `.gitignore` it adds, even one listing itself) stays out of
+        # the diff, the review and the commit, yet sits in the trial tree the executing steps run in: refused.
+        hidden = [rel for rel in _git(tree, "ls-files", "-z", "--others", "--ignored", "--exclude-standard").split("\0")
+                  if rel]
+        if hidden:
+            where = ", ".join(f"{rel} ({'editable' if _inside(rel, self.spec.editable) else 'outside the editable paths'})"
+                              for rel in hidden[:5])
+            raise WorkspaceError(f"the change writes {len(hidden)} file(s) git ignores: {where}; ignored files would "
+                                 "stay out of the diff a reviewer reads and of the commit, so they are refused "
+                                 "(remove them or the .gitignore pattern that hides them)")
         out = _git(tree, "diff", "--cached", "--name-status", "--no-renames")
         changes = [(line.split("\t", 1)[0], line.split("\t", 1)[1]) for line in out.splitlines() if line]
         if not changes:

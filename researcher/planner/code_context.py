@@ -42,8 +42,9 @@ def describe_code(ctx: PlanContext) -> str:
         history.append(f"- {v.proposal_id}: {outcome}\n{detail}")
     return (f"# Code you may edit\nEditable: {spec.editable}; read-only: {spec.readonly}.\n"
             f"A code proposal adds {EDIT_FORMAT} to its object (and needs_code_change=true): each search text "
-            "must occur exactly once in the file. Set \"parent\" to an earlier valid proposal id to build on "
-            "its code." + (" This study keeps a live run: add \"mode\": \"hot_swap\" to swap the change into it "
+            "must occur exactly once in the file. Set \"parent\" to the id of an earlier code proposal that was "
+            "approved and whose code ran (validated after approval) to build on its code; a parent still pending, "
+            "vetoed or invalid is refused." + (" This study keeps a live run: add \"mode\": \"hot_swap\" to swap the change into it "
                           "(judged on the reward just before and after the swap) instead of new runs."
                           if ctx.brief.run.live else "") + "\n\n" + files + ("\n\n# Earlier code proposals\n" + "\n".join(history) if history else ""))
 

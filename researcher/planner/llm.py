@@ -34,6 +34,7 @@ from researcher.evidence.analysis import is_baseline
 from researcher.planner.code_context import describe_code, edit_problems
 from researcher.planner.endpoint import Endpoint, error_usage
 from researcher.planner.types import PlanContext, Planned, PlannerError, PlanResult
+from researcher.code.lineage import parent_problem
 from researcher.records import Proposal, ProposalDraft
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,10 @@ def check_plan(plan: LlmPlan, ctx: PlanContext) -> None:
                             "propose something not yet tried")
         if draft.parent is not None and draft.parent not in known:
             problems.append(f"proposals[{i}].parent: {draft.parent!r} is not an earlier proposal id")
+        elif draft.parent is not None and draft.edits and (
+                why := parent_problem(draft.parent, ctx.proposals, ctx.decisions, ctx.code)):
+            problems.append(f"proposals[{i}].parent: {why}; edits build only on an approved, executed code "
+                            "proposal (or on the base: parent null)")
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -9,12 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.status import Status
 from rich.table import Table
+from rich.text import Text
 
 from researcher.brief.schema import Brief
 from researcher.budget import Spent
 from researcher.records import ExperimentResult, IgnoredChange
+from researcher.review.plain import cell, plain
+
+
+def _e(value: object) -> str:
+    """An untrusted value inside a rich markup string: one plain line, its `[` escaped (review/plain.py)."""
+    return escape(cell(value))
 
 
 class StudyConsole:
@@ -44,16 +52,16 @@ class StudyConsole:
             return
         self._spin(None)
         if event in ("study.start", "study.resume"):
-            c.print(f"[bold]{'Starting' if event == 'study.start' else 'Resuming'} study {info['study']}[/bold]")
+            c.print(f"[bold]{'Starting' if event == 'study.start' else 'Resuming'} study {_e(info['study'])}[/bold]")
         elif event == "plan":
-            c.print(f"[cyan]plan round {info['round']}[/cyan] ({info['planner']}, {info['plan_s']:.2f} s): "
-                    f"{info['proposals']} proposal(s). {info['note']}")
+            c.print(f"[cyan]plan round {_e(info['round'])}[/cyan] ({_e(info['planner'])}, {info['plan_s']:.2f} s): "
+                    f"{_e(info['proposals'])} proposal(s). {_e(info['note'])}")
         elif event == "decision":
-            c.print(f"  {info['proposal_id']}: [{'green' if info['verdict'] == 'approved' else 'red'}]"
-                    f"{info['verdict']}[/] by {info['by']}" + (f" ({info['reason']})" if info["reason"] else ""))
+            c.print(f"  {_e(info['proposal_id'])}: [{'green' if info['verdict'] == 'approved' else 'red'}]"
+                    f"{_e(info['verdict'])}[/] by {_e(info['by'])}" + (f" ({_e(info['reason'])})" if info["reason"] else ""))
         elif event == "review.ignored":
-            c.print(f"  [yellow]{info['proposal_id']}: its tags were changed to {info['changed_to']!r} by {info['by']} "
-                    f"after it was {info['decided']}: ignored (a decision is final)[/yellow]")
+            c.print(f"  [yellow]{_e(info['proposal_id'])}: its tags were changed to {_e(repr(info['changed_to']))} by {_e(info['by'])} "
+                    f"after it was {_e(info['decided'])}: ignored (a decision is final)[/yellow]")
         elif event == "review.waiting":
             ids = ", ".join(info["ids"])
             c.print(f"[yellow]waiting for review[/yellow] of {ids}: `researcher study approve {self.name} "
@@ -61,29 +69,36 @@ class StudyConsole:
             self._spin(f"[{self.name}] waiting for review of {ids}")
         elif event == "launch.spawned":
             self._started += 1
-            c.print(f"  launched {info['key']} (pid {info['pid']})")
+            c.print(f"  launched {_e(info['key'])} (pid {_e(info['pid'])})")
         elif event == "run.stopping":
-            c.print(f"  [yellow]stopping {info['key']}[/yellow]: {info['reason']}")
+            c.print(f"  [yellow]stopping {_e(info['key'])}[/yellow]: {_e(info['reason'])}")
         elif event == "run.ended":
             self._ended += 1
             colour = "green" if info["status"] == "finished" else "red"
-            c.print(f"  run {info['key']} [{colour}]{info['status']}[/]" + (f": {info['reason']}" if info["reason"] else ""))
+            c.print(f"  run {_e(info['key'])} [{colour}]{_e(info['status'])}[/]" + (f": {_e(info['reason'])}" if info["reason"] else ""))
             self._spin(f"[{self.name}] watching core runs: {self._ended} ended of {self._started} started")
         elif event == "validation.step":
-            self._spin(f"[{self.name}] validating {info['proposal_id']}: {info['step']}")
+            self._spin(f"[{self.name}] validating {_e(info['proposal_id'])}: {_e(info['step'])}")
         elif event == "validation":
-            c.print(f"  {info['proposal_id']}: " + (f"[green]valid[/green], commit {info['commit'][:12]}" if info["passed"]
-                                                    else f"[red]invalid[/red] at step {info['step']}"))
+            c.print(f"  {_e(info['proposal_id'])}: " + (f"[green]valid[/green], commit {_e(info['commit'][:12])}" if info["passed"]
+                                                    else f"[red]invalid[/red] at step {_e(info['step'])}"))
         elif event == "plan.waiting":
             c.print(f"[yellow]waiting for proposals[/yellow]: `researcher study propose {self.name} ...` "
                     f"(checked every {info['poll_s']:g} s)")
             self._spin(f"[{self.name}] waiting for people's proposals")
         elif event == "result":
-            c.print(f"  result {info['proposal_id']}: {info['status']}, score {info['summary']}")
+            c.print(f"  result {_e(info['proposal_id'])}: {_e(info['status'])}, score {_e(info['summary'])}")
         elif event == "report":
-            c.print(f"report written: [bold]{info['path']}[/bold]")
+            c.print(f"report written: [bold]{_e(info['path'])}[/bold]")
+        elif event == "study.failed":
+            c.print(f"[bold red]study {_e(info['study'])} failed[/bold red]: {_e(info['reason'])}")
         elif event == "study.done":
-            c.print(f"[bold green]study {info['study']} finished[/bold green]: {info['stop_reason']}")
+            c.print(f"[bold green]study {_e(info['study'])} finished[/bold green]: {_e(info['stop_reason'])}")
+
+
+def _add(table: Table, *cells: object) -> None:
+    """A table row of plain text cells: control characters escaped, no markup read (review/plain.py)."""
+    table.add_row(*(Text(plain(c)) for c in cells))
 
 
 def proposals_table(title: str, rows: list[dict[str, str]]) -> Table:
@@ -91,8 +106,10 @@ def proposals_table(title: str, rows: list[dict[str, str]]) -> Table:
     for col in ("id", "status", "hypothesis", "diff", "decided by", "reason"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r["id"], r["status"], r["hypothesis"], r["diff"], r.get("by", ""), r.get("reason", "")
-                      + (f" [red]{r['error']}[/red]" if r.get("error") else ""))
+        why = Text(plain(r.get("reason", "")))
+        if r.get("error"):
+            why.append(" " + plain(r["error"]), style="red")
+        table.add_row(*(Text(plain(r.get(k, ""))) for k in ("id", "status", "hypothesis", "diff", "by")), why)
     return table
 
 
@@ -101,7 +118,7 @@ def budget_table(spent: Spent, brief: Brief) -> Table:
     for col in ("budget", "used", "limit"):
         table.add_column(col)
     for row in spent.rows(brief):
-        table.add_row(*row)
+        _add(table, *row)
     return table
 
 
@@ -113,8 +130,15 @@ def verdicts_table(results: list[dict[str, Any]]) -> Table:
     for raw in results:
         r = ExperimentResult.model_validate(raw)
         verdict = r.verdict.fmt() if r.verdict else ("baseline (the reference)" if r.status == "ok" else r.status)
-        table.add_row(r.proposal_id, verdict, r.confirmation.fmt() if r.confirmation else "")
+        _add(table, r.proposal_id, verdict, r.confirmation.fmt() if r.confirmation else "")
     return table
+
+
+def _source(d: dict[str, Any]) -> str:
+    """Where a decision came from; for MLflow, whether the server authenticated its writer."""
+    if d["source"] != "mlflow":
+        return d["source"]
+    return "mlflow (basic-auth account)" if d.get("authenticated") else "mlflow (unauthenticated: anyone who reached it)"
 
 
 def decisions_table(decisions: list[dict[str, Any]], recorded_only: list[dict[str, str]],
@@ -124,10 +148,10 @@ def decisions_table(decisions: list[dict[str, Any]], recorded_only: list[dict[st
         table.add_column(col, overflow="fold")
     for d in decisions:
         when = d["at"] + (" (seen at poll time)" if d.get("at_poll_time") else "")
-        table.add_row(d["proposal_id"], d["verdict"], d["by"], when, d["source"], d["reason"])
+        _add(table, d["proposal_id"], d["verdict"], d["by"], when, _source(d), d["reason"])
     for r in recorded_only:
-        table.add_row(r["id"], r["status"], r["by"] or "mlflow-ui", r["at"], "mlflow (not yet taken up)", r["reason"])
+        _add(table, r["id"], r["status"], r["by"] or "mlflow-ui", r["at"], "mlflow (not yet taken up)", r["reason"])
     for c in ignored or []:
-        table.add_row(c.proposal_id, f"{c.changed_to} (ignored)", c.by, c.at + (" (seen at poll time)" if c.at_poll_time else ""),
+        _add(table, c.proposal_id, f"{c.changed_to} (ignored)", c.by, c.at + (" (seen at poll time)" if c.at_poll_time else ""),
                       "mlflow (after the decision)", f"changed after it was {c.decided}: a decision is final")
     return table

@@ -26,16 +26,21 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from pathlib import Path
 
+import httpx
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 
+from researcher.code.lineage import Lineage
 from researcher.records import CodeVersion, Decision, IgnoredChange, Proposal, Summary, now_iso
+from researcher.review.plain import cell, fenced, plain
 
 log = logging.getLogger(__name__)
 
+_PROBE_TIMEOUT_S = 10.0  # `authenticated()`'s one request without credentials
 # MLflow rejects longer tag values; keep notes readable rather than fail.
 _MAX_TAG = 5000
 STATUS = "review.status"
@@ -56,17 +61,30 @@ def _clip(text: str) -> str:
 # The code diff shown inline in the note; the whole of it is the artifact DIFF_ARTIFACT.
 _NOTE_DIFF_CHARS = 2500
 DIFF_ARTIFACT = "proposal/code.diff"
+BASE_DIFF_ARTIFACT = "proposal/base.diff"  # a proposal on a parent: the whole chain's change against the base
 LOG_ARTIFACT = "proposal/validation.log"
 
 
+# Markdown's (and inline HTML's) punctuation: backslash-escaped in the note, so text from a planner or a
+# person reads as typed (`[x](javascript:...)`, `<img src=...>`, `**` stay literal) and never as markup.
+_MARKDOWN = re.compile(r"([\\`*_\[\]<>|~&])")  # mid-line text: list and heading markers cannot start
+
+
 def _cell(value: object) -> str:
-    """A Markdown table cell: a `|` would end the cell, a newline the row."""
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    """Text for the note, one line: controls escaped (review/plain.py), Markdown punctuation escaped, so a
+    `|` cannot end a table cell and a newline cannot end a row."""
+    return _MARKDOWN.sub(r"\\\1", cell(value))
+
+
+def _code(value: object) -> str:
+    """Text inside a Markdown code span of a table cell: controls escaped, no backtick to end the span early,
+    `|` escaped (GitHub-flavoured tables split cells on it even inside a span)."""
+    return cell(value).replace("`", "'").replace("|", "\\|")
 
 
 def config_table(p: Proposal, base: dict[str, str]) -> str:
     """The proposal's overrides that change the base config, as a Markdown table (key | base | proposed)."""
-    rows = [f"| `{_cell(k)}` | {_cell(base.get(k, '(unset)'))} | {_cell(v)} |"
+    rows = [f"| `{_code(k)}` | {_cell(base.get(k, '(unset)'))} | {_cell(v)} |"
             for k, v in sorted(p.overrides.items()) if base.get(k) != str(v)]
     if not rows:
         return "No config change."
@@ -83,21 +101,35 @@ def how_to_decide(study: str, proposal_id: str) -> str:
             f"`researcher study veto {study} {proposal_id} --reason \"...\"`.")
 
 
-def _note(p: Proposal, study: str, base: dict[str, str], code: CodeVersion | None = None) -> str:
-    """The run's description (`mlflow.note.content`): what the proposal is, what it changes, how to decide."""
-    parts = [f"### Proposal {p.id} (round {p.round}, {p.planner})", f"**Hypothesis:** {p.hypothesis}",
-             f"**Rationale:** {p.rationale or '-'}", f"**Expected effect:** {p.expected_effect or '-'}",
+def _note(p: Proposal, study: str, base: dict[str, str], code: CodeVersion | None = None,
+          chained: Lineage | None = None) -> str:
+    """The run's description (`mlflow.note.content`): what the proposal is, what it changes, how to decide.
+    Its text is the planner's or a person's: control characters are escaped (review/plain.py) and each
+    field is one plain line, so what the reviewer reads is what the study stored."""
+    parts = [f"### Proposal {_cell(p.id)} (round {p.round}, {_cell(p.planner)})", f"**Hypothesis:** {_cell(p.hypothesis)}",
+             f"**Rationale:** {_cell(p.rationale or '-')}", f"**Expected effect:** {_cell(p.expected_effect or '-')}",
              f"**Config diff:**\n\n{config_table(p, base)}"]
     if p.code_change:
-        parts.append(f"**Code change:** {p.code_change}")
+        parts.append(f"**Code change:** {_cell(p.code_change)}")
     if code is not None:
         state = f"validated, commit {code.commit[:12]}" if code.passed else f"INVALID at step {code.failed_step}"
-        shown = code.diff if len(code.diff) <= _NOTE_DIFF_CHARS else code.diff[:_NOTE_DIFF_CHARS] + "\n… (cut here)"
-        parts.append(f"**Code ({state}; {code.checks()}):** the whole diff is the artifact `{DIFF_ARTIFACT}`, "
-                     f"the validation log `{LOG_ARTIFACT}`.\n```diff\n{shown}\n```")
+        chain, base_diff = (chained.chain, chained.base_diff) if chained is not None else ([], "")
+        if chain:
+            parts.append(f"**Built on:** base → {' → '.join(_cell(c) for c in chain)} → {_cell(p.id)}. "
+                         "Approving it approves the whole chain's code: the cumulative diff against the base "
+                         f"commit is below, and the artifact `{BASE_DIFF_ARTIFACT}`.")
+        shown = _cut(base_diff or code.diff)
+        what = "cumulative diff against the base commit" if base_diff else "diff"
+        parts.append(f"**Code ({state}; {code.checks()}):** the whole {what} is the artifact "
+                     f"`{BASE_DIFF_ARTIFACT if base_diff else DIFF_ARTIFACT}`, the validation log "
+                     f"`{LOG_ARTIFACT}`.\n{fenced(shown, 'diff')}")
     if code is None or code.passed:
         parts.append(how_to_decide(study, p.id))
     return _clip("\n\n".join(parts))
+
+
+def _cut(diff: str) -> str:
+    return diff if len(diff) <= _NOTE_DIFF_CHARS else diff[:_NOTE_DIFF_CHARS] + "\n… (cut here)"
 
 
 class ReviewBoard:
@@ -113,6 +145,7 @@ class ReviewBoard:
             self.experiment_id = client.create_experiment(experiment, artifact_location=location)
         else:
             self.experiment_id = found.experiment_id
+        self._authenticated: bool | None = None  # `authenticated()`, asked once
 
     def _runs(self, extra: str = "") -> list:
         runs = []
@@ -126,21 +159,25 @@ class ReviewBoard:
         runs = self._runs(f" AND tags.`swarmrl.proposal` = '{proposal_id}'")
         return min(runs, key=lambda r: r.info.start_time) if runs else None
 
-    def publish(self, p: Proposal, base: dict[str, str], code: CodeVersion | None = None) -> str:
+    def publish(self, p: Proposal, base: dict[str, str], code: CodeVersion | None = None,
+                chained: Lineage | None = None) -> str:
         """Create the proposal's SCHEDULED run, or return the one an earlier attempt created.
 
-        `base`: the study's flattened base config, which the proposal's overrides are shown against."""
+        `base`: the study's flattened base config, which the proposal's overrides are shown against;
+        `chained`: a proposal on a parent's chain and cumulative diff (the note and `proposal/base.diff`)."""
         run = self.find(p.id)
         if run is None:
             diff = p.diff_text(base)
             invalid = code is not None and not code.passed
             tags = {"swarmrl.kind": "code" if p.kind == "code" else "proposal", "swarmrl.study": self.study,
                     "swarmrl.proposal": p.id, STATUS: INVALID if invalid else "pending",
-                    "review.hypothesis": _clip(p.hypothesis),
-                    "review.rationale": _clip(p.rationale), "review.expected_effect": _clip(p.expected_effect),
-                    "review.diff": _clip(diff), "review.priority": str(p.priority),
+                    "review.hypothesis": _clip(cell(p.hypothesis)),
+                    "review.rationale": _clip(cell(p.rationale)), "review.expected_effect": _clip(cell(p.expected_effect)),
+                    "review.diff": _clip(plain(diff)), "review.priority": str(p.priority),
                     "review.needs_code_change": str(p.needs_code_change).lower(),
-                    "review.planner": p.planner, "mlflow.note.content": _note(p, self.study, base, code)}
+                    "review.planner": p.planner, "mlflow.note.content": _note(p, self.study, base, code, chained)}
+            if chained is not None and chained.chain:
+                tags["review.chain"] = " -> ".join(["base", *chained.chain, p.id])
             if code is not None:
                 tags.update({"swarmrl.sandbox_version": code.commit, "validation.passed": str(code.passed).lower(),
                              "validation.step": code.failed_step or "",
@@ -154,6 +191,8 @@ class ReviewBoard:
                 self.client.log_batch(run.info.run_id, params=params)
             if code is not None:
                 self.client.log_text(run.info.run_id, code.diff, DIFF_ARTIFACT)
+                if chained is not None and chained.base_diff:
+                    self.client.log_text(run.info.run_id, chained.base_diff, BASE_DIFF_ARTIFACT)
                 self.client.log_text(run.info.run_id, code.log(), LOG_ARTIFACT)
                 if invalid:
                     self.client.set_terminated(run.info.run_id, status="FAILED")
@@ -183,6 +222,38 @@ class ReviewBoard:
         if d.verdict == "vetoed":
             self.client.set_terminated(run.info.run_id, status="KILLED")
 
+    def overrule(self, veto: Decision, refused: Decision | None = None) -> None:
+        """The study's own veto of a proposal (its parent is not approved and executed, or was vetoed): written
+        over a pending status or a person's approval, which is kept in `review.refused` with why it could
+        not stand. Nothing else may replace a decision on the board."""
+        run = self.find(veto.proposal_id)
+        if run is None:
+            return
+        tags = [RunTag("review.by", veto.by), RunTag("review.at", veto.at), RunTag("review.reason", _clip(veto.reason)),
+                RunTag("review.source", veto.source), RunTag(STATUS, veto.verdict)]
+        if refused is not None:
+            tags.append(RunTag("review.refused", _clip(f"{refused.verdict} by {refused.by} at {refused.at}: refused, "
+                                                      f"{veto.reason}")))
+        self.client.log_batch(run.info.run_id, tags=tags)
+        if self.client.get_run(run.info.run_id).info.status in ("SCHEDULED", "RUNNING"):
+            self.client.set_terminated(run.info.run_id, status="KILLED")
+
+    def authenticated(self) -> bool:
+        """Whether the tracking server refuses a request without credentials (`mlflow server --app-name
+        basic-auth`), so only its accounts can write a decision. A local store authenticates no one."""
+        if self._authenticated is None:
+            uri = self.client.tracking_uri
+            self._authenticated = False
+            if uri.startswith(("http://", "https://")):
+                try:  # no credentials on purpose: what anyone who reaches the port would get
+                    answer = httpx.get(f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get",
+                                       params={"experiment_id": self.experiment_id}, timeout=_PROBE_TIMEOUT_S)
+                    self._authenticated = answer.status_code == 401
+                except httpx.HTTPError:
+                    self._authenticated = None  # unknown: asked again next time
+                    return False
+        return self._authenticated
+
     def collect(self, pending: list[str]) -> list[Decision]:
         """Decisions present on MLflow for the given pending proposals (from the CLI or the UI)."""
         wanted, found = set(pending), []
@@ -194,9 +265,11 @@ class ReviewBoard:
             status = tags.get(STATUS, "pending").strip().lower()
             if status in VERDICTS:
                 at = tags.get("review.at", "").strip()
+                source = tags.get("review.source") or "mlflow"
                 found.append(Decision(proposal_id=pid, verdict=status,  # type: ignore[arg-type]
                                       by=tags.get("review.by") or "mlflow-ui", at=at or now_iso(), at_poll_time=not at,
-                                      reason=tags.get("review.reason", ""), source=tags.get("review.source") or "mlflow"))
+                                      reason=tags.get("review.reason", ""), source=source,
+                                      authenticated=self.authenticated()))
             elif status != "pending" and tags.get("review.error", "").find(repr(status)) < 0:
                 message = f"unknown review.status {status!r}: set it to approved or vetoed"
                 log.warning("proposal %s: %s", pid, message)

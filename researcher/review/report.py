@@ -11,6 +11,7 @@ It reads; it never changes the study.
 
 from __future__ import annotations
 
+import html
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, decision
 from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal, SwapResult
 from researcher.review.report_stages import stage_lines
+from researcher.review.plain import cell, fenced, plain
 from researcher.review import report_html
 from researcher.review.views import (
     best_result,  # also what `status` prints
@@ -47,7 +49,8 @@ _FIG = (7.0, 4.0)
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", "<br>")
+    """A table cell: controls escaped (review/plain.py), `|` escaped, newlines as the report's <br>."""
+    return plain(text).replace("|", "\\|").replace("\n", "<br>")
 
 
 
@@ -201,6 +204,13 @@ def _swap_section(swaps: list[tuple[SwapResult, Path]], root: Path) -> list[str]
         kept = f"; kept {swap.kept[:12]}" if swap.kept else ""
         lines += [f"- swap {swap.n}, {swap.proposal_id}: {swap.from_version[:12]} -> {swap.to_version[:12]} at step "
                   f"{swap.step}: {verdict}{kept}", "", f"![swap {swap.n}]({path.relative_to(root).as_posix()})", ""]
+def _via(d: Decision) -> str:
+    """How an MLflow decision's writer was known: an account of a basic-auth server, or anyone who reached it."""
+    if d.source != "mlflow":
+        return ""
+    return " via MLflow (basic-auth account)" if d.authenticated else " via MLflow (unauthenticated)"
+
+
     return lines
 
 
@@ -231,12 +241,13 @@ def _recommended_code(proposals: list[Proposal], results: list[ExperimentResult]
         diff = f"(the diff could not be read: {e})"
     return ["## Recommended code", "", f"{pick.id} at commit `{commit}` "
             f"(`researcher study checkout NAME --recommended DIR` writes it), against the base `{base[:12]}`:", "",
-            "```diff", diff.rstrip(), "```", ""]
+            fenced(diff.rstrip(), "diff"), ""]
 
 
 def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
-           base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None) -> str:
-    """`ignored`: edits of decided proposals' review tags (`ReviewBoard.ignored`), listed as such."""
+           base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None, failed: str | None = None) -> str:
+    """`ignored`: edits of decided proposals' review tags (`ReviewBoard.ignored`), listed as such;
+    `failed`: why the study cannot go on, shown as its status."""
     proposals = [Proposal.model_validate(p) for p in state.get("proposals", [])]
     decisions = {d.proposal_id: d for d in (Decision.model_validate(x) for x in state.get("decisions", []))}
     launches = [Launch.model_validate(x) for x in state.get("launches", [])]
@@ -244,13 +255,14 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     spent = Spent.of(state, gpus=brief.launch.gpus)
     code = {v.proposal_id: v for v in (CodeVersion.model_validate(x) for x in state.get("code", []))}
     series = curve_series(_curves(brief, launches, client), {p.id: p for p in proposals}, code, base_flat)
+    status = (failed if failed else f"stopped: {state['stop_reason']}" if state.get("stop_reason") else "in progress")
     figures = _plot(brief, series, list(results.values()), paths.figures)
     swaps = _swap_plots(brief, [SwapResult.model_validate(x) for x in state.get("swaps", [])], paths.figures)
 
     lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
              f"Objective: **{brief.objective.direction} `{brief.objective.metric}`** "
              f"(score = mean of the last {brief.objective.window} logged value(s); seeds {brief.seeds}).", "",
-             f"Status: {'stopped: ' + state['stop_reason'] if state.get('stop_reason') else 'in progress'}; "
+             f"Status: {status}; "
              f"{state.get('round', 0)} round(s), {len(proposals)} proposal(s), "
              f"{sum(1 for x in launches if x.run_id)} core run(s).", ""]
     best = best_result(state, brief)
@@ -280,6 +292,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
               f"({plan_s / max(1, len(notes)):.2f} s per iteration) against {spent.wall_s:.0f} s in core runs.", ""]
     lines += ["## Lineage", "",
               "| proposal | hypothesis | diff | code (commit) | decision | runs | score | verdict vs baseline |",
+                    + _via(d)
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in proposals:
         d = decisions.get(p.id)
@@ -309,14 +322,18 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     if failed:
         lines += ["", "## Failed and stalled runs", ""]
         for x in failed:
-            lines += [f"<details><summary>{x.key}: {x.reason}</summary>", "", "```", x.log_tail, "```", "",
-                      "</details>", ""]
+            lines += [f"<details><summary>{html.escape(cell(x.key))}: {html.escape(cell(x.reason))}</summary>", "",
+                      fenced(x.log_tail), "", "</details>", ""]
     return "\n".join(lines) + "\n"
 
 
 def write_report(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient, paths: StudyPaths,
-                 base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None) -> Path:
-    markdown = render(name, brief, state, client, paths, base_flat, ignored)
+                 base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None,
+                 failed: str | None = None) -> Path:
+    """`failed`: why the study cannot go on, when it failed (the status line says so).
+    No control character of the text it shows (hypotheses, notes, reasons, log tails, diffs) reaches the
+    file: a report read with `cat` in a terminal cannot drive it (review/plain.py)."""
+    markdown = plain(render(name, brief, state, client, paths, base_flat, ignored, failed))
     paths.report.write_text(markdown)
     # The same report as one HTML file with the plots inline, for readers without a Markdown viewer.
     paths.report.with_suffix(".html").write_text(report_html.to_html(markdown, paths.root, f"study {name}"))

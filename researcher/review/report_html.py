@@ -43,9 +43,11 @@ def to_html(markdown: str, root: Path, title: str) -> str:
     while i < len(lines):
         line = lines[i]
         if line.startswith("```"):
+            # The fence is as long as the report made it (`plain.fenced`): only the same run closes it.
+            fence = line[:len(line) - len(line.lstrip("`"))]
             block = []
             i += 1
-            while i < len(lines) and not lines[i].startswith("```"):
+            while i < len(lines) and lines[i].rstrip() != fence:
                 block.append(lines[i])
                 i += 1
             out.append(f"<pre>{html.escape(chr(10).join(block))}</pre>")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from researcher.brief.schema import Brief
 from researcher.budget import Spent
+from researcher.code.lineage import chain_of
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, SwapResult
 
 ProposalStatus = Literal["validating", "invalid", "pending", "approved", "vetoed", "running", "done", "failed"]
@@ -39,6 +40,7 @@ class ProposalView(BaseModel):
     hypothesis: str
     planner: str
     parent: str | None
+    chain: list[str] = Field(default_factory=list)  # its ancestors through `parent`, the oldest first
     overrides: dict[str, Any]
     validation: ValidationView
     commit: str | None  # the proposal's workspace commit (code proposals that validated)
@@ -92,7 +94,8 @@ def proposal_view(state: dict[str, Any], proposal_id: str) -> ProposalView | Non
     score = result.summary.mean if result is not None and result.summary is not None and result.summary.n else None
     return ProposalView(
         id=p.id, kind=p.kind, status=_status(p, version, decision, launches, result), hypothesis=p.hypothesis,
-        planner=p.planner, parent=p.parent, overrides=p.overrides, validation=validation,
+        planner=p.planner, parent=p.parent, chain=chain_of(p.id, [Proposal.model_validate(x) for x in state.get("proposals", [])]),
+        overrides=p.overrides, validation=validation,
         commit=version.commit or None if version is not None else None,
         decision=decision.model_dump() if decision is not None else None,
         runs=[RunView(mlflow_run_id=x.run_id, status=x.status, key=x.key, commit=x.commit) for x in launches],

@@ -12,10 +12,10 @@ launcher checks it out into `runs/<key>/code/` (a folder of the run's own, so ru
 code never collide) before spawning, and tags the run `swarmrl.sandbox_version=<commit>`. Such a run's
 environment holds none of the study's secrets (LLM API keys, the admin token, cloud credentials;
 `run_env`) but the MLflow tracking ones its telemetry needs, and its client processes, which run that
-code, start contained (`--set containment.clients=...`, `contain_mode`): `required` when bubblewrap
-is on this machine's PATH, so a run that lands where it is missing refuses to start rather than run
-proposal code without the filesystem boundary; else `auto` (allowlisted environment and limits; the
-run warns), as validation does. A launch without a commit runs the person's own config and code as is.
+code, start contained (`--set containment.clients=...`, `contain_mode`): `required`, so a run that lands
+where bubblewrap is missing refuses to start rather than run proposal code without its boundaries, unless
+the brief sets `containment: auto` on purpose; then, without bubblewrap, `auto` (allowlisted environment
+and limits) with a warning that says what is lost (`AUTO_LOSS`). A launch without a commit runs the person's own config and code as is.
 
 A finished run is judged by its exit code when it is our child, else by its MLflow run status.
 A stop records its reason in the intent before it signals, so a stop cut short by a crash is
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from mlflow.entities import ViewType
@@ -65,6 +65,7 @@ class LaunchTarget:
     tracking_uri: str
     experiment: str
     study: str
+    containment: Literal["required", "auto"] = "required"  # the brief's `containment`: see `contain_mode`
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -116,9 +117,27 @@ def run_env(commit: str | None, tracking_uri: str) -> dict[str, str]:
     return env
 
 
-def contain_mode() -> ContainMode:
-    """How a core run of proposal code contains its clients (module docstring): `required` with bubblewrap here."""
-    return "required" if shutil.which("bwrap") else "auto"
+# What a run of proposal code gives up without bubblewrap (brief `containment: auto`), in the warning it logs.
+AUTO_LOSS = ("bubblewrap (bwrap) is not on PATH and the brief sets `containment: auto`: proposal code runs without "
+             "the filesystem, network and pid boundaries. It keeps the environment allowlist and resource limits, "
+             "but it can read every file this user can (the study's state, MLflow's store, other runs' tokens), "
+             "reach any port (MLflow among them), and, with no pid namespace of its own, read a parent's "
+             "environment in /proc/<pid>/environ (the study's secrets); as root, the process limit does not "
+             "hold either. Install bubblewrap (apt-get install bubblewrap) to contain it")
+_warned_auto = False
+
+
+def contain_mode(brief_mode: Literal["required", "auto"] = "required") -> ContainMode:
+    """How proposal code is contained (module docstring): `required` (bubblewrap or refuse) unless the brief set
+    `containment: auto` on purpose and bubblewrap is missing here; that downgrade is logged once, saying what it
+    loses (`AUTO_LOSS`)."""
+    global _warned_auto
+    if brief_mode == "required" or shutil.which("bwrap"):
+        return "required"
+    if not _warned_auto:
+        log.warning(AUTO_LOSS)
+        _warned_auto = True
+    return "auto"
 
 
 class Launcher:
@@ -164,7 +183,7 @@ class Launcher:
         contained: list[str] = []
         if launch.commit:
             tags["swarmrl.sandbox_version"] = launch.commit
-            contained = ["--set", f"containment.clients={contain_mode()}"]  # its clients run proposal code
+            contained = ["--set", f"containment.clients={contain_mode(t.containment)}"]  # its clients run proposal code
         # A re-run of a dead run continues from that run's checkpoints (and its MLflow run).
         checkpoints = self.run_dir(launch.resumes or launch.key) / "checkpoints"
         return [*t.command, launch.config_path,

@@ -137,7 +137,8 @@ class LiveRun:
     def _run_swap(self, path: Path, intent: dict, spec: str, run_id: str | None) -> dict:
         log_path = path.with_name(f"{intent['proposal_id']}.log")
         # Proposal code: its client runs contained, as in a proposal's own core runs (docs/security.md).
-        argv = [str(self.swarm), "swap", spec, "--server", str(self.folder), "--ab", "--contain", contain_mode()]
+        argv = [str(self.swarm), "swap", spec, "--server", str(self.folder), "--ab", "--contain",
+                contain_mode(self.launcher.target.containment)]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)  # a killed study must not take a half-done swap along

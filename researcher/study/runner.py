@@ -35,6 +35,7 @@ from researcher.runs.launcher import Emit, LaunchTarget
 from researcher.runs.live_watch import LiveWatch, in_review
 from researcher.study.graph import StudyContext, build_graph
 from researcher.study.store import (
+    StudyFailed,
     StudyLock,
     StudyMeta,
     StudyPaths,
@@ -42,6 +43,7 @@ from researcher.study.store import (
     default_swarm_command,
     experiment_name,
     load_meta,
+    mark_failed,
     resolve_tracking_uri,
     study_brief,
     study_paths,
@@ -92,7 +94,8 @@ def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit) -> StudyContex
     brief = study_brief(paths, meta)
     client = MlflowClient(meta.tracking_uri)
     target = LaunchTarget(command=brief.launch.command or default_swarm_command(), workdir=Path(meta.workdir),
-                          tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name)
+                          tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name,
+                          containment=brief.containment)
     workspace = Workspace(paths.workspace, brief.code, Path(meta.workdir)) if brief.code else None
     return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
                         board=ReviewBoard(client, meta.experiment, meta.name, _artifacts(paths, meta)),
@@ -173,7 +176,15 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
                     if answer is None:
                         return StudyProgress(done=False, waiting=pending, state=dict(snap.values))
                     command = Command(resume=answer)
-                app.invoke(command, cfg, durability="sync")
+                try:
+                    app.invoke(command, cfg, durability="sync")
+                except Exception as e:  # noqa: BLE001 - whatever a node raised, the study cannot go on
+                    node = ", ".join(unfinished(app.get_state(cfg))) or "start"
+                    line = mark_failed(paths, node, f"{type(e).__name__}: {e}")
+                    emit("study.failed", study=meta.name, reason=line)
+                    log.debug("study %s failed", meta.name, exc_info=True)
+                    raise StudyFailed(line) from e
+                paths.failed.unlink(missing_ok=True)  # a resume got past what failed before
                 fresh, command = False, None
                 snap = app.get_state(cfg)
                 if not unfinished(snap):

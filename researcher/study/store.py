@@ -10,6 +10,7 @@ two processes can never drive one study. This module names and guards files; it 
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -119,6 +120,11 @@ class StudyPaths:
         return self.state / "held"
 
     @property
+    def failed(self) -> Path:
+        """Present while the study has failed: a node raised, so it cannot go on (`mark_failed`)."""
+        return self.state / "failed.json"
+
+    @property
     def inbox(self) -> Path:
         return self.state / "inbox"  # people's proposals (researcher/study/inbox.py)
 
@@ -196,6 +202,44 @@ class StudyLock:
         if self._fh is not None:
             fcntl.flock(self._fh, fcntl.LOCK_UN)
             self._fh.close()
+
+
+def private_paths(paths: StudyPaths, tracking_uri: str) -> list[Path]:
+    """What contained proposal code must not read (masked: `swarm contain --hide`): the study's checkpointed
+    state (its sqlite files), its record, inbox and launch intents, the local artifact store, and MLflow's
+    store when it is a local file (an sqlite database with its journal files, or a file store's folder).
+    A tracking server is out of reach another way: a contained process has no network but its swarm server's
+    episode routes (core.clients.forwarder)."""
+    found = [paths.db, paths.db.with_name(paths.db.name + "-wal"), paths.db.with_name(paths.db.name + "-shm"),
+             paths.meta, paths.inbox, paths.state / "launches", paths.state / "artifacts"]
+    if tracking_uri.startswith("sqlite:///"):
+        store = Path(tracking_uri.removeprefix("sqlite:///"))  # absolute: resolve_tracking_uri made it so
+        found += [store, store.with_name(store.name + "-wal"), store.with_name(store.name + "-shm"),
+                  store.with_name(store.name + "-journal")]
+    elif tracking_uri.startswith("file://") or "://" not in tracking_uri:
+        found.append(Path(tracking_uri.removeprefix("file://")))
+    return found
+
+
+class StudyFailed(StudyError):
+    """A node of the study raised: the study cannot go on. Its reason is kept in `.study/failed.json`."""
+
+
+def mark_failed(paths: StudyPaths, node: str, reason: str) -> str:
+    """Record that the study failed in `node` and why (status, list and the report show it). -> the line."""
+    line = f"failed in {node}: {reason}"
+    tmp = paths.failed.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"node": node, "reason": reason, "at": now_iso(), "line": line}))
+    tmp.replace(paths.failed)
+    return line
+
+
+def failure(paths: StudyPaths) -> str | None:
+    """Why the study failed (`mark_failed`), or None while it has not; a resume that gets past it clears it."""
+    try:
+        return str(json.loads(paths.failed.read_text())["line"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def owner_pid(paths: StudyPaths) -> int | None:

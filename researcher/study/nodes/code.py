@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from researcher.code.validation import Validator
-from researcher.records import CodeVersion, Proposal, StepResult
+from researcher.runs.launcher import contain_mode
+from researcher.code.lineage import parent_problem
+from researcher.records import CodeVersion, Decision, Proposal, StepResult
 from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
+from researcher.study.store import private_paths
 
 
 def versions(state: StudyState) -> dict[str, CodeVersion]:
@@ -34,7 +37,9 @@ def unvalidated(state: StudyState) -> list[Proposal]:
 
 
 def unexecuted(state: StudyState) -> list[tuple[Proposal, CodeVersion]]:
-    """Approved code proposals of the round whose executing steps are still to run."""
+    """Approved code proposals of the round whose executing steps are still to run. A proposal on a parent
+    was validated only once its parent was approved and executed (`parent_problem`), and the review node
+    refuses the approval of one whose parent is not: none of these runs code nobody approved."""
     approved = {d["proposal_id"] for d in state.get("decisions", []) if d["verdict"] == "approved"}
     known = versions(state)
     return [(p, known[p.id]) for p in models_of(state.get("proposals"), Proposal)
@@ -47,7 +52,9 @@ class CodeNodes(NodeBase):
         ctx = self.ctx
         assert ctx.workspace is not None
         ctx.paths.trials.mkdir(parents=True, exist_ok=True)
-        return Validator(ctx.workspace, ctx.brief, ctx.workdir, ctx.paths.trials, Path(sys.executable).parent / "swarm")
+        return Validator(ctx.workspace, ctx.brief, ctx.workdir, ctx.paths.trials, Path(sys.executable).parent / "swarm",
+                         hidden=private_paths(ctx.paths, ctx.launcher.target.tracking_uri),
+                         required=contain_mode(ctx.brief.containment) == "required")
 
     def _execute_before_review(self) -> bool:
         brief = self.ctx.brief
@@ -73,11 +80,12 @@ class CodeNodes(NodeBase):
         problem = None
         if ctx.workspace is None:
             problem = "this study edits no code: its brief has no `code:` section"
-        elif p.parent and (parent is None or not parent.passed):
-            problem = f"parent proposal {p.parent} has no valid code version"
+        elif p.parent:
+            problem = parent_problem(p.parent, models_of(state.get("proposals"), Proposal),
+                                     models_of(state.get("decisions"), Decision), list(known.values()))
         if problem:
             version = CodeVersion(proposal_id=p.id, parent_commit="", passed=False, failed_step="apply",
-                                  steps=[StepResult(step="apply", passed=False, log=problem)])
+                                  steps=[StepResult(step="apply", passed=False, log=f"refused: {problem}")])
         else:
             version = self._validator().validate(p, parent.commit if parent else state["workspace_base"], ctx.emit,
                                                  execute=self._execute_before_review())

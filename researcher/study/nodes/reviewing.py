@@ -17,8 +17,9 @@ from langgraph.types import interrupt
 
 from researcher.budget import Spent
 from researcher.evidence import baselines
-from researcher.records import Decision
-from researcher.study.nodes.base import NodeBase, StudyState, dump
+from researcher.code.lineage import lineage, parent_ended, parent_problem
+from researcher.records import Decision, Proposal
+from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
 from researcher.study.nodes.code import versions
 
 AUTO_REASON = "config-only change within budget: auto-approved by the brief's approval policy"
@@ -32,8 +33,11 @@ class ReviewNode(NodeBase):
         current, verdicts, code = self._current(state), self._verdicts(state), versions(state)
         for change in ctx.board.audit(list(verdicts.values())):
             ctx.emit("review.ignored", **change.model_dump())
-        for p in current:
-            ctx.board.publish(p, self.base_flat, code.get(p.id))
+        proposals = models_of(state.get("proposals"), Proposal)
+        for p in current:  # a proposal on a parent is shown whole: its chain and its diff against the base
+            chained = (lineage(p.id, proposals, code.get(p.id), ctx.workspace.root, state.get("workspace_base", ""))
+                       if p.parent and ctx.workspace is not None else None)
+            ctx.board.publish(p, self.base_flat, code.get(p.id), chained)
         ctx.emit("review.published", ids=[p.id for p in current])
         undecided = [p for p in current if p.id not in verdicts and (p.id not in code or code[p.id].passed)]
         new: dict[str, Decision] = {d.proposal_id: d for d in ctx.board.collect([p.id for p in undecided])}
@@ -62,7 +66,33 @@ class ReviewNode(NodeBase):
                 d = Decision.model_validate(raw)
                 if d.proposal_id in waiting and d.proposal_id not in new:
                     new[d.proposal_id] = d
+        new = self._parents_hold(state, undecided, new)
         ordered = [new[p.id] for p in undecided if p.id in new]
         for d in ordered:
             ctx.emit("decision", **d.model_dump())
         return {"decisions": [*state.get("decisions", []), *dump(ordered)]}
+
+    def _parents_hold(self, state: StudyState, undecided: list[Proposal], new: dict[str, Decision]) -> dict[str, Decision]:
+        """No approval reaches a code proposal whose parent is not approved and executed, and a veto of a
+        parent ends its children: either way the child is vetoed by the study with the reason (on its run,
+        over any approval a person gave). Validation already refuses such children; this holds for any
+        that got here another way (a study validated before the rule)."""
+        proposals = models_of(state.get("proposals"), Proposal)
+        decided = [*models_of(state.get("decisions"), Decision), *new.values()]
+        code = list(versions(state).values())
+        out = dict(new)
+        for p in undecided:
+            if p.kind != "code" or not p.parent or (p.id in new and new[p.id].verdict == "vetoed"):
+                continue
+            others = [d for d in decided if d.proposal_id != p.id]
+            problem = parent_problem(p.parent, proposals, others, code)
+            if problem is None:
+                continue
+            if p.id not in new and not parent_ended(p.parent, others, code):
+                continue  # still waiting, and its parent may yet be approved and run: it stays pending
+            what = "its approval is refused" if p.id in new else "it ends"
+            veto = Decision(proposal_id=p.id, verdict="vetoed", by="study", source="policy",
+                            reason=f"{what}: {problem}")
+            self.ctx.board.overrule(veto, refused=new.get(p.id))
+            out[p.id] = veto
+        return out

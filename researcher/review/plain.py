@@ -1,0 +1,60 @@
+"""Plain text for a person's eyes: control characters made visible, markup never interpreted.
+
+What a reviewer reads comes partly from code and text nobody reviewed yet: an LLM's hypothesis and
+notes, a proposal's diff, a validation log, a tag anyone with MLflow access typed. A terminal acts
+on some of those bytes (ESC sequences erase lines, move the cursor, rewrite the title; a carriage
+return overwrites the line it ends), and a bidirectional override makes code read in another order
+than it runs ("Trojan Source"). `plain` turns each such character into a visible escape (`\\x1b`,
+`\\u202e`), keeping newlines and tabs where a multi-line text may hold them; `cell` does the same
+for one-line table cells. `text` gives rich a `Text`, so `[bold]` or `[link=...]` in LLM text stays
+literal. Every surface a person reads (the CLI, the Markdown/HTML report, the MLflow note) passes
+its untrusted text through here.
+
+It escapes for display only: what a study stores (state, diffs, artifacts) keeps the exact bytes.
+It is not an HTML or Markdown escaper (`report_html` and the MLflow note do that on top).
+"""
+
+from __future__ import annotations
+
+import re
+
+from rich.text import Text
+
+# C0 controls but newline and tab, DEL, C1 controls (0x80-0x9f: CSI is 0x9b), and Unicode's
+# bidirectional embeddings, overrides and isolates, plus the line/paragraph separators that some
+# terminals and editors break lines at.
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_UNSAFE_LINE = re.compile(_UNSAFE.pattern[:-1] + "\n\t]")  # in a one-line cell, newlines and tabs too
+
+
+def _visible(match: re.Match[str]) -> str:
+    ch = match.group()
+    if ch == "\n":
+        return " "  # a cell is one line: a newline would start a new table row
+    if ch == "\t":
+        return " "
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def plain(value: object) -> str:
+    """`value` as text with every control character escaped visibly; newlines and tabs kept."""
+    return _UNSAFE.sub(_visible, str(value))
+
+
+def cell(value: object) -> str:
+    """`value` as one line of plain text (a table cell): controls escaped, newlines and tabs as spaces."""
+    return _UNSAFE_LINE.sub(_visible, str(value))
+
+
+def fenced(value: object, lang: str = "") -> str:
+    """A Markdown fenced code block of `plain(value)`, its fence longer than any run of backticks in the
+    text, so no line of it can close the block and have the rest read as Markdown."""
+    shown = plain(value)
+    fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", shown)), default=0))
+    return f"{fence}{lang}\n{shown}\n{fence}"
+
+
+def text(value: object, style: str = "") -> Text:
+    """A rich `Text` of `plain(value)`: printed as it reads, never parsed as rich markup."""
+    return Text(plain(value), style=style)
