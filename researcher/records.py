@@ -173,11 +173,6 @@ class Proposal(ProposalDraft):
         """`key: old -> new` lines against the flattened base config."""
         rows = [f"{k}: {base.get(k, '(unset)')} -> {v}" for k, v in sorted(self.overrides.items())
                 if base.get(k) != str(v)]
-    # A decision read from MLflow (source `mlflow`): whether the server authenticated whoever wrote it (MLflow's
-    # basic-auth app: one of the accounts with edit rights on the study's experiment). MLflow records no author
-    # of a tag edit, so `by` stays the name the reviewer typed; without authentication anyone who reached the
-    # server could have written it (docs/security.md).
-    authenticated: bool = False
         if self.code_change:
             rows.append(f"code: {self.code_change}")
         if self.kind == "code":
@@ -195,6 +190,11 @@ class Decision(BaseModel):
     reason: str = ""
     source: DecisionSource = "cli"
     at_poll_time: bool = False  # the reviewer set no `review.at` in MLflow: `at` is when the study saw it
+    # A decision read from MLflow (source `mlflow`): whether the server authenticated whoever wrote it (MLflow's
+    # basic-auth app: one of the accounts with edit rights on the study's experiment). MLflow records no author
+    # of a tag edit, so `by` stays the name the reviewer typed; without authentication anyone who reached the
+    # server could have written it (docs/security.md).
+    authenticated: bool = False
 
 
 class IgnoredChange(BaseModel):
@@ -259,17 +259,17 @@ class ExperimentResult(BaseModel):
     failed_seeds: dict[int, str] = Field(default_factory=dict)  # seed -> why it has no score (after re-run)
     verdict: Verdict | None = None  # against the baseline; None for the baseline itself
     confirmation: Confirmation | None = None  # set on the recommendation once held-out seeds are judged
-    # The mean curve over seeds in numbers a planner can read: start, end, slope (per step),
-    # best_step, and the last train/kl, train/entropy and train/clip_frac (analysis.curve_summary).
-    curve: dict[str, float] = Field(default_factory=dict)
-
-
     # A chained code proposal against its parent's code run with the same config, steps and seeds.
     parent_verdict: Verdict | None = None
     # seed -> the trainer step a plateau stop ended it at: it is scored there, and so is every arm it is
     # compared with on that seed (analysis.judge), so no arm loses only its seeds that converged early.
     stopped_at: dict[int, int] = Field(default_factory=dict)
     stages: list[Verdict] = Field(default_factory=list)  # each look's verdict when seeds were added in stages
+    # The mean curve over seeds in numbers a planner can read: start, end, slope (per step),
+    # best_step, and the last train/kl, train/entropy and train/clip_frac (analysis.curve_summary).
+    curve: dict[str, float] = Field(default_factory=dict)
+
+
 class SwapSide(BaseModel):
     """One side of a hot swap's comparison: a code version's per-step rewards in the live run."""
 

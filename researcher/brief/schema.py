@@ -253,10 +253,6 @@ class LaunchSettings(_Strict):
 
     @field_validator("run_timeout", mode="before")
     @classmethod
-    # How proposal code runs (validation's executing steps, core runs' clients, hot-swapped clients):
-    # `required` (the default) needs bubblewrap and refuses to run it without; `auto`, set on purpose, runs
-    # it without bubblewrap where it is missing, giving up what docs/security.md lists (the warning says it).
-    containment: Literal["required", "auto"] = "required"
     def _timeout(cls, value: Any) -> float | None:
         return None if value is None else parse_duration(value)
 
@@ -276,6 +272,10 @@ class Brief(_Strict):
     confirm: ConfirmSettings = Field(default_factory=ConfirmSettings)
     replicate: ReplicateSettings = Field(default_factory=ReplicateSettings)
     code: CodeSpec | None = None  # None: the study changes configs only
+    # How proposal code runs (validation's executing steps, core runs' clients, hot-swapped clients):
+    # `required` (the default) needs bubblewrap and refuses to run it without; `auto`, set on purpose, runs
+    # it without bubblewrap where it is missing, giving up what docs/security.md lists (the warning says it).
+    containment: Literal["required", "auto"] = "required"
     body: str = ""  # the Markdown after the front matter: background for the llm planner and the report
 
     @field_validator("seeds", mode="before")

@@ -22,10 +22,10 @@ from mlflow.tracking import MlflowClient
 from researcher.brief.schema import Brief
 from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, decision
-from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal, SwapResult
 from researcher.review.report_stages import stage_lines
-from researcher.review.plain import cell, fenced, plain
+from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal, SwapResult
 from researcher.review import report_html
+from researcher.review.plain import cell, fenced, plain
 from researcher.review.views import (
     best_result,  # also what `status` prints
     trained_steps as _steps,
@@ -204,14 +204,14 @@ def _swap_section(swaps: list[tuple[SwapResult, Path]], root: Path) -> list[str]
         kept = f"; kept {swap.kept[:12]}" if swap.kept else ""
         lines += [f"- swap {swap.n}, {swap.proposal_id}: {swap.from_version[:12]} -> {swap.to_version[:12]} at step "
                   f"{swap.step}: {verdict}{kept}", "", f"![swap {swap.n}]({path.relative_to(root).as_posix()})", ""]
+    return lines
+
+
 def _via(d: Decision) -> str:
     """How an MLflow decision's writer was known: an account of a basic-auth server, or anyone who reached it."""
     if d.source != "mlflow":
         return ""
     return " via MLflow (basic-auth account)" if d.authenticated else " via MLflow (unauthenticated)"
-
-
-    return lines
 
 
 def _code_cell(p: Proposal, version: CodeVersion | None, paths: StudyPaths) -> str:
@@ -255,10 +255,10 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     spent = Spent.of(state, gpus=brief.launch.gpus)
     code = {v.proposal_id: v for v in (CodeVersion.model_validate(x) for x in state.get("code", []))}
     series = curve_series(_curves(brief, launches, client), {p.id: p for p in proposals}, code, base_flat)
-    status = (failed if failed else f"stopped: {state['stop_reason']}" if state.get("stop_reason") else "in progress")
     figures = _plot(brief, series, list(results.values()), paths.figures)
     swaps = _swap_plots(brief, [SwapResult.model_validate(x) for x in state.get("swaps", [])], paths.figures)
 
+    status = (failed if failed else f"stopped: {state['stop_reason']}" if state.get("stop_reason") else "in progress")
     lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
              f"Objective: **{brief.objective.direction} `{brief.objective.metric}`** "
              f"(score = mean of the last {brief.objective.window} logged value(s); seeds {brief.seeds}).", "",
@@ -275,6 +275,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     lines += ["## Decision", "", confirmation.conclusion(proposals, list(results.values()),
                                                           int(base_flat.get("trainer.steps", 0)), brief) + ".",
               "", DECISION_RULE, ""]
+    lines += stage_lines(results)  # each look of a comparison that bought more seeds
     lines += _recommended_code(proposals, list(results.values()), int(base_flat.get("trainer.steps", 0)), brief,
                                state.get("workspace_base", ""), paths)
     ranking = _ranking(proposals, results, brief)
@@ -287,16 +288,15 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     lines += ["", "## Planner", ""]
     lines += [f"- round {n['round']} ({n['planner']}, {n['plan_s']:.2f} s, {n['tokens']} tokens): {n['note']}"
               for n in notes]
-    lines += stage_lines(results)  # each look of a comparison that bought more seeds
     lines += ["", f"Planner overhead: {plan_s:.2f} s over {len(notes)} plan(s) "
               f"({plan_s / max(1, len(notes)):.2f} s per iteration) against {spent.wall_s:.0f} s in core runs.", ""]
     lines += ["## Lineage", "",
               "| proposal | hypothesis | diff | code (commit) | decision | runs | score | verdict vs baseline |",
-                    + _via(d)
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in proposals:
         d = decisions.get(p.id)
         decision = (f"{d.verdict} by {d.by} at {d.at}" + (" (seen at poll time)" if d.at_poll_time else "")
+                    + _via(d)
                     + (f": {d.reason}" if d.reason else "") if d else "pending")
         if d is None and p.id in code and not code[p.id].passed:
             decision = "not reviewed: failed validation"
