@@ -14,6 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from core.config import ConfigError
+from researcher.brief.judges import unjudged
 from researcher.brief.schema import Brief, BriefError, ChoiceParam
 
 
@@ -55,6 +56,10 @@ def _check_against_config(brief: Brief, workdir: Path, lines: _LineFinder) -> No
     for i, path in enumerate(brief.code.readonly if brief.code else []):
         if not (workdir / path).exists():
             raise BriefError(f"{lines('code', 'readonly', i)}code.readonly: {path} does not exist in {workdir}")
+    problems = unjudged(brief.code.editable, workdir) if brief.code else []
+    if problems:  # a study that edits code decides only on judge scores (DESIGN §3.7)
+        i, why = problems[0]
+        raise BriefError(f"{lines('code', 'editable', i)}code.editable: {why}")
     try:
         brief.resolve_config(workdir)
     except ConfigError as e:

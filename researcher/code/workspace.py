@@ -9,9 +9,10 @@ against the path rules, and committed only when validation passed; a run checks 
 into a folder of its own (`checkout`). Commits carry a fixed author and date, so a proposal
 re-validated after a crash gets the very same commit id.
 
-Path rules: an edit may only touch editable, non-readonly files inside the workspace. Absolute
-paths, `..`, symlinks pointing out of the workspace, new files outside `editable` and deleting a
-sandbox's entry file are refused with a `WorkspaceError` naming the path. Every edit resolves the
+Path rules: an edit may only touch editable, non-readonly files inside the workspace, and never a
+judged sandbox's judge: its sandbox.toml, the judge file and what it imports (`researcher.brief.judges`). Absolute
+paths, `..`, symlinks pointing out of the workspace, new files outside `editable`, files git ignores
+(a `.gitignore` would hide them from the diff and the commit) and deleting a sandbox's entry file are refused with a `WorkspaceError` naming the path. Every edit resolves the
 real path it is about to write (following any symlink on the way) and refuses one outside the
 trial worktree, or one the rules would refuse under its real name. The base copy refuses a project
 whose editable paths hold a symlink resolving outside them (`data -> ../outside/`): copied as a
@@ -30,6 +31,7 @@ import tempfile
 import tomllib
 from pathlib import Path, PurePosixPath
 
+from researcher.brief.judges import judge_paths, protected_by_judge, sandboxes_under
 from researcher.brief.schema import CodeSpec
 from researcher.records import Edit
 
@@ -82,6 +84,7 @@ def _inside(rel: str, roots: list[str]) -> bool:
 class Workspace:
     def __init__(self, root: Path, spec: CodeSpec, project: Path) -> None:
         self.root, self.spec, self.project = root, spec, project
+        self._judges: dict[str, list[str]] | None = None  # read once from the base (`judges`)
 
     # -- the repository ---------------------------------------------------------------------
     def base(self) -> str:
@@ -178,9 +181,22 @@ class Workspace:
             raise WorkspaceError(f"{clean}: {what} outside the editable paths {self.spec.editable} are refused")
         if _inside(clean, self.spec.readonly):
             raise WorkspaceError(f"{clean}: read-only by the brief (code.readonly); it may not change")
+        judged = protected_by_judge(clean, self.judges())
+        if judged is not None:
+            raise WorkspaceError(f"{clean}: part of the judge of {judged} (its sandbox.toml, its judge file, a file "
+                                 "the judge imports or reads, or a new file of a name it imports); the study decides "
+                                 "only on that judge's scores, so no proposal may change it (DESIGN §3.7)")
         if action == "delete" and clean in self.entry_files():
             raise WorkspaceError(f"{clean}: deleting a sandbox's entry file is refused")
         return clean
+
+    def judges(self) -> dict[str, list[str]]:
+        """Judged sandbox folder (workspace-relative) -> the paths its judge is made of, read from the base:
+        what the runs' servers load, and what every proposal leaves as it is (`researcher.brief.judges`)."""
+        if self._judges is None:
+            self._judges = {str(f.relative_to(self.root)): paths for f in sandboxes_under(self.root)
+                            if (paths := judge_paths(f))} if self.root.is_dir() else {}
+        return self._judges
 
     def entry_files(self) -> set[str]:
         """`<sandbox>/<entry>` of every sandbox folder in the workspace's base."""

@@ -27,6 +27,18 @@ Test brief.
 """
 
 
+# The smallest judge a code study's sandbox needs (DESIGN §3.7): the brief refuses editable sandboxes without one.
+JUDGE = "FAILURE = 0.0\n\ndef tasks(split):\n    yield {'id': split}\n\ndef score(task, episode):\n    return 0.0\n"
+
+
+def judged_sandbox(folder: Path) -> Path:
+    """Make `folder` a judged sandbox (sandbox.toml naming judge.py), keeping any files it has."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sandbox.toml").write_text(f'name = "{folder.name}"\njudge = "judge.py"\n')
+    (folder / "judge.py").write_text(JUDGE)
+    return folder
+
+
 def make_brief(workdir: Path, space: str, extra: str = "", **kw: str) -> Brief:
     (workdir / "base.yaml").write_text(BASE_CONFIG)
     return parse_brief(brief_text(space, extra, **kw), workdir=workdir)

@@ -8,6 +8,7 @@ import pytest
 
 from researcher.brief.loader import load_brief, parse_brief
 from researcher.brief.schema import BriefError, ChoiceParam, CodeArea, RangeParam
+from tests.researcher.helpers import judged_sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +80,7 @@ def test_code_auto_approval_without_a_code_section_is_refused(workdir: Path) -> 
 
 
 def test_code_section_paths_must_exist_and_readonly_lie_inside_editable(workdir: Path) -> None:
-    (workdir / "sandboxes" / "toy").mkdir(parents=True)
+    judged_sandbox(workdir / "sandboxes" / "toy")
     (workdir / "sandboxes" / "toy" / "agent.py").write_text("")
     good = GOOD.replace("seeds: 3", "seeds: 3\ncode:\n  editable: [sandboxes/toy/]\n  readonly: [sandboxes/toy/agent.py]")
     assert parse_brief(good, workdir=workdir).code.editable == ["sandboxes/toy"]  # type: ignore[union-attr]

@@ -8,7 +8,7 @@ from pathlib import Path
 from researcher.planner.code_context import describe_code, edit_problems
 from researcher.planner.types import PlanContext
 from researcher.records import CodeVersion, Edit, ProposalDraft
-from tests.researcher.helpers import make_brief
+from tests.researcher.helpers import judged_sandbox, make_brief
 
 SPACE = "  code:\n    kind: code\n    paths: [sandboxes/s]\n    description: the sandbox"
 SHORT = "def reward(x):\n    return 0.0\n"
@@ -16,7 +16,7 @@ LONG = "# a long helper module\n" + "".join(f"def f{i}():\n    return {i}\n" for
 
 
 def ctx(tmp_path: Path, context_chars: int, version_files=None, code=None) -> PlanContext:
-    (tmp_path / "sandboxes" / "s").mkdir(parents=True, exist_ok=True)
+    judged_sandbox(tmp_path / "sandboxes" / "s")
     brief = make_brief(tmp_path, SPACE, f"code:\n  editable: [sandboxes/s]\n  context_chars: {context_chars}")
     return PlanContext(brief=brief, base_values={}, base_steps=8, round=1, tokens_left=1000,
                        code_files={"sandboxes/s/agent.py": SHORT, "sandboxes/s/helpers.py": LONG},

@@ -129,8 +129,9 @@ BAD_EDITS = [
                      replace="MAX_TOKENS = 12\nimport no_such_module_anywhere")], "import"),
     ("contract", [Edit(file="sandboxes/letters/agent.py", search="async def rollout(task, llm)",
                        replace="async def roll_out(task, llm)")], "contract"),  # caught by reading, not running
-    # the sandbox's own tests require task ids that name their split
-    ("test", [Edit(file="sandboxes/letters/agent.py", search='f"{split}-{i}"', replace='f"task-{i}"')], "tests"),
+    # the sandbox's own tests require the prompt to be the user's turn
+    ("test", [Edit(file="sandboxes/letters/agent.py", search='[{"role": "user", "content": task["prompt"]}]',
+                   replace='[{"role": "system", "content": task["prompt"]}]')], "tests"),
 ]
 
 
