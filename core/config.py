@@ -266,6 +266,16 @@ class ContainmentConfig(Strict):
     limits: ContainLimits = Field(default_factory=lambda: ContainLimits(cpu_s=0))
 
 
+# The per-step score of one code version of a sandbox during an A/B, over the (task, weights) cells both
+# versions completed (`core.episodes.pairing`): logged by the run, judged by the researcher
+# (which reads no core module but this and core.mlflow_history). One name, here.
+AB_METRIC = "ab/{sandbox}/version/{version}"
+
+
+def ab_metric(sandbox: str, version: str) -> str:
+    return AB_METRIC.format(sandbox=sandbox, version=version)
+
+
 class TelemetryConfig(Strict):
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db
     experiment: str = "swarmrl"

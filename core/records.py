@@ -32,15 +32,6 @@ class Call(BaseModel):
     reply: dict[str, Any] | None = None  # the assistant message returned to the client
 
 
-# The per-step score of one code version of a sandbox during an A/B, over the (task, weights) cells both
-# versions completed (`core.episodes.pairing`): logged by the run, judged by the researcher. One name, here.
-AB_METRIC = "ab/{sandbox}/version/{version}"
-
-
-def ab_metric(sandbox: str, version: str) -> str:
-    return AB_METRIC.format(sandbox=sandbox, version=version)
-
-
 class Episode(BaseModel):
     """An agent's attempt at one task: a lease, a key, a group, its calls and its reward."""
 

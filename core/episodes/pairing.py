@@ -11,7 +11,7 @@ one of code alone:
 - `Pairs`: trained episodes fall into cells (sandbox, task id, weights they ran on); a cell that both
   versions reached is a compared pair, each version scored by its mean over its episodes there (the
   number a study reads: the judge's score when the sandbox is judged, else the reward). Per trainer step, the pairs
-  completed since the last step give each version's mean under `core.records.ab_metric`: both means
+  completed since the last step give each version's mean under `core.config.ab_metric`: both means
   are over the same cells, so their difference holds neither task mix nor weights, only code.
 
 Groups never mix versions because they are keyed by `Episode.train_group`. Nothing here opens,
@@ -26,7 +26,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.records import Episode, ab_metric
+from core.config import ab_metric
+from core.records import Episode
 
 # A debt the follower has not paid once the weights moved this many versions past those it was drawn
 # on is dropped: its episode would run on other weights than the leader's, a cell that never pairs.

@@ -3,7 +3,7 @@
 During an A/B inside one live run both code versions serve the same tasks on the same weights
 (the core pairs them: `core.episodes.pairing`), and for each trainer step the run logs each
 version's mean score over the (task, weights) cells both versions completed
-(`core.records.ab_metric`). The evidence is the per-step difference new minus old.
+(`core.config.ab_metric`). The evidence is the per-step difference new minus old.
 
 Those differences are not independent: whatever a version carries from one step to the next (its
 clients' state, the tasks it happened to draw, its share of the episodes) makes them

@@ -10,7 +10,7 @@ runs proposal code, so it starts contained (`launcher.contain_mode`), and serves
 (open episodes split about 50/50), the core records the swap (`ab`, its `to_spec` our
 folder; tag `swarmrl.sandbox_swap.<n>`) and drains nobody. We tag the live MLflow run
 `swarmrl.swap.<n>` = JSON {step, from_version, to_version, proposal}. `ab_steps` reads both
-versions' per-step paired scores (`core.records.ab_metric`: each version's mean over the task and
+versions' per-step paired scores (`core.config.ab_metric`: each version's mean over the task and
 weights cells both reached, the core's pairing) over the steps after the swap (or after a first
 window: the confirmation's) where both logged, and says why when the window did not fill (the caller's watch of the live run, or a
 timeout); `drain` ends the A/B with `swarm swap <sandbox> --drain-version <loser>` (idempotent: a
@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 from mlflow.tracking import MlflowClient
 
-from core.records import ab_metric
+from core.config import ab_metric
 from researcher.evidence.analysis import read_history
 from researcher.runs.launcher import Launcher, contain_mode, log_tail, write_json
 from researcher.records import SwapSide

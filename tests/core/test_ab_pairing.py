@@ -17,7 +17,8 @@ from core.clients.table import ClientTable
 from core.episodes.pairing import DEBT_MAX_VERSIONS, Pairs, TaskPairing
 from core.episodes.registry import Registry
 from core.episodes.wire import DrainClients, OpenEpisode, RegisterClient
-from core.records import Call, Episode, ab_metric
+from core.config import ab_metric
+from core.records import Call, Episode
 
 
 def _finish(reg: Registry, task: str, version: str, reward: float, weights: int = 0) -> Episode:

@@ -1,7 +1,7 @@
 """The live node's A/B (researcher/study/nodes/live.py, researcher/runs/live_swaps.py) without a core run.
 
 A stand-in live server: `swarm swap --ab` records an A/B start, and the paired scores both versions
-log at each step after it (`core.records.ab_metric`) are given. What is checked is what the study does
+log at each step after it (`core.config.ab_metric`) are given. What is checked is what the study does
 with them: the verdict pairs the versions by step in the brief's direction, a win is kept only when the
 next window confirms it, each sandbox of a swap gets its own verdict, the loser drains (`swarm swap
 --drain-version`: the old version when the new one is better and confirmed, else the new one), the
@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from core.records import ab_metric
+from core.config import ab_metric
 from researcher.evidence.ab import HAC
 from researcher.records import Launch, Proposal, SwapSide
 from researcher.runs.launcher import Launcher, LaunchTarget

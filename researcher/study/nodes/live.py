@@ -5,7 +5,7 @@ to it, and `launch`). With `run.live: true` they start the live run once (launch
 adopted on resume like any launch) and refresh its state. Each approved, validated `hot_swap` proposal of the round is then swapped in
 (`researcher.runs.live_swaps`: intent before act, never twice) as an A/B, tagged `swarmrl.swap.<n>` on the
 live run, and judged, each edited sandbox on its own: over the first `run.swap_window` steps after the
-swap where both versions logged their paired score (`core.records.ab_metric`: the same tasks on the same
+swap where both versions logged their paired score (`core.config.ab_metric`: the same tasks on the same
 weights), the per-step difference new - old in the brief's direction (`researcher.evidence.ab.judge_ab`:
 a HAC t-test, valid under autocorrelated noise, Holm across the round's comparisons). A `better` verdict
 is confirmed on the next `swap_window` steps, which it never saw (`confirm_ab`). Then the loser drains:
