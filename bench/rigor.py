@@ -16,23 +16,21 @@ Per planted effect (0, 1, 2 and 3 sigma) and per seed count it runs several hund
 prints detection (the planted arm judged `better` in the search, and recommended after a
 confirmation that replicated) and false keeps (a null arm judged `better`, or recommended).
 
-The in-run A/B of a hot swap (`ab_table`) is judged by the study's own
-`researcher.evidence.decision.judge_ab` on simulated per-step rewards of a learning run: a shared drifting
-curve and the weights' autocorrelated wander, common to both versions at a step, plus each
-version's episode noise. It prints A/B detection and false keeps per effect and window, beside the
-before/after verdict the A/B replaced. The last line holds the figures for the brief's defaults:
+The in-run A/B of a hot swap (`bench/rigor_ab.py`) is judged by the study's own `researcher.evidence.ab`
+(the HAC test over a window, a win kept only when the next window confirms it) on simulated per-step
+scores of a learning run, under independent and under version-specific AR(0.5) noise with unequal
+counts. `bench/rigor_live.py` then makes real null A/B swaps into a live tiny run
+and judges them with the same code. The last line holds the figures for the brief's defaults:
 
-    rigor: detection_2sigma=<x> false_keep=<y> ab_detection=<a> ab_false_keep=<b> seeds=<n>
+    rigor: detection_2sigma=<x> false_keep=<y> ab_detection=<a> ab_false_keep=<b> ab_false_keep_ar05=<c>
+        adaptive_detection_3seeds=<d> live_trials=<n> seeds=<s>
 
 with false_keep the rate at which a study of null changes ends recommending one, ab_detection the
-rate a 2-sigma swap is called better, ab_false_keep the rate a null swap is (and so kept).
+rate a 2-sigma swap is kept (better, and confirmed), ab_false_keep the rate a null swap is,
+ab_false_keep_ar05 the same under AR(0.5) per-version noise and unequal counts, and live_trials the
+real null swaps made (`--live-trials 0` skips them: no core run, no MLflow).
 
-    .venv/bin/python bench/rigor.py [--studies 300] [--seeds 3 5] [--sigma 1.0] [--ab-trials 400] [--live-trials 3]
-
-`--live-trials N` (`bench/rigor_live.py`) also makes N real null A/B swaps and one planted one into
-a live tiny run and judges them with the same code; they are printed, and not part of the last line.
-
-Without `--live-trials` it launches no core run and touches no MLflow: the point is the statistics of the decisions.
+    .venv/bin/python bench/rigor.py [--studies 300] [--seeds 3 5] [--sigma 1.0] [--ab-trials 400] [--live-trials 5]
 """
 
 from __future__ import annotations
@@ -41,7 +39,8 @@ import argparse
 import random
 import time
 
-import rigor_live  # bench/rigor_live.py, beside this script
+import rigor_ab  # bench/rigor_ab.py and bench/rigor_live.py, beside this script
+import rigor_live
 
 from researcher.brief.loader import parse_brief
 from researcher.brief.schema import Brief
@@ -129,59 +128,6 @@ def simulate_study(brief: Brief, effect: float, sigma: float, rng: random.Random
             "false_keep": kept in NULL_LRS or (effect == 0 and kept == PLANTED_LR)}
 
 
-# -- the in-run A/B ------------------------------------------------------------------------------
-AB_EFFECTS = (0.0, 1.0, 2.0, 3.0)  # in units of sigma, the std of one version's per-step reward
-AB_WINDOWS = (5, 10, 20)  # besides the brief's default `run.swap_window`
-# One version's per-step reward around the curve: the weights' AR(1) wander (shared by both versions at
-# a step: same weights) and the version's own episode noise, splitting sigma^2 0.36 : 0.64.
-AB_PHI, AB_WANDER, AB_EPISODE = 0.8, 0.6, 0.8
-AB_PRE = 20  # steps the old version trains alone before the swap (the before/after verdict's "before")
-AB_RISE = (0.05, 0.15)  # the learning curve's slope per step, in sigma, drawn per trial: a drifting run
-
-
-def ab_trial(effect: float, window: int, direction: decision.Direction, rng: random.Random) -> tuple[str, str]:
-    """One simulated swap on a learning run; -> (A/B verdict, before/after verdict) of the new version."""
-    sign = 1.0 if direction == "maximize" else -1.0
-    slope = rng.uniform(*AB_RISE)
-    innovation = AB_WANDER * (1 - AB_PHI**2) ** 0.5  # stationary std AB_WANDER
-    wander = rng.gauss(0.0, AB_WANDER)
-    old: dict[int, float] = {}
-    new: dict[int, float] = {}
-    for t in range(AB_PRE + window):
-        wander = AB_PHI * wander + rng.gauss(0.0, innovation)
-        shared = sign * slope * t + wander  # the run learns in the objective's direction
-        old[t] = shared + rng.gauss(0.0, AB_EPISODE)
-        if t >= AB_PRE:
-            new[t] = shared + sign * effect + rng.gauss(0.0, AB_EPISODE)
-    ab = decision.judge_ab(new, old, direction, baseline_id="old")  # the study's own A/B verdict (nodes/live.py)
-    before = {t: v for t, v in old.items() if AB_PRE - window <= t < AB_PRE}
-    return ab.result, decision.compare(new, before, direction).result
-
-
-def ab_table(trials: int, default_window: int, direction: decision.Direction, seed: int) -> dict[str, float]:
-    """Print A/B detection and false keeps per effect and window; -> those at the brief's default window."""
-    windows = [default_window] + [w for w in AB_WINDOWS if w != default_window]
-    print(f"in-run A/B: {trials} simulated swaps per cell on learning runs (slope {AB_RISE[0]}-{AB_RISE[1]} sigma "
-          f"per step, shared AR({AB_PHI}) wander {AB_WANDER} sigma, episode noise {AB_EPISODE} sigma); "
-          f"decision.judge_ab; brief default swap_window {default_window}")
-    print("| window | effect | A/B better | before/after better |")
-    print("| --- | --- | --- | --- |")
-    headline: dict[str, float] = {}
-    for window in windows:
-        for effect in AB_EFFECTS:
-            rng = random.Random(f"ab-{seed}-{window}-{effect}")
-            results = [ab_trial(effect, window, direction, rng) for _ in range(trials)]
-            ab = sum(r[0] == "better" for r in results) / trials
-            before_after = sum(r[1] == "better" for r in results) / trials
-            print(f"| {window}{' (default)' if window == default_window else ''} | {effect:g}σ | {ab:.3f} "
-                  f"| {before_after:.3f} |", flush=True)
-            if window == default_window and effect == 2.0:
-                headline["detect"] = ab
-            if window == default_window and effect == 0.0:
-                headline["false_keep"] = ab
-    return headline
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--studies", type=int, default=300, help="simulated studies per (effect, seeds) cell")
@@ -189,7 +135,8 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.0, help="seed noise (std of one run's score)")
     ap.add_argument("--rng", type=int, default=0, help="seeds the simulated noise")
     ap.add_argument("--ab-trials", type=int, default=400, help="simulated swaps per A/B cell (at least 40)")
-    ap.add_argument("--live-trials", type=int, default=0, help="real null A/B swaps into a live tiny run")
+    ap.add_argument("--live-trials", type=int, default=rigor_live.TRIALS,
+                    help="real null A/B swaps into a live tiny run; 0: none")
     args = ap.parse_args()
     default = make_brief(None)
     counts = [len(default.seeds)] + [n for n in args.seeds if n != len(default.seeds)]
@@ -217,14 +164,14 @@ def main() -> None:
             if n == len(default.seeds) and effect == 0.0:
                 headline["false_keep"] = rate["false_keep"]
     print(f"({time.time() - started:.0f} s)")
-    ab = ab_table(max(args.ab_trials, 40), default.run.swap_window, default.objective.direction, args.rng)
-    if args.live_trials:
-        live = rigor_live.trials(args.live_trials, default.run.swap_window, default.objective.direction)
-        nulls = [v for planted, v in live if not planted]
-        print(f"live A/B: {len(nulls)} real null swaps into a tiny run, {sum(v.result == 'better' for v in nulls)} "
-              f"called better; planted +{rigor_live.PLANTED}: {[v.result for planted, v in live if planted]}")
+    ab = rigor_ab.ab_table(max(args.ab_trials, 40), default.run.swap_window, default.objective.direction, args.rng)
+    live = rigor_live.trials(args.live_trials, default.run.swap_window, default.objective.direction) if (
+        args.live_trials) else []
+    if live:
+        print(rigor_live.summary(live))
     print(f"rigor: detection_2sigma={headline['detect']:.3f} false_keep={headline['false_keep']:.3f} "
-          f"ab_detection={ab['detect']:.3f} ab_false_keep={ab['false_keep']:.3f} seeds={len(default.seeds)}")
+          f"ab_detection={ab['detect']:.3f} ab_false_keep={ab['false_keep']:.3f} "
+          f"ab_false_keep_ar05={ab['false_keep_ar05']:.3f} live_trials={len(live)} seeds={len(default.seeds)}")
 
 
 if __name__ == "__main__":
