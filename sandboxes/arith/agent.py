@@ -10,13 +10,9 @@ has reward variance, and getting closer to the sum is what earns more.
 
 from __future__ import annotations
 
-import random
-import re
+from sums import reward, tasks  # noqa: F401 (a sibling file, the judge's; the folder is on sys.path when it loads)
 
 MAX_TOKENS = 8
-TRAIN_TASKS, EVAL_TASKS = 512, 64
-LOW, HIGH = 1, 20
-INT_RE = re.compile(r"-?\d+")
 EXAMPLES = [
     {"role": "user", "content": "What is 3 + 4?"},
     {"role": "assistant", "content": "7"},
@@ -25,24 +21,8 @@ EXAMPLES = [
 ]
 
 
-def tasks(split: str = "train"):
-    rng = random.Random(0 if split == "train" else 1)
-    for i in range(TRAIN_TASKS if split == "train" else EVAL_TASKS):
-        yield {"id": f"{split}-{i}", "a": rng.randint(LOW, HIGH), "b": rng.randint(LOW, HIGH)}
-
-
 def messages(task) -> list[dict]:
     return EXAMPLES + [{"role": "user", "content": f"What is {task['a']} + {task['b']}?"}]
-
-
-def reward(task, text: str) -> float:
-    numbers = INT_RE.findall(text)
-    if not numbers:
-        return 0.0
-    answer, total = int(numbers[0]), task["a"] + task["b"]
-    if answer == total:
-        return 1.0
-    return 0.5 * max(0.0, 1.0 - abs(answer - total) / total)
 
 
 async def rollout(task, llm) -> float:

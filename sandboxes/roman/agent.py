@@ -3,24 +3,17 @@
 It exists to show a sandbox with dependencies of its own: the reward parses the reply with the
 `roman` package, which `sandbox.toml` lists under `requirements` and which the project does not
 install. An isolated client of this sandbox runs in a cached venv holding it (`core.clients.venvs`).
-Reward: 1 for the right numeral, 0.25 for a valid numeral of another number, 0 otherwise.
+Reward: 1 for the right numeral, 0.25 for a valid numeral of another number, 0 otherwise. The sandbox is
+judged (sandbox.toml `judge`): the server deals `judge.py`'s tasks and scores the reply it recorded with
+`numerals.py` (pure Python, as the server has no `roman`); the reward this file returns is only logged.
 """
 
 from __future__ import annotations
 
-import random
-
 import roman  # this sandbox's own dependency (sandbox.toml: requirements)
+from numerals import HIGHEST, tasks  # noqa: F401 (the judge's file: the tasks it deals)
 
 MAX_TOKENS = 8
-HIGHEST = 50
-
-
-def tasks(split: str = "train"):
-    rng = random.Random(0 if split == "train" else 1)
-    for i in range(100 if split == "train" else 20):
-        n = rng.randint(1, HIGHEST)
-        yield {"id": f"{split}-{i}", "n": n, "prompt": f"Write {n} in Roman numerals. Answer with the numeral only."}
 
 
 def reward(reply: str, n: int) -> float:

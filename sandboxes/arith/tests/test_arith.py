@@ -13,6 +13,9 @@ sys.path.insert(0, str(FOLDER))
 _spec = importlib.util.spec_from_file_location("arith_under_test", FOLDER / "agent.py")
 agent = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(agent)
+_spec = importlib.util.spec_from_file_location("arith_judge_under_test", FOLDER / "judge.py")
+judge = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(judge)
 sys.path.remove(str(FOLDER))
 
 
@@ -34,3 +37,9 @@ def test_rollout_scores_the_models_reply():
 
     llm = SimpleNamespace(model="policy", chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
     assert asyncio.run(agent.rollout({"id": "t", "a": 3, "b": 4}, llm)) == 1.0
+
+
+def test_the_judge_owns_the_tasks_and_scores_the_reply_the_server_recorded():
+    assert list(judge.tasks("eval")) == list(agent.tasks("eval"))
+    assert judge.score({"a": 3, "b": 4}, SimpleNamespace(completion="7", answer=0.0)) == 1.0
+    assert judge.score({"a": 3, "b": 4}, SimpleNamespace(completion="no number")) == judge.FAILURE == 0.0

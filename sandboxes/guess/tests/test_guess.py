@@ -24,29 +24,31 @@ from core.train.timelines import merge_calls, merge_stats
 FOLDER = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(FOLDER))
 import agent as guess  # noqa: E402  (the sandbox's own module, imported by path as the runner does)
+import game  # noqa: E402  (its tasks and score, the judge's)
+import judge  # noqa: E402
 
 sys.path.remove(str(FOLDER))
 
 
 def test_a_bare_guess_inside_the_hinted_interval_scores_a_full_turn():
     # secret 31: 25 -> "Higher" leaves 26..50, 37 -> "Lower" leaves 26..36, 31 is inside both
-    assert guess.score_game(["25", "37", "31"], 31) == pytest.approx(1 + guess.CLOSENESS)
+    assert game.score_game(["25", "37", "31"], 31) == pytest.approx(1 + game.CLOSENESS)
 
 
 def test_a_guess_that_ignores_the_hint_scores_less_than_one_that_follows_it():
-    following = guess.score_game(["25", "40", "30"], 31)
-    ignoring = guess.score_game(["25", "10", "30"], 31)  # 10 after "Higher" on 25 contradicts the hint
+    following = game.score_game(["25", "40", "30"], 31)
+    ignoring = game.score_game(["25", "10", "30"], 31)  # 10 after "Higher" on 25 contradicts the hint
     assert ignoring < following
-    assert guess.turn_score("10", 26, 50) == guess.BARE
+    assert game.turn_score("10", 26, 50) == game.BARE
 
 
 def test_chatter_and_missing_numbers_score_below_bare_numbers():
-    assert guess.turn_score("I'm guessing the number", 1, 50) == 0.0
-    assert guess.turn_score("My first guess: 45", 1, 50) == guess.MENTION
-    assert guess.turn_score("450", 1, 50) == guess.MENTION  # bare, but outside 1..50
-    assert guess.turn_score(" 45. ", 1, 50) == 1.0
-    assert guess.score_game(["hello", "no", "what"], 7) == 0.0
-    assert guess.score_game([], 7) == 0.0
+    assert game.turn_score("I'm guessing the number", 1, 50) == 0.0
+    assert game.turn_score("My first guess: 45", 1, 50) == game.MENTION
+    assert game.turn_score("450", 1, 50) == game.MENTION  # bare, but outside 1..50
+    assert game.turn_score(" 45. ", 1, 50) == 1.0
+    assert game.score_game(["hello", "no", "what"], 7) == 0.0
+    assert game.score_game([], 7) == 0.0
 
 
 def test_feedback_points_towards_the_secret_and_asks_for_a_number_when_there_is_none():
@@ -54,15 +56,15 @@ def test_feedback_points_towards_the_secret_and_asks_for_a_number_when_there_is_
     assert guess.feedback(30, 20).startswith("Lower")
     assert guess.feedback(20, 20).startswith("Correct")
     assert "not a number" in guess.feedback(None, 20)
-    assert guess.narrow(None, 20, 5, 9) == (5, 9)
-    assert guess.narrow(20, 20, 1, 50) == (20, 20)
+    assert game.narrow(None, 20, 5, 9) == (5, 9)
+    assert game.narrow(20, 20, 1, 50) == (20, 20)
 
 
 def test_tasks_are_reproducible_and_in_range():
-    first = list(guess.tasks("train"))
-    assert first == list(guess.tasks("train"))
-    assert len(first) == guess.TRAIN_TASKS and len(list(guess.tasks("eval"))) == guess.EVAL_TASKS
-    assert all(guess.LOW <= t["secret"] <= guess.HIGH for t in first)
+    first = list(game.tasks("train"))
+    assert first == list(game.tasks("train"))
+    assert len(first) == game.TRAIN_TASKS and len(list(game.tasks("eval"))) == game.EVAL_TASKS
+    assert all(game.LOW <= t["secret"] <= game.HIGH for t in first)
 
 
 class ScriptedModel:
@@ -88,7 +90,7 @@ def test_rollout_holds_three_turns_with_the_environments_hint_between_them():
     assert second[-2:] == [{"role": "assistant", "content": "25"}, {"role": "user", "content": "Higher. Your next guess?"}]
     assert third[-1] == {"role": "user", "content": "Lower. Your next guess?"}
     assert third[: len(second)] == second  # each call extends the previous one: what timeline merging needs
-    assert reward == pytest.approx(guess.score_game(["25", "I think 40", "31"], 31))
+    assert reward == pytest.approx(game.score_game(["25", "I think 40", "31"], 31))
 
 
 def test_a_reply_without_content_counts_as_no_number():
@@ -128,3 +130,10 @@ def test_real_episodes_record_three_calls_that_merge_into_one_sample(tiny_server
         assert len(samples) == 1  # the three turns are one straight line of tokens
         counts = merge_stats(episode.calls)
         assert counts["linear_tokens"] == counts["tree_tokens"] < counts["unmerged_tokens"]
+
+
+def test_the_judge_scores_the_replies_the_server_recorded_against_the_true_secret():
+    recorded = SimpleNamespace(completions=["25", "37", "31"])
+    assert judge.score({"id": "t", "secret": 31}, recorded) == game.score_game(["25", "37", "31"], 31)
+    assert judge.score({"id": "t", "secret": 31}, SimpleNamespace(completions=[])) == judge.FAILURE == 0.0
+    assert list(judge.tasks("train"))[:3] == list(guess.tasks("train"))[:3]

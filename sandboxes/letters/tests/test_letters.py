@@ -27,7 +27,7 @@ def _load(name: str):
     return module
 
 
-agent, scoring = _load("agent"), _load("reward")
+agent, scoring, judge = _load("agent"), _load("reward"), _load("judge")
 
 
 def test_tasks_have_distinct_ids_per_split():
@@ -56,3 +56,10 @@ def test_rollout_scores_the_models_reply():
     reward = asyncio.run(agent.rollout(task, llm))
     assert reward == scoring.reward("hello world!")
     assert sent[0]["model"] == "policy" and sent[0]["messages"][-1]["role"] == "user"
+
+
+def test_the_judge_owns_the_tasks_and_scores_the_reply_the_server_recorded():
+    assert list(judge.tasks("train")) == list(agent.tasks("train")) and list(judge.tasks("eval"))
+    recorded = SimpleNamespace(completion="hello world!", answer=1.0)  # what rollout claims plays no part
+    assert judge.score({"id": "train-0"}, recorded) == scoring.reward("hello world!")
+    assert judge.FAILURE <= min(judge.score({}, SimpleNamespace(completion=t)) for t in ("", "ABC", "abc"))

@@ -16,6 +16,9 @@ _spec.loader.exec_module(agent)
 _spec = importlib.util.spec_from_file_location("oneword_reward_under_test", FOLDER / "format_reward.py")
 scoring = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(scoring)
+_spec = importlib.util.spec_from_file_location("oneword_judge_under_test", FOLDER / "judge.py")
+judge = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(judge)
 sys.path.remove(str(FOLDER))
 
 
@@ -37,3 +40,11 @@ def test_rollout_scores_the_models_reply():
 
     llm = SimpleNamespace(model="policy", chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
     assert asyncio.run(agent.rollout(next(iter(agent.tasks("train"))), llm)) == 1.0
+
+
+def test_the_judge_owns_the_tasks_and_scores_the_reply_the_server_recorded():
+    assert list(judge.tasks("train")) == list(agent.tasks("train")) and len(list(judge.tasks("eval"))) == 40
+    assert judge.score({"id": "train-0"}, SimpleNamespace(completion="apple")) == 1.0
+    assert judge.score({"id": "train-0"}, SimpleNamespace(completion="I like apples a lot")) == scoring.reward(
+        "I like apples a lot")
+    assert judge.FAILURE == 0.0

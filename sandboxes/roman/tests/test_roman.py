@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from core.clients.venvs import client_python
 
@@ -33,3 +36,17 @@ def test_tasks_reward_and_rollout_in_the_sandbox_venv():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1.0"
+
+
+def test_the_judge_scores_like_the_roman_package_without_it():
+    """The judge runs in the server (no `roman` package): its pure-Python numerals agree with the package's."""
+    sys.path.insert(0, str(FOLDER))
+    try:
+        spec = importlib.util.spec_from_file_location("roman_judge_under_test", FOLDER / "judge.py")
+        judge = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(judge)
+    finally:
+        sys.path.remove(str(FOLDER))
+    for reply, score in (("XIV", 1.0), ("xiv.", 1.0), ("XV", 0.25), ("IIII", 0.0), ("fourteen", 0.0), ("", 0.0)):
+        assert judge.score({"n": 14}, SimpleNamespace(completion=reply)) == score, reply
+    assert len(list(judge.tasks("train"))) == 100 and list(judge.tasks("eval")) and judge.FAILURE == 0.0
