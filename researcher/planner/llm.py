@@ -30,7 +30,7 @@ import openai
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from researcher.brief.schema import ChoiceParam, RangeParam
-from researcher.evidence.analysis import is_baseline
+from researcher.evidence.analysis import is_reference
 from researcher.planner.code_context import describe_code, edit_problems
 from researcher.planner.endpoint import Endpoint, error_usage
 from researcher.planner.types import PlanContext, Planned, PlannerError, PlanResult
@@ -166,14 +166,18 @@ def _describe_history(ctx: PlanContext) -> str:
 def _describe_baseline(ctx: PlanContext) -> str:
     """The baseline the study runs beside every proposal, and its scores so far."""
     rows = ["The study runs the baseline (the base config at the base commit) on the same seeds and steps as "
-            "each proposal, once per (steps, seeds), and judges every proposal against it."]
+            "each proposal, once per (steps, seeds), and judges every proposal against it; a code change is "
+            "judged against the base commit run with the proposal's own overrides (only the code differs), "
+            "and a change on a parent also against the parent's code."]
     for p in ctx.proposals:
         r = ctx.result(p.id)
-        if not is_baseline(p, ctx.base_values) or r is None:
+        if not is_reference(p, ctx.base_values) or p.extends or r is None:
             continue
         seeds = ", ".join(f"{s}: {v:.4g}" for s, v in sorted(r.seed_scores.items())) or "none"
         steps = p.overrides.get("trainer.steps", ctx.base_steps)
-        rows.append(f"- {p.id}, {steps} steps: {ctx.brief.objective.metric} = "
+        config = {k: v for k, v in p.overrides.items() if k != "trainer.steps" and ctx.base_values.get(k) != v}
+        code = f" at the code of {p.parent}" if p.parent else ""
+        rows.append(f"- {p.id}, {steps} steps{f', {config}' if config else ''}{code}: {ctx.brief.objective.metric} = "
                     f"{r.summary.fmt() if r.summary else r.status}; per seed {{{seeds}}}")
     if len(rows) == 1:
         rows.append("(no baseline scored yet: it runs with this round)")
