@@ -77,6 +77,7 @@ LONGEST_FIRST = (
     "tests/researcher/test_code_study.py",
     "tests/researcher/test_planted_code_study.py",
     "tests/researcher/test_live_swap.py",
+    "tests/researcher/test_live_ab_real.py",  # two real A/B swaps into a live tiny run: 8 min under load
     "tests/researcher/test_review_ui.py",  # a study beside a real mlflow server and chromium
     "tests/researcher/test_ray_jobs.py",
     "tests/core/test_resume_mlflow.py",
