@@ -40,8 +40,10 @@ class AuthServer:
     def uri(self) -> str:
         return self.server.uri
 
-    def _admin(self, method: str, route: str, body: dict, version: str = "2.0") -> httpx.Response:
-        done = httpx.request(method, f"{self.uri}/api/{version}/mlflow/{route}", json=body, auth=ADMIN, timeout=30)
+    def _admin(self, method: str, route: str, body: dict, version: str = "2.0",
+               params: dict[str, str] | None = None) -> httpx.Response:
+        done = httpx.request(method, f"{self.uri}/api/{version}/mlflow/{route}", json=body or None, params=params,
+                             auth=ADMIN, timeout=30)
         done.raise_for_status()
         return done
 
@@ -50,6 +52,9 @@ class AuthServer:
         self._admin("POST", "users/permissions/grant", {"username": user, "resource_type": "experiment",
                                                         "resource_id": experiment_id, "permission": permission},
                     version="3.0")
+
+    def experiment_id(self, name: str) -> str:
+        return self._admin("GET", "experiments/get-by-name", {}, params={"experiment_name": name}).json()["experiment"]["experiment_id"]
 
     def study_env(self) -> dict[str, str]:
         """The credentials of the study's account, for the study's environment only."""

@@ -25,6 +25,7 @@ import pytest
 from bench.soak_procs import MlflowServer
 from researcher.study.store import experiment_name
 from tests.researcher.harness import BIN, Project, letters_code
+from tests.researcher.mlflow_auth import REVIEWER, start_auth_server
 from tests.researcher.test_code_study import AGENT, _patch, _wait_status
 
 # A server start (~40 s on a busy 2-core machine), validation, a smoke run and one core run.
@@ -183,9 +184,55 @@ def test_a_reviewer_approves_and_vetoes_proposals_in_the_mlflow_ui(tmp_path: Pat
         history = project.cli("history", STUDY, COLUMNS="400").stdout  # wide enough that no cell wraps
         approved, vetoed = _history_row(history, "p1"), _history_row(history, "p2")
         # proposal, verdict, by, when, source, why: a UI edit without review.by is `mlflow-ui`'s, seen at poll time.
-        assert [approved[i] for i in (0, 1, 2, 4)] == ["p1", "approved", "mlflow-ui", "mlflow"], history
+        # An MLflow without authentication: the source says anyone who reached it could have written it.
+        anyone = "mlflow (unauthenticated: anyone who reached it)"
+        assert [approved[i] for i in (0, 1, 2, 4)] == ["p1", "approved", "mlflow-ui", anyone], history
         assert approved[3].endswith("(seen at poll time)"), history
-        assert [vetoed[i] for i in (0, 1, 2, 4, 5)] == ["p2", "vetoed", "ada", "mlflow", "0.5 diverges on the tiny model"], \
+        assert [vetoed[i] for i in (0, 1, 2, 4, 5)] == ["p2", "vetoed", "ada", anyone, "0.5 diverges on the tiny model"], \
             history
     finally:
         project.cli("stop", STUDY, "--kill-runs", check=False)
+
+
+def test_a_reviewer_with_an_account_decides_in_the_ui_of_a_basic_auth_mlflow(tmp_path: Path) -> None:
+    """The shared-machine set-up of docs/security.md: `mlflow server --app-name basic-auth`, the study with its
+    own account (its credentials in its environment only), a reviewer logged into the UI with theirs and EDIT
+    on the study's experiment. The reviewer's veto in the UI is taken up, recorded as authenticated."""
+    _require_browser()
+    from playwright.sync_api import expect, sync_playwright
+
+    expect.set_options(timeout=UI_TIMEOUT_MS)
+    auth = start_auth_server(BIN / "mlflow", tmp_path / "mlflow")
+    project = Project(tmp_path, server=auth.uri)
+    creds = auth.study_env()
+    brief = tmp_path / "ui.md"
+    brief.write_text(BRIEF)
+    try:
+        project.cli("start", str(brief), "--name", STUDY, "--planner", "manual", "--detach", **creds)
+        project.cli("propose", STUDY, "--set", "trainer.lr=0.5", "--hypothesis", "a huge learning rate learns faster",
+                    **creds)
+        assert _wait_status(project, STUDY, "p1", {"pending"}, timeout=300)["status"] == "pending"
+        auth.grant(auth.experiment_id(experiment_name(STUDY)), REVIEWER[0])
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+            try:
+                context = browser.new_context(viewport={"width": 1400, "height": 1000},
+                                              http_credentials={"username": REVIEWER[0], "password": REVIEWER[1]})
+                context.set_default_timeout(UI_TIMEOUT_MS)
+                context.add_init_script("localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');"
+                                        "localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false');")
+                page = context.new_page()
+                _open_proposal(page, auth.uri, "p1")
+                expect(page.get_by_text("review.status: pending", exact=True)).to_be_visible()
+                _edit_tags(page, {"review.reason": "0.5 diverges on the tiny model", "review.by": REVIEWER[0]})
+                _edit_tags(page, {"review.status": "vetoed"})
+            finally:
+                browser.close()
+        assert _wait_status(project, STUDY, "p1", {"vetoed"}, timeout=180)["status"] == "vetoed"
+        history = project.cli("history", STUDY, COLUMNS="400", **creds).stdout
+        row = _history_row(history, "p1")
+        assert [row[i] for i in (0, 1, 2, 4, 5)] == ["p1", "vetoed", REVIEWER[0], "mlflow (basic-auth account)",
+                                                      "0.5 diverges on the tiny model"], history
+    finally:
+        project.cli("stop", STUDY, check=False, **creds)
+        auth.stop()
