@@ -112,6 +112,7 @@ class Project:
 
     tmp: Path
     server: str | None = None  # a real `mlflow server`'s URL to use instead of the test's own SQLite file
+    root: Path = ROOT  # the folder studies start in (configs/ and sandboxes/ resolve there): the repository
 
     def __post_init__(self) -> None:
         if self.server is None and not (self.tmp / "mlflow.db").exists():
@@ -131,7 +132,7 @@ class Project:
 
     def cli(self, *args: str, timeout: float = 600, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
         argv = [str(BIN / "researcher"), "study", "--studies-dir", str(self.studies), *args]
-        done = subprocess.run(argv, cwd=ROOT, env=self.env(**env), capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(argv, cwd=self.root, env=self.env(**env), capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
             raise AssertionError(f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
         return done
