@@ -24,8 +24,9 @@ STEPS = 8
 # and failed a 0.2 gain on the tail. Steps 3-8 of every run seen, CI's included, average at least
 # 0.16 above steps 1-2; an engine that does not learn stays at the base model's ~0.115.
 MIN_GAIN = 0.1
-# trainer.seed seeds vLLM's sampling and the task order, so on one machine a run's curve is (nearly)
-# fixed by its seed. Measured here (2026-12-03): seed 0 0.06, 0.17, 0.39, 0.22, 0.28, 0.23, ...,
+# trainer.seed seeds vLLM's own sampler and the task order, so on one machine a run's curve is (nearly)
+# fixed by its seed (a seed per request only with engine.repeatable_sampling). Measured here (2026-12-03,
+# when every request got a seed from the run's stream): seed 0 0.06, 0.17, 0.39, 0.22, 0.28, 0.23, ...,
 # seed 1 0.10, 0.11, 0.45, 0.16, 0.47, 0.53, 0.47, 0.47, seed 2 0.16, 0.09, 0.55, 0.52, 0.37, 0.75,
 # 0.72, 0.72. Another CPU rounds differently, so the same seed gives another curve there.
 SEED = 1
