@@ -44,7 +44,7 @@ import rigor_live
 
 from researcher.brief.loader import parse_brief
 from researcher.brief.schema import Brief
-from researcher.evidence import analysis, baselines, confirmation, decision
+from researcher.evidence import analysis, baselines, confirmation, decision, stages
 from researcher.planner.heuristic import HeuristicPlanner
 from researcher.planner.types import PlanContext
 from researcher.records import Decision, ExperimentResult, Launch, Proposal
@@ -62,13 +62,18 @@ run: {{base_config: configs/tiny.yaml}}
 search_space:
   trainer.lr: {{kind: choice, values: [{base}, {planted}, {null0}, {null1}]}}
 {seeds}
+{replicate}
 ---
 """
+# The seed count the adaptive headline starts from (issue 31: a study started at 3 seeds adds the rest).
+ADAPTIVE_START = 3
 
 
-def make_brief(seeds: int | None) -> Brief:
+def make_brief(seeds: int | None, replicate: bool = True) -> Brief:
+    """The rigor brief; `replicate` False turns the staged seeds off (fixed-size tests, the old rule)."""
     text = BRIEF.format(base=BASE_LR, planted=PLANTED_LR, null0=NULL_LRS[0], null1=NULL_LRS[1],
-                        seeds="" if seeds is None else f"seeds: {seeds}")
+                        seeds="" if seeds is None else f"seeds: {seeds}",
+                        replicate="" if replicate else "replicate: {enabled: false}")
     return parse_brief(text, "<rigor>")
 
 
@@ -105,19 +110,26 @@ def simulate_study(brief: Brief, effect: float, sigma: float, rng: random.Random
     else:
         raise RuntimeError("the planner did not finish within the round guard")
 
-    by_id = {p.id: p for p in proposals}
-    longest: dict[float, ExperimentResult] = {}
-    for r in results:
-        longest[by_id[r.proposal_id].overrides.get("trainer.lr", BASE_LR)] = r  # in round order: the last is the longest
-    searched_better = {lr for lr, r in longest.items() if r.verdict is not None and r.verdict.result == "better"}
-    pick = confirmation.owed(proposals, results, BASE_STEPS, brief)
-    if pick is not None:
-        result = next(r for r in results if r.proposal_id == pick.id)
-        fresh = confirmation.proposals_for(pick, result, proposals, brief, base_values, BASE_STEPS, number)
+    while True:  # the search is over: replication stages and the confirmation, as the plan node runs them
+        fresh = stages.next_stage(proposals, results, brief, base_values, BASE_STEPS, number, 10**6, 10**9)
+        if fresh is None and (pick := confirmation.owed(proposals, results, BASE_STEPS, brief)) is not None:
+            result = next(r for r in results if r.proposal_id == pick.id)
+            looks = stages.confirmation_design(brief, 10**6, 10**9, BASE_STEPS)
+            fresh = confirmation.proposals_for(pick, result, proposals, brief, base_values, BASE_STEPS, number,
+                                               looks=looks)
+        if fresh is None:
+            break
         proposals += fresh
         new = [runs(p, p.seeds or []) for p in fresh]
         results += analysis.judge(new, proposals, base_values, BASE_STEPS, objective, known=results)
-        results = confirmation.attach(results, proposals, base_values)
+        results = stages.attach(confirmation.attach(results, proposals, base_values), proposals)
+        number += 1
+    roots = {p.id: p for p in proposals if p.confirms is None and p.extends is None}  # a stage's look is its root's
+    longest: dict[float, ExperimentResult] = {}
+    for r in results:
+        if r.proposal_id in roots:  # in round order: the last is the longest
+            longest[roots[r.proposal_id].overrides.get("trainer.lr", BASE_LR)] = r
+    searched_better = {lr for lr, r in longest.items() if r.verdict is not None and r.verdict.result == "better"}
     found = confirmation.search_recommendation(proposals, results, BASE_STEPS, brief)
     kept = None
     if found is not None and found[1].confirmation is not None and found[1].confirmation.replicated:
@@ -125,7 +137,8 @@ def simulate_study(brief: Brief, effect: float, sigma: float, rng: random.Random
     return {"search_detect": PLANTED_LR in searched_better,
             "search_false": any(lr in searched_better for lr in NULL_LRS) or (effect == 0 and PLANTED_LR in searched_better),
             "detect": kept == PLANTED_LR,
-            "false_keep": kept in NULL_LRS or (effect == 0 and kept == PLANTED_LR)}
+            "false_keep": kept in NULL_LRS or (effect == 0 and kept == PLANTED_LR),
+            "runs": sum(len(p.seeds or brief.seeds) for p in proposals)}
 
 
 def main() -> None:
@@ -137,20 +150,25 @@ def main() -> None:
     ap.add_argument("--ab-trials", type=int, default=400, help="simulated swaps per A/B cell (at least 40)")
     ap.add_argument("--live-trials", type=int, default=rigor_live.TRIALS,
                     help="real null A/B swaps into a live tiny run; 0: none")
+    ap.add_argument("--fixed", action="store_true", help="replication off (fixed-size tests), for comparison")
     args = ap.parse_args()
-    default = make_brief(None)
-    counts = [len(default.seeds)] + [n for n in args.seeds if n != len(default.seeds)]
+    default = make_brief(None, replicate=not args.fixed)
+    counts = [len(default.seeds)] + [n for n in [*args.seeds, ADAPTIVE_START] if n != len(default.seeds)]
+    counts = list(dict.fromkeys(counts))
+    design = ("replication off" if args.fixed else
+              f"replication on: up to {default.replicate.max_looks} looks, {default.replicate.boundary} spending")
     print(f"rigor: {args.studies} simulated studies per cell; sigma {args.sigma}; independent noise per run; "
-          f"alpha {decision.ALPHA}; brief default seeds {len(default.seeds)}")
-    print("| seeds | effect | detection (search) | detection (confirmed) | false keep (search) | false keep (kept) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          f"alpha {decision.ALPHA}; brief default seeds {len(default.seeds)}; {design}")
+    print("| seeds | effect | detection (search) | detection (confirmed) | false keep (search) | false keep (kept) "
+          "| runs per study |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     started = time.time()
     headline: dict[str, float] = {}
     for n in counts:
-        brief = default if n == len(default.seeds) else make_brief(n)
+        brief = default if n == len(default.seeds) else make_brief(n, replicate=not args.fixed)
         for effect in EFFECTS:
             rng = random.Random(f"{args.rng}-{n}-{effect}")
-            tally = {"search_detect": 0, "search_false": 0, "detect": 0, "false_keep": 0}
+            tally = {"search_detect": 0, "search_false": 0, "detect": 0, "false_keep": 0, "runs": 0}
             for _ in range(args.studies):
                 for key, hit in simulate_study(brief, effect, args.sigma, rng).items():
                     tally[key] += hit
@@ -158,11 +176,13 @@ def main() -> None:
             detect = ("-" if effect == 0 else f"{rate['search_detect']:.3f}",
                       "-" if effect == 0 else f"{rate['detect']:.3f}")
             print(f"| {n}{' (default)' if n == len(default.seeds) else ''} | {effect:g}σ | {detect[0]} | {detect[1]} "
-                  f"| {rate['search_false']:.3f} | {rate['false_keep']:.3f} |", flush=True)
+                  f"| {rate['search_false']:.3f} | {rate['false_keep']:.3f} | {rate['runs']:.1f} |", flush=True)
             if n == len(default.seeds) and effect == 2.0:
                 headline["detect"] = rate["detect"]
             if n == len(default.seeds) and effect == 0.0:
                 headline["false_keep"] = rate["false_keep"]
+            if n == ADAPTIVE_START and effect == 2.0:
+                headline["adaptive"] = rate["detect"]
     print(f"({time.time() - started:.0f} s)")
     ab = rigor_ab.ab_table(max(args.ab_trials, 40), default.run.swap_window, default.objective.direction, args.rng)
     live = rigor_live.trials(args.live_trials, default.run.swap_window, default.objective.direction) if (
@@ -171,7 +191,9 @@ def main() -> None:
         print(rigor_live.summary(live))
     print(f"rigor: detection_2sigma={headline['detect']:.3f} false_keep={headline['false_keep']:.3f} "
           f"ab_detection={ab['detect']:.3f} ab_false_keep={ab['false_keep']:.3f} "
-          f"ab_false_keep_ar05={ab['false_keep_ar05']:.3f} live_trials={len(live)} seeds={len(default.seeds)}")
+          f"ab_false_keep_ar05={ab['false_keep_ar05']:.3f} "
+          f"adaptive_detection_3seeds={headline['adaptive']:.3f} "
+          f"live_trials={len(live)} seeds={len(default.seeds)}")
 
 
 if __name__ == "__main__":
