@@ -1,11 +1,14 @@
-"""Request bodies parsed and validated into wire types, large ones on a worker thread.
+"""Request bodies parsed and validated into wire types: small ones inline, large ones off the event loop.
 
 FastAPI parses a declared body with `json.loads` and validates it with pydantic on the event loop:
 a body near `server.max_request_bytes` (8 MiB) held every other request of the server for over a
-second. The OpenAI-compatible routes therefore take the raw request and call `read_body`, which
-parses and validates inline when the body is small and on a
-worker thread when it is large. A malformed body raises FastAPI's `RequestValidationError`, so the
-gateway's one handler turns it into the same 400 naming the field.
+second. The OpenAI-compatible routes therefore take the raw request and call `BodyParser.read`:
+a small body is parsed inline (a thread hop costs more), a medium one on a worker thread, and a
+large one in a child process, because `json.loads` and pydantic hold the GIL for their whole C-level
+run (a 4M-id prompt list: ~0.3 s quiet) and a thread would stall the loop all the same. The child
+refuses a token-id prompt longer than its model's context itself, so a huge list never comes back
+across the pipe to be unpickled under the GIL. A malformed body raises FastAPI's
+`RequestValidationError`, so the gateway's one handler turns it into the same 400 naming the field.
 
 `openapi_bodies` puts the wire types back into the OpenAPI document, since routes that read the raw
 request declare no body of their own (the fuzz tests generate requests from that document).
@@ -16,6 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -24,9 +30,14 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 
+from core.serve.openai_wire import WireError
+
 # Below this many bytes a body is validated inline: the hop to a thread (~0.1 ms) costs more than
 # parsing it (~64 KiB of JSON parses in ~0.3 ms), and small bodies are nearly every agent call.
 INLINE_BYTES = 64 * 1024
+# From this many bytes a body is parsed in the child process: ~1 MiB of JSON holds the GIL for
+# ~5-40 ms (one long string vs a list of small numbers), the most a thread may take from the loop.
+CHILD_BYTES = 2**20
 REF = "#/components/schemas/{model}"
 
 M = TypeVar("M", bound=BaseModel)
@@ -43,16 +54,57 @@ def validate(model: type[M], raw: bytes) -> M:
     return model.model_validate(data)
 
 
-async def read_body(request: Request, model: type[M]) -> M:
-    """The request's body as `model`; large bodies are parsed and validated off the event loop."""
-    raw = await request.body()
+def _errors(e: Exception) -> list[dict[str, Any]]:
+    """A validation failure as FastAPI's error list (without the input: it may be the whole body)."""
+    if isinstance(e, RequestValidationError):
+        return [{k: v for k, v in err.items() if k != "input"} for err in e.errors()]
+    return [{**{k: v for k, v in err.items() if k != "input"}, "loc": ("body", *err["loc"])}
+            for err in e.errors(include_url=False, include_context=False)]
+
+
+def _child_validate(model: type[M], raw: bytes, contexts: dict[str, int]) -> tuple[str, Any]:
+    """In the child process: ("ok", body), ("invalid", errors) or ("too_long", (ids, context))."""
     try:
-        if len(raw) < INLINE_BYTES:
-            return validate(model, raw)
-        return await asyncio.to_thread(validate, model, raw)
-    except ValidationError as e:
-        errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False, include_context=False)]
-        raise RequestValidationError(errors) from None
+        body = validate(model, raw)
+    except (RequestValidationError, ValidationError) as e:
+        return "invalid", _errors(e)
+    prompt, context = getattr(body, "prompt", None), contexts.get(getattr(body, "model", ""))
+    if isinstance(prompt, list) and context is not None and len(prompt) >= context:
+        return "too_long", (len(prompt), context)
+    return "ok", body
+
+
+class BodyParser:
+    """Parses the routes' bodies; owns the child process large bodies go to (started on first use)."""
+
+    def __init__(self, contexts: Callable[[], dict[str, int]]):
+        self.contexts = contexts  # model name -> max context, for the child's length refusal
+        self._child: ProcessPoolExecutor | None = None
+
+    async def read(self, request: Request, model: type[M]) -> M:
+        """The request's body as `model`; medium bodies parsed on a thread, large ones in the child."""
+        raw = await request.body()
+        try:
+            if len(raw) < INLINE_BYTES:
+                return validate(model, raw)
+            if len(raw) < CHILD_BYTES:
+                return await asyncio.to_thread(validate, model, raw)
+        except ValidationError as e:
+            raise RequestValidationError(_errors(e)) from None
+        if self._child is None:  # spawn, not fork: the server has threads (engines, uvicorn)
+            self._child = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        loop = asyncio.get_running_loop()
+        kind, result = await loop.run_in_executor(self._child, _child_validate, model, raw, self.contexts())
+        if kind == "invalid":
+            raise RequestValidationError(result)
+        if kind == "too_long":
+            raise WireError(f"prompt is {result[0]} tokens; the model's context is {result[1]}",
+                            "context_length_exceeded")
+        return result
+
+    def close(self) -> None:
+        if self._child is not None:
+            self._child.shutdown(wait=False, cancel_futures=True)
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -1,11 +1,15 @@
-"""The HTTP gateway: OpenAI-compatible routes, swarm routes, and OpenAI-shaped errors.
+"""The HTTP gateway: OpenAI-compatible routes (Chat Completions, Completions, Responses, Anthropic
+Messages), swarm routes, and OpenAI-shaped errors.
 
 A request belongs to an episode through its bearer key (or the path form
 `/episodes/{secret}/v1/...`, the secret derived from the key, for clients that cannot set one;
 never the bare episode id, see `core.auth`); its tokens are then recorded on that
 episode. Requests without a key are served, unrecorded, only when the server allows anonymous use.
 No input a client can send reaches a bare 500: validation, template, context and episode errors all
-map to OpenAI-style JSON. Bodies over `server.max_request_bytes` get 413 (`core.serve.body_limit`);
+map to OpenAI-style JSON. Every API converts to one chat turn (`prepare_chat`, `run_chat`; the
+Responses and Messages routes in `core.serve.responses` and `core.serve.messages`), so all record the
+same ids for the same conversation. Bodies over `server.max_request_bytes` get 413
+(`core.serve.body_limit`); large ones are parsed off the event loop (`core.serve.bodies`);
 rendering and tokenizing run off the event loop, after a byte-length check that refuses a prompt
 its text alone proves too long; every engine await is bounded by `server.request_timeout_s` (504);
 a request the engine could not generate (`GenerationError`) gets its own 500 naming why.
@@ -28,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.auth import bearer
 from core.serve.body_limit import BodyLimit
-from core.serve.bodies import body_schema, openapi_bodies, read_body
+from core.serve.bodies import BodyParser, body_schema, openapi_bodies
 from core.serve.chat import PromptTooLong, TemplateError
 from core.engine import Generation, GenerationError, SamplingParams, is_greedy
 from core.episodes.registry import KEY_PREFIX, EpisodeError
@@ -68,6 +72,7 @@ def build_app(server: ServerState) -> FastAPI:
         sweeper = asyncio.create_task(server.sweep_leases())
         yield
         sweeper.cancel()
+        gw.bodies.close()
 
     app = FastAPI(title="swarmrl", version="0.1.0", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=server.cfg.server.max_request_bytes)
@@ -111,7 +116,7 @@ def build_app(server: ServerState) -> FastAPI:
                 for n, p in server.policies.items()]
         return {"object": "list", "data": data}
 
-    # Each API on two routes, keyed and path form. Bodies are read raw and parsed by `read_body`
+    # Each API on two routes, keyed and path form. Bodies are read raw and parsed by `gw.bodies`
     # (large ones off the event loop); `body_schema` keeps them in the OpenAPI document.
     apis = ((ChatRequest, "chat/completions", gw.chat), (CompletionRequest, "completions", gw.complete),
             (ResponsesRequest, "responses", gw.responses.create), (MessagesRequest, "messages", gw.messages.create))
@@ -137,27 +142,20 @@ def _routes(gw: _Gateway, wire, handle, x_api_key: bool):
 
     async def keyed(request: Request):
         episode = gw.episode_from_key(request, x_api_key)
-        return await handle(await read_body(request, wire), episode)
+        return await handle(await gw.bodies.read(request, wire), episode)
 
     async def by_path(secret: str, request: Request):
         episode = gw.server.registry.by_path(secret)
-        return await handle(await read_body(request, wire), episode)
+        return await handle(await gw.bodies.read(request, wire), episode)
 
     return keyed, by_path
-
-
-# Token-id prompts longer than this are range-checked on a worker thread (~1 ms of min/max inline).
-LONG_PROMPT_IDS = 16_384
-
-
-def _bounds(ids: list[int]) -> tuple[int, int]:
-    return min(ids), max(ids)
 
 
 class _Gateway:
     def __init__(self, server: ServerState):
         self.server = server
         self.responses, self.messages = ResponsesAPI(self), MessagesAPI(self)
+        self.bodies = BodyParser(lambda: {n: p.engine.max_context for n, p in server.policies.items()})
 
     def episode_from_key(self, request: Request, x_api_key: bool = False) -> Episode | None:
         """The episode of the request's key (`Authorization: Bearer`, or `x-api-key` where asked)."""
@@ -291,15 +289,16 @@ class _Gateway:
     async def complete(self, body: CompletionRequest, episode: Episode | None):
         policy = self.policy(body.model)
         if body.stream:
-            raise APIError(400, "streaming is offered on /v1/chat/completions only", "unsupported")
+            raise APIError(400, "streaming is not offered on /v1/completions (it is on /v1/chat/completions, "
+                           "/v1/responses and /v1/messages)", "unsupported")
         if isinstance(body.prompt, str):
             prompt_ids = await self.encode(policy, body.prompt)
         else:
             vocab = len(policy.tokenizer)
-            # min/max of a few million ids take tens of ms: off the loop when the prompt is long
-            lo, hi = (await asyncio.to_thread(_bounds, body.prompt) if len(body.prompt) > LONG_PROMPT_IDS
-                      else _bounds(body.prompt))
-            if lo < 0 or hi >= vocab:
+            if len(body.prompt) >= policy.engine.max_context:  # before scanning ids: a huge list is refused unread
+                raise APIError(400, f"prompt is {len(body.prompt)} tokens; the model's context is "
+                               f"{policy.engine.max_context}", "context_length_exceeded")
+            if min(body.prompt) < 0 or max(body.prompt) >= vocab:
                 raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_prompt")
             prompt_ids = body.prompt
         params = self.sampling(body, policy, len(prompt_ids), body.max_tokens, episode)

@@ -21,6 +21,10 @@ GREEDY = {"temperature": 0}  # the anthropic SDK (2.x) has no temperature argume
 RESPONSES_TOOL = {"type": "function", **ADD_TOOL["function"]}
 ANTHROPIC_TOOL = {"name": "add", "description": ADD_TOOL["function"]["description"],
                   "input_schema": ADD_TOOL["function"]["parameters"]}
+# What every call of a conversation asks, greedy so both APIs' conversations are the same one.
+RESPONSES_ASK = {"model": "policy", "instructions": SYSTEM, "tools": [RESPONSES_TOOL], "temperature": 0,
+                 "max_output_tokens": 80}
+MESSAGES_ASK = {"model": "policy", "system": SYSTEM, "tools": [ANTHROPIC_TOOL], "max_tokens": 80, "extra_body": GREEDY}
 
 
 @pytest.fixture
@@ -80,19 +84,17 @@ def test_responses_tool_turns_with_previous_response_id_record_the_ids_chat_give
     twin = chat_twin(server)
     with SwarmClient(server.url).episode(task_id="responses") as ep:
         client = responses_client(ep)
-        common = {"model": "policy", "instructions": SYSTEM, "tools": [RESPONSES_TOOL], "temperature": 0,
-                  "max_output_tokens": 80}
         if stream:
-            kinds, first, _ = stream_response(client, input=USER_PROMPTS[0], **common)
+            kinds, first, _ = stream_response(client, input=USER_PROMPTS[0], **RESPONSES_ASK)
             assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
         else:
-            first = client.responses.create(input=USER_PROMPTS[0], **common)
+            first = client.responses.create(input=USER_PROMPTS[0], **RESPONSES_ASK)
         [call] = [item for item in first.output if item.type == "function_call"]
         assert (call.name, call.arguments) == ("add", '{"a": 2, "b": 3}')
         assert first.usage.input_tokens == len(twin[0].prompt_ids)
         assert first.usage.output_tokens == len(twin[0].completion_ids)
         follow = {"previous_response_id": first.id,
-                  "input": [{"type": "function_call_output", "call_id": call.call_id, "output": "5"}], **common}
+                  "input": [{"type": "function_call_output", "call_id": call.call_id, "output": "5"}], **RESPONSES_ASK}
         if stream:
             kinds, second, text = stream_response(client, **follow)
             assert text == ANSWER_TEXT and "response.output_text.done" in kinds
@@ -111,13 +113,11 @@ def test_responses_without_previous_response_id_resend_the_output_items(tool_ser
     twin = chat_twin(server)
     with SwarmClient(server.url).episode(task_id="items") as ep:
         client = responses_client(ep)
-        common = {"model": "policy", "instructions": SYSTEM, "tools": [RESPONSES_TOOL], "temperature": 0,
-                  "max_output_tokens": 80}
         items = [{"role": "user", "content": USER_PROMPTS[0]}]
-        first = client.responses.create(input=items, **common)
+        first = client.responses.create(input=items, **RESPONSES_ASK)
         items += [o.model_dump(exclude_none=True) for o in first.output]
         items.append({"type": "function_call_output", "call_id": first.output[-1].call_id, "output": "5"})
-        assert client.responses.create(input=items, **common).output_text == ANSWER_TEXT
+        assert client.responses.create(input=items, **RESPONSES_ASK).output_text == ANSWER_TEXT
         calls = list(server.registry._open[ep.id].calls)
         ep.finish(1.0)
     assert_same_timeline(calls, twin)
@@ -165,14 +165,13 @@ def test_messages_tool_use_then_tool_result_record_the_ids_chat_gives(tool_serve
     twin = chat_twin(server)
     with SwarmClient(server.url).episode(task_id="messages") as ep:
         client = anthropic_client(ep)
-        common = {"model": "policy", "system": SYSTEM, "tools": [ANTHROPIC_TOOL], "max_tokens": 80, "extra_body": GREEDY}
         messages = [{"role": "user", "content": USER_PROMPTS[0]}]
         if stream:
-            kinds, text, tools, reason, out_tokens = stream_message(client, messages=messages, **common)
+            kinds, text, tools, reason, out_tokens = stream_message(client, messages=messages, **MESSAGES_ASK)
             assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
             [(use_id, name, args)] = tools
         else:
-            first = client.messages.create(messages=messages, **common)
+            first = client.messages.create(messages=messages, **MESSAGES_ASK)
             [use] = [b for b in first.content if b.type == "tool_use"]
             use_id, name, args, reason, out_tokens = use.id, use.name, use.input, first.stop_reason, first.usage.output_tokens
             messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]})
@@ -182,9 +181,9 @@ def test_messages_tool_use_then_tool_result_record_the_ids_chat_gives(tool_serve
             messages.append({"role": "assistant", "content": [{"type": "tool_use", "id": use_id, "name": name, "input": args}]})
         messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use_id, "content": "5"}]})
         if stream:
-            _, text, tools, reason, _ = stream_message(client, messages=messages, **common)
+            _, text, tools, reason, _ = stream_message(client, messages=messages, **MESSAGES_ASK)
         else:
-            second = client.messages.create(messages=messages, **common)
+            second = client.messages.create(messages=messages, **MESSAGES_ASK)
             text, tools, reason = "".join(b.text for b in second.content if b.type == "text"), [], second.stop_reason
         assert (text, tools, reason) == (ANSWER_TEXT, [], "end_turn")
         calls = list(server.registry._open[ep.id].calls)
@@ -198,13 +197,12 @@ def test_the_tito_counters_count_every_api(tool_server):
     chat_twin(server)
     with SwarmClient(server.url).episode(task_id="count") as ep:
         client = anthropic_client(ep)
-        common = {"model": "policy", "system": SYSTEM, "tools": [ANTHROPIC_TOOL], "max_tokens": 80, "extra_body": GREEDY}
-        first = client.messages.create(messages=[{"role": "user", "content": USER_PROMPTS[0]}], **common)
+        first = client.messages.create(messages=[{"role": "user", "content": USER_PROMPTS[0]}], **MESSAGES_ASK)
         use = next(b for b in first.content if b.type == "tool_use")
         client.messages.create(messages=[
             {"role": "user", "content": USER_PROMPTS[0]},
             {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}], **common)
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "5"}]}], **MESSAGES_ASK)
         ep.finish(1.0)
     tito = server.status()["throughput"]["tito"]
     assert tito["reused"] == before + 2 and tito["broken"] == 0

@@ -182,3 +182,19 @@ def test_a_large_body_is_parsed_off_the_event_loop(live_server, monkeypatch):
         call.join()
     # ~64k tokens of "x ": refused by the context check after its parse, not a hang or a 5xx
     assert result[0].status_code == 400 and result[0].json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_body_past_child_bytes_gets_the_same_answers_from_the_child_process(live_server):
+    server = live_server()
+    n = bodies.CHILD_BYTES // 2  # "1," per id: the body is just past CHILD_BYTES
+    r = httpx.post(server.url + "/v1/completions", json={"model": "policy", "prompt": [1] * n}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert f"prompt is {n} tokens" in r.json()["error"]["message"]  # refused in the child, the list never sent back
+    bad = {"model": "policy", "messages": [{"role": "user", "content": "x" * bodies.CHILD_BYTES}, {"role": "robot"}]}
+    r = httpx.post(server.url + CHAT, json=bad, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages.1.role"), r.text
+    r = httpx.post(server.url + CHAT, json={"model": "policy", "messages": [{"role": "user", "content": "x" * bodies.CHILD_BYTES}]},
+                   timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    small = httpx.post(server.url + "/v1/completions", json={"model": "policy", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert small.status_code == 200, small.text
