@@ -58,6 +58,7 @@ class ReviewNode(NodeBase):
                 decision = Decision(proposal_id=p.id, verdict="approved", by="policy", reason=reason, source="policy")
                 ctx.board.decide(decision)
                 new[p.id] = decision
+        new = self._parents_hold(state, undecided, new)  # before waiting: a vetoed parent's children end now
         waiting = [p.id for p in undecided if p.id not in new]
         if waiting:
             ctx.emit("review.pending", ids=waiting)
@@ -66,7 +67,7 @@ class ReviewNode(NodeBase):
                 d = Decision.model_validate(raw)
                 if d.proposal_id in waiting and d.proposal_id not in new:
                     new[d.proposal_id] = d
-        new = self._parents_hold(state, undecided, new)
+        new = self._parents_hold(state, undecided, new)  # and for the answers a wait brought
         ordered = [new[p.id] for p in undecided if p.id in new]
         for d in ordered:
             ctx.emit("decision", **d.model_dump())
