@@ -8,8 +8,9 @@
 #   device run, carry [".whl"]:  bash bench/gpu_check.sh          (~ a few minutes on an H200)
 #   bash bench/gpu_check.sh --small --device cpu      (a dry run of the whole check on a CPU)
 #
-# It prints one table per part (engine decode, trainer step and memory, 1.5B MFU) and a last line
-# `gpu_check: decode_tok_s_b32=<x> train_step_s=<y> mfu=<z> peak_gib=<w>` (bench/gpu_check.py).
+# It prints one table per part (engine decode, trainer step and memory, 1.5B MFU) and the line
+# `gpu_check: decode_tok_s_b32=<x> train_step_s=<y> mfu=<z> peak_gib=<w>` (bench/gpu_check.py), then
+# the replicas figures (bench/replicas.py) on a device with 2 or more GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -20,4 +21,13 @@ if ! "$PY" -c "import pydantic" 2>/dev/null; then
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-exec "$PY" bench/gpu_check.py "$@"
+"$PY" bench/gpu_check.py "$@"
+# One model on many GPUs (issue 33): rollout completions/s at 1 and 2 replicas, trainer step time at 1
+# and 2 NCCL ranks, weight sync time; last line `replicas: rollout_scaling_2=.. train_scaling_2=.. sync_s=..`.
+# It needs two GPUs (NCCL refuses two ranks on one); with fewer it says so and is skipped.
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+  "$PY" bench/replicas.py --device cuda --completions 256 --concurrency 32 --max-tokens 128  # tiny: no download there
+else
+  echo "replicas: skipped (needs 2 GPUs, this device has $GPUS)"
+fi

@@ -64,6 +64,15 @@ class ReplicaSpec:
     seed: int  # the run's trainer.seed plus the replica's index: each replica its own sampling stream
 
 
+def hung(last_beat: float, load: EngineLoad, hang_s: float) -> str | None:
+    """Why a replica last heard from at `last_beat` (monotonic) with `load` counts as hung, or None."""
+    if time.monotonic() - last_beat > SILENT_S:
+        return f"no heartbeat for {SILENT_S:g} s"
+    if load.oldest_s is not None and load.oldest_s > hang_s:
+        return f"a request waited {load.oldest_s:.0f} s (hang_s {hang_s:g})"
+    return None
+
+
 def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a trainer step changes: the trainable parameters (every weight, or the LoRA adapters)."""
     return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
@@ -210,12 +219,10 @@ class ProcessEngine:
         """Alive, heard from lately, and no request older than `hang_s`; a replica found otherwise is killed."""
         if self.lost:
             return False
-        if not self.proc.is_alive():
-            self.kill(f"its process exited (code {self.proc.exitcode})")
-        elif time.monotonic() - self._beat > SILENT_S:
-            self.kill(f"no heartbeat for {SILENT_S:g} s")
-        elif self._load.oldest_s is not None and self._load.oldest_s > self.hang_s:
-            self.kill(f"a request waited {self._load.oldest_s:.0f} s (hang_s {self.hang_s:g})")
+        why = f"its process exited (code {self.proc.exitcode})" if not self.proc.is_alive() else \
+            hung(self._beat, self._load, self.hang_s)
+        if why:
+            self.kill(why)
         return self.lost is None
 
     def load(self) -> EngineLoad:

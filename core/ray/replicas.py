@@ -31,7 +31,7 @@ from core.config import ModelConfig, RunConfig
 from core.engine import EngineLoad, Generation, SamplingParams
 from core.engine.replicas import ReplicaEngine
 from core.engine.process import HEARTBEAT_S, SILENT_S, START_S, SYNC_S, ReplicaLost, ReplicaSpec, build_replica, \
-    sync_replica
+    hung, sync_replica
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,9 @@ class RayReplica:
     def healthy(self) -> bool:
         if self.lost:
             return False
-        if time.monotonic() - self._beat > SILENT_S:
-            self.kill(f"no heartbeat for {SILENT_S:g} s")
-        elif self._load.oldest_s is not None and self._load.oldest_s > self.hang_s:
-            self.kill(f"a request waited {self._load.oldest_s:.0f} s (hang_s {self.hang_s:g})")
+        why = hung(self._beat, self._load, self.hang_s)
+        if why:
+            self.kill(why)
         return self.lost is None
 
     def load(self) -> EngineLoad:

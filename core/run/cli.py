@@ -360,6 +360,11 @@ def status(url: str = typer.Argument("http://127.0.0.1:8000", help="swarm server
         f"episodes {data['episodes']}\ncalls {t['calls']} ({t['calls_per_s']:.1f}/s)  tokens/s {t['tokens_per_s']:.1f}  "
         f"token-in-token-out {t['tito']}"
     )
+    for n, m in data["models"].items():  # a model on replicas: each one's health, version and load
+        for r in m.get("replicas", []):
+            Console().print(f"{n} replica {r['replica']} on {r['device']} (pid {r['pid']}): "
+                            f"{'up' if r['healthy'] else '[red]down[/red]'}, version {r['version']}, "
+                            f"{r['episodes']} open episodes, {r['inflight']} calls in flight, {r['restarts']} restarts")
     for c in data.get("clients", []):  # registered client processes (hot swap drains through this table)
         Console().print(f"client {c['client_id']}: {c['sandbox']} @ {c['version'] or '-'} ({c['kind']}, group "
                         f"{c['group_size']}, pid {c['pid']} on {c['host']}) {c['state']}")
