@@ -111,9 +111,12 @@ def delegate() -> int | None:
             return None
         body = json.dumps(request).encode()
         message = _HEADER.pack(len(body)) + body
-        sent = socket.send_fds(sock, [message], [0, 1, 2])
-        if sent < len(message):  # not sendall(b""): a refusal may already have closed the other end
-            sock.sendall(message[sent:])
+        try:
+            sent = socket.send_fds(sock, [message], [0, 1, 2])
+            if sent < len(message):  # not sendall(b""): a refusal may already have closed the other end
+                sock.sendall(message[sent:])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it refused this peer before reading the request: its reply, still queued, says why
         sys.stdout.flush()
         sys.stderr.flush()
         reply = _reply(replies)
