@@ -45,14 +45,13 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[N] the token each row's uniform in [0, 1) picks from its (unnormalised) `probs` [N, V]: the first
-    token whose cumulative mass exceeds u * total. Such a token has mass > 0, so u = 0 picks the first
-    token that can be drawn, not token 0; a u that rounds up to the total takes the last drawable one."""
+    token whose cumulative mass exceeds u * total. Such a token has mass > 0 (its cumulative mass rose),
+    so u = 0 picks the first token that can be drawn, not token 0. The target is held strictly below the
+    total, so a u * total that rounds up to it takes the last token whose mass counts, never one after."""
     cdf = probs.cumsum(-1)  # non-decreasing in float too: adding a non-negative number never lowers a sum
-    drawn = (cdf <= uniforms[:, None] * cdf[:, -1:]).sum(-1)
-    # The last token of positive mass: the bound for a u * total that rounds to the total itself.
-    vocab = probs.shape[-1]
-    last = vocab - 1 - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
-    return torch.minimum(drawn, last)
+    total = cdf[:, -1]
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return (cdf <= target[:, None]).sum(-1)
 
 
 @dataclass
