@@ -76,8 +76,15 @@ def _known_errors() -> tuple[type[Exception], ...]:
 
 @app.callback()
 def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log INFO messages too.")) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s",
-                        handlers=[RichHandler(console=Console(stderr=True), show_path=False)])
+    handler = RichHandler(console=Console(stderr=True), show_path=False)
+    handler.addFilter(_plain_record)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s", handlers=[handler])
+
+
+def _plain_record(record: logging.LogRecord) -> bool:
+    """A log line is plain text too (review/plain.py): a planner's error quoting the LLM's reply, a run's log tail."""
+    record.msg, record.args = plain(record.getMessage()), None
+    return True
 
 
 @study_app.callback()

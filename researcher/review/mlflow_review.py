@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from mlflow.tracking import MlflowClient
 
 from researcher.code.lineage import Lineage
 from researcher.records import CodeVersion, Decision, IgnoredChange, Proposal, Summary, now_iso
-from researcher.review.plain import cell, fenced, plain
+from researcher.review.plain import cell, fenced, markdown, plain
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +64,10 @@ BASE_DIFF_ARTIFACT = "proposal/base.diff"  # a proposal on a parent: the whole c
 LOG_ARTIFACT = "proposal/validation.log"
 
 
-# Markdown's (and inline HTML's) punctuation: backslash-escaped in the note, so text from a planner or a
-# person reads as typed (`[x](javascript:...)`, `<img src=...>`, `**` stay literal) and never as markup.
-_MARKDOWN = re.compile(r"([\\`*_\[\]<>|~&])")  # mid-line text: list and heading markers cannot start
-
-
 def _cell(value: object) -> str:
-    """Text for the note, one line: controls escaped (review/plain.py), Markdown punctuation escaped, so a
-    `|` cannot end a table cell and a newline cannot end a row."""
-    return _MARKDOWN.sub(r"\\\1", cell(value))
+    """Text for the note, one line: controls and Markdown punctuation escaped (review/plain.py), so it is no
+    markup, a `|` cannot end a table cell and a newline cannot end a row."""
+    return markdown(value)
 
 
 def _code(value: object) -> str:

@@ -55,6 +55,17 @@ def fenced(value: object, lang: str = "") -> str:
     return f"{fence}{lang}\n{shown}\n{fence}"
 
 
+# Markdown's (and inline HTML's) punctuation that can start markup in the middle of a line: backslash-escaped by
+# `markdown`, so text from a planner or a person reads as typed (`[x](javascript:...)`, `<img src=...>`, `**`).
+MARKDOWN_PUNCTUATION = "\\`*_[]<>|~&"
+_MARKDOWN = re.compile("([" + re.escape(MARKDOWN_PUNCTUATION) + "])")
+
+
+def markdown(value: object) -> str:
+    """`cell(value)` for the middle of a Markdown line: every character that could start markup escaped."""
+    return _MARKDOWN.sub(r"\\\1", cell(value))
+
+
 def text(value: object, style: str = "") -> Text:
     """A rich `Text` of `plain(value)`: printed as it reads, never parsed as rich markup."""
     return Text(plain(value), style=style)

@@ -25,7 +25,7 @@ from researcher.evidence import analysis, confirmation, decision
 from researcher.review.report_stages import stage_lines
 from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal, SwapResult
 from researcher.review import report_html
-from researcher.review.plain import cell, fenced, plain
+from researcher.review.plain import cell, fenced, markdown, plain
 from researcher.review.views import (
     best_result,  # also what `status` prints
     trained_steps as _steps,
@@ -46,6 +46,17 @@ DECISION_RULE = (
     f"inconclusive comparison gets seeds added in stages, each look at its group-sequential level.")
 # Figure size in inches: readable in a Markdown preview at its default width.
 _FIG = (7.0, 4.0)
+
+
+def _text(value: object) -> str:
+    """Untrusted text (a hypothesis, a planner's note, a reason typed in a tag) in the report: plain and no
+    Markdown (review/plain.py); the HTML report shows the characters as typed."""
+    return markdown(value)
+
+
+def _span(value: object) -> str:
+    """Untrusted text inside a Markdown code span: plain, and no backtick to end the span early."""
+    return cell(value).replace("`", "'")
 
 
 def _cell(text: str) -> str:
@@ -258,7 +269,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     figures = _plot(brief, series, list(results.values()), paths.figures)
     swaps = _swap_plots(brief, [SwapResult.model_validate(x) for x in state.get("swaps", [])], paths.figures)
 
-    status = (failed if failed else f"stopped: {state['stop_reason']}" if state.get("stop_reason") else "in progress")
+    status = _text(failed if failed else f"stopped: {state['stop_reason']}" if state.get("stop_reason") else "in progress")
     lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
              f"Objective: **{brief.objective.direction} `{brief.objective.metric}`** "
              f"(score = mean of the last {brief.objective.window} logged value(s); seeds {brief.seeds}).", "",
@@ -286,7 +297,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     notes = state.get("notes", [])
     plan_s = sum(n.get("plan_s", 0.0) for n in notes)
     lines += ["", "## Planner", ""]
-    lines += [f"- round {n['round']} ({n['planner']}, {n['plan_s']:.2f} s, {n['tokens']} tokens): {n['note']}"
+    lines += [f"- round {n['round']} ({n['planner']}, {n['plan_s']:.2f} s, {n['tokens']} tokens): {_text(n['note'])}"
               for n in notes]
     lines += ["", f"Planner overhead: {plan_s:.2f} s over {len(notes)} plan(s) "
               f"({plan_s / max(1, len(notes)):.2f} s per iteration) against {spent.wall_s:.0f} s in core runs.", ""]
@@ -307,13 +318,13 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
         verdict = (r.verdict.fmt() if r and r.verdict else ("reference (baseline)" if r and r.status == "ok" else "-"))
         if r and r.confirmation:
             verdict += f"; confirmation {r.confirmation.fmt()}"
-        lines.append(f"| {p.id} | {_cell(p.hypothesis)} | {_cell(p.diff_text(base_flat))} | "
-                     f"{_cell(_code_cell(p, code.get(p.id), paths))} | {_cell(decision)} | {_cell(runs)} | "
+        lines.append(f"| {p.id} | {_text(p.hypothesis)} | {_text(p.diff_text(base_flat))} | "
+                     f"{_cell(_code_cell(p, code.get(p.id), paths))} | {_text(decision)} | {_cell(runs)} | "
                      f"{_cell(score)} | {_cell(verdict)} |")
     if ignored:
         lines += ["", "## Review changes ignored", "",
                   "A decision is final: these later edits of decided proposals' review tags were recorded, not applied.", ""]
-        lines += [f"- {c.proposal_id}: {c.decided}, then changed to `{c.changed_to}` by {c.by} at {c.at}"
+        lines += [f"- {c.proposal_id}: {c.decided}, then changed to `{_span(c.changed_to)}` by {_text(c.by)} at {_text(c.at)}"
                   + (" (seen at poll time)" if c.at_poll_time else "") + ": ignored" for c in ignored]
     for fig in figures:
         lines += ["", f"![{fig.stem}]({fig.relative_to(paths.root).as_posix()})"]

@@ -12,14 +12,25 @@ import html
 import re
 from pathlib import Path
 
+from researcher.review.plain import MARKDOWN_PUNCTUATION
+
 _IMAGE = re.compile(r"^!\[(?P<alt>[^\]]*)\]\((?P<src>[^)]+)\)$")
 _CODE = re.compile(r"`([^`]+)`")
+_ESCAPED = re.compile("\\\\([" + re.escape(MARKDOWN_PUNCTUATION) + "])")  # a Markdown backslash escape
 
 
 def _inline(text: str) -> str:
-    # <br> is the report's own line break inside table cells: kept, everything else escaped.
-    escaped = html.escape(text).replace("&lt;br&gt;", "<br>").replace("\\|", "|")
-    return _CODE.sub(r"<code>\1</code>", escaped)
+    # <br> is the report's own line break inside table cells: kept, everything else escaped. A backslash-escaped
+    # character (`plain.markdown`: untrusted text) is held aside first, so it shows as typed and starts nothing.
+    held: list[str] = []
+
+    def hold(match: re.Match[str]) -> str:
+        held.append(match.group(1))
+        return f"\0{len(held) - 1}\0"
+
+    escaped = html.escape(_ESCAPED.sub(hold, text)).replace("&lt;br&gt;", "<br>")
+    escaped = _CODE.sub(r"<code>\1</code>", escaped)
+    return re.sub("\0(\\d+)\0", lambda m: html.escape(held[int(m.group(1))]), escaped)
 
 
 def _image(alt: str, src: str, root: Path) -> str:
