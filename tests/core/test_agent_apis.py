@@ -206,3 +206,32 @@ def test_the_tito_counters_count_every_api(tool_server):
         ep.finish(1.0)
     tito = server.status()["throughput"]["tito"]
     assert tito["reused"] == before + 2 and tito["broken"] == 0
+
+
+def test_streamed_and_whole_responses_and_messages_give_the_same_text_as_chat(live_server):
+    server = live_server()
+    with SwarmClient(server.url).episode(task_id="plain") as ep:
+        chat = ep.openai.chat.completions.create(model="policy", messages=[{"role": "user", "content": "tell me"}],
+                                                 temperature=0, max_tokens=12).choices[0].message.content
+        client = responses_client(ep)
+        whole = client.responses.create(model="policy", input="tell me", temperature=0, max_output_tokens=12)
+        _, final, streamed = stream_response(client, model="policy", input="tell me", temperature=0, max_output_tokens=12)
+        assert whole.output_text == streamed == final.output_text == chat
+        assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+        claude = anthropic_client(ep)
+        ask = {"model": "policy", "max_tokens": 12, "messages": [{"role": "user", "content": "tell me"}], "extra_body": GREEDY}
+        message = claude.messages.create(**ask)
+        kinds, text, tools, reason, out_tokens = stream_message(claude, **ask)
+        assert "".join(b.text for b in message.content) == text == chat and tools == []
+        assert message.stop_reason == reason == "max_tokens" and out_tokens == message.usage.output_tokens == 12
+        ep.finish(0.0)
+
+
+def test_a_response_made_with_store_false_cannot_be_continued(live_server):
+    server = live_server()
+    with SwarmClient(server.url).episode(task_id="unstored") as ep:
+        client = responses_client(ep)
+        first = client.responses.create(model="policy", input="hi", max_output_tokens=4, store=False)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="policy", input="more", previous_response_id=first.id, max_output_tokens=4)
+        ep.finish(0.0)
