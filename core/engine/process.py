@@ -62,6 +62,9 @@ class ReplicaSpec:
     engine: dict  # EngineConfig dumped
     max_context: int
     seed: int  # the run's trainer.seed plus the replica's index: each replica its own sampling stream
+    # torch threads (0: torch's default, all cores). CPU replicas split the cores between them: N
+    # replicas each using every core would oversubscribe them N times over.
+    threads: int = 0
 
 
 def hung(last_beat: float, load: EngineLoad, hang_s: float) -> str | None:
@@ -101,6 +104,8 @@ def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
     adapters' names match), as a replica process or a Ray replica actor builds them."""
     mc, engine_cfg = ModelConfig.model_validate(spec.model), EngineConfig.model_validate(spec.engine)
     torch.manual_seed(spec.seed)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
     model, tok = models.load(mc)
     policy = models.prepare_policy(model, mc.lora) if mc.lora is not None and mc.trainable else model
     return make_engine(engine_cfg.kind, policy, tok, engine_cfg, spec.max_context, spec.seed), policy

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -299,14 +300,24 @@ class ReplicaEngine:
 def make_model_engine(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, tokenizer: Any,
                       max_context: int) -> Any:
     """The engine `models[mc.name]` asks for: the run's engine kind around `model` in this process,
-    or (`replicas` >= 2) a `ReplicaEngine` of replica processes, each on its device (`model_devices`)."""
+    or (`replicas` >= 2) a `ReplicaEngine` of replica processes."""
     if mc.replicas < 2:
         return make_engine(cfg.engine.kind, model, tokenizer, cfg.engine, max_context, seed=cfg.trainer.seed)
+    return process_replicas(cfg, mc, model, max_context)
+
+
+def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, max_context: int) -> ReplicaEngine:
+    """`mc.replicas` replica processes (even one: bench/replicas.py compares 1 with 2), each on its
+    device (`model_devices`), synced from `model`."""
     _, replica_devices = model_devices(mc, torch.cuda.device_count())
+
     def start(i: int, on_lost: Callable) -> ProcessEngine:
-        spec = ReplicaSpec(index=i, model=mc.model_copy(update={"device": replica_devices[i]}).model_dump(),
-                           engine=cfg.engine.model_dump(), max_context=max_context, seed=cfg.trainer.seed + i)
+        device = replica_devices[i]
+        cpu_share = max(1, (os.cpu_count() or 1) // replica_devices.count("cpu")) if device == "cpu" else 0
+        spec = ReplicaSpec(index=i, model=mc.model_copy(update={"device": device}).model_dump(),
+                           engine=cfg.engine.model_dump(), max_context=max_context, seed=cfg.trainer.seed + i,
+                           threads=cpu_share)
         return ProcessEngine(spec, cfg.server.request_timeout_s, on_lost)
 
-    return ReplicaEngine(lambda: pack_weights(weights_of(model)), start, mc.replicas, cfg.trainer.max_staleness, max_context,
-                         route_wait_s=cfg.server.request_timeout_s)
+    return ReplicaEngine(lambda: pack_weights(weights_of(model)), start, mc.replicas, cfg.trainer.max_staleness,
+                         max_context, route_wait_s=cfg.server.request_timeout_s)

@@ -15,10 +15,12 @@ import signal
 import time
 
 import pytest
+from typer.testing import CliRunner
 
 from core.config import load_config
 from core.engine.replicas import ReplicaEngine
 from core.records import Episode
+from core.run.cli import app
 from core.run.loop import CoreRun
 from core.train.distributed import DistributedTrainer
 from tests.core.turns_agent import TURNS
@@ -65,12 +67,15 @@ def chaos_run(tmp_path_factory):
     seen: list[tuple[int, int, list[int | None]]] = []
     killed: list[int] = []
     last: list[dict] = []  # the replicas as the last step left them (the server closes them at the end)
+    status_text: list[str] = []
 
     def on_step(step, metrics):
         if killed:  # replica 0 is restarting (spawn, imports, model): wait for it, the clients go on meanwhile
             deadline = time.monotonic() + RESTART_WAIT_S
             while not all(r["healthy"] for r in engine.status()) and time.monotonic() < deadline:
                 time.sleep(0.2)
+        if step == 2:  # what `swarm status` shows of the replicas, over HTTP, mid-run
+            status_text.append(CliRunner().invoke(app, ["status", core.server.url]).output)
         rows = engine.status()
         seen.append((step, core.server.versions()["policy"], [r["version"] for r in rows]))
         last[:] = rows
@@ -80,7 +85,7 @@ def chaos_run(tmp_path_factory):
 
     try:
         train_in_process(core, on_step)
-        yield core, last, seen, killed, tmp
+        yield core, last, seen, killed, tmp, status_text
     finally:
         core.server.close()
         for t in core.trainers.values():
@@ -89,7 +94,7 @@ def chaos_run(tmp_path_factory):
 
 
 def test_after_each_step_both_replicas_serve_the_new_version(chaos_run):
-    core, _, seen, _, _ = chaos_run
+    core, _, seen, _, _, _ = chaos_run
     assert core.failure is None and core.step == STEPS
     assert [s for s, _, _ in seen] == list(range(1, STEPS + 1))
     for step, version, replica_versions in seen:
@@ -99,7 +104,7 @@ def test_after_each_step_both_replicas_serve_the_new_version(chaos_run):
 
 
 def test_episodes_are_routed_to_both_replicas_and_trained_whole(chaos_run):
-    core, last, _, _, _ = chaos_run
+    core, last, _, _, _, _ = chaos_run
     assert all(r["episodes_total"] > 0 for r in last)  # the gateway's episode key reached the router
     assert core.trained
     for ep in core.trained:
@@ -108,8 +113,16 @@ def test_episodes_are_routed_to_both_replicas_and_trained_whole(chaos_run):
         assert all(c.version is not None for c in ep.calls)  # every call records the version that generated it
 
 
+def test_swarm_status_shows_each_replicas_health_version_and_load(chaos_run):
+    *_, status_text = chaos_run
+    assert len(status_text) == 1
+    for i in (0, 1):
+        assert f"policy replica {i} on cpu" in status_text[0]
+    assert status_text[0].count(": up, version ") == 2 and "open episodes" in status_text[0]
+
+
 def test_a_sigkilled_replica_aborts_its_episodes_and_comes_back_synced(chaos_run):
-    core, last, seen, killed, _ = chaos_run
+    core, last, seen, killed, _, _ = chaos_run
     row = last[0]
     assert killed and row["pid"] != killed[0] and row["healthy"]  # a new process serves slot 0
     assert row["version"] == seen[-1][1]  # at the policy's version
@@ -120,7 +133,7 @@ def test_a_sigkilled_replica_aborts_its_episodes_and_comes_back_synced(chaos_run
 
 
 def test_the_world_size_two_checkpoint_resumes_at_world_size_one_and_trains_on(chaos_run):
-    _, _, _, _, tmp = chaos_run
+    _, _, _, _, tmp, _ = chaos_run
     cfg = config(tmp)
     cfg.trainer.steps = STEPS + 1
     core = CoreRun(cfg)
