@@ -156,7 +156,7 @@ class LiveNode(RunNodes):
                 verdict = None
             judged[f"{p.id}/{record['n']}"] = verdict if verdict is not None else Verdict(result="inconclusive",
                                                                                          test="none")
-            confirmation = self._confirm(runner, run_id, record, verdict, new, stopped) if new else None
+            confirmation = self._confirm_swap(runner, run_id, record, verdict, new, stopped) if new else None
             better = confirmation is not None and confirmation.result == "better"
             serving = Launch.model_validate(watched["live"]).status == "running"
             for version in (record["from_versions"] if better else [record["to_version"]]) if serving else []:
@@ -171,7 +171,7 @@ class LiveNode(RunNodes):
                                   verdict=verdict, confirmation=confirmation, kept=kept))
         return out, Launch.model_validate(watched["live"])
 
-    def _confirm(self, runner: LiveRun, run_id: str | None, record: dict, verdict: Verdict | None, first: SwapSide,
+    def _confirm_swap(self, runner: LiveRun, run_id: str | None, record: dict, verdict: Verdict | None, first: SwapSide,
                  stopped) -> Verdict | None:
         """A better verdict's confirmation on the next `swap_window` steps, after the first window's last (None:
         nothing to confirm); a window the live run did not fill confirms nothing."""
