@@ -22,6 +22,7 @@ import json
 import multiprocessing
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -44,7 +45,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def validate(model: type[M], raw: bytes) -> M:
-    """JSON text to a wire type: the function `read_body` runs inline or on a thread. `json.loads`, not
+    """JSON text to a wire type: what `BodyParser.read` runs inline, on a thread or in the child. `json.loads`, not
     pydantic's own parser: that one refuses a lone surrogate escape ("\\ud800") as invalid JSON, where
     the wire types' validators name the field that holds it."""
     try:
@@ -94,7 +95,12 @@ class BodyParser:
         if self._child is None:  # spawn, not fork: the server has threads (engines, uvicorn)
             self._child = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         loop = asyncio.get_running_loop()
-        kind, result = await loop.run_in_executor(self._child, _child_validate, model, raw, self.contexts())
+        try:
+            kind, result = await loop.run_in_executor(self._child, _child_validate, model, raw, self.contexts())
+        except BrokenProcessPool:  # the child was killed (out of memory?): the next large body starts another
+            self._child = None
+            raise WireError("the process that parses large bodies died; send the request again",
+                            "parser_unavailable", 503) from None
         if kind == "invalid":
             raise RequestValidationError(result)
         if kind == "too_long":

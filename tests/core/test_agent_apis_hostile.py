@@ -13,6 +13,7 @@ import json
 import threading
 
 import httpx
+import psutil
 import pytest
 
 from core.clients.sdk import SwarmClient
@@ -198,3 +199,19 @@ def test_a_body_past_child_bytes_gets_the_same_answers_from_the_child_process(li
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     small = httpx.post(server.url + "/v1/completions", json={"model": "policy", "prompt": [1, 2, 3], "max_tokens": 2})
     assert small.status_code == 200, small.text
+
+
+def test_a_killed_body_parser_is_a_503_and_the_next_large_body_gets_a_new_one(live_server):
+    server = live_server()
+    n = bodies.CHILD_BYTES // 2
+    big = {"model": "policy", "prompt": [1] * n}
+    assert httpx.post(server.url + "/v1/completions", json=big, timeout=120).status_code == 400  # the child is up
+    # The spawned parser: the server runs in this test's process; the newest multiprocessing worker is its child.
+    workers = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+    child = max(workers, key=lambda p: p.create_time())
+    child.kill()
+    child.wait(30)
+    r = httpx.post(server.url + "/v1/completions", json=big, timeout=120)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "parser_unavailable", r.text
+    r = httpx.post(server.url + "/v1/completions", json=big, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
