@@ -119,6 +119,7 @@ class Validator:
     # `swarm contain --required`: refuse to run proposal code without bubblewrap. False only for a brief that
     # sets `containment: auto` on purpose (runs.launcher.AUTO_LOSS says what that gives up).
     required: bool = True
+    warm: str | None = None  # the study's `swarm warm` socket, which the smoke `swarm serve` forks from
     _against: list[str] = field(default_factory=lambda: ["--cached"], init=False, repr=False)  # what `_changed` diffs
 
     def validate(self, p: Proposal, parent_commit: str, emit: Callable[..., None],
@@ -299,7 +300,8 @@ class Validator:
         with open(serve_log, "wb") as fh:
             server = subprocess.Popen([str(self.swarm), "serve", str(config_path), "--no-train", "--port", str(port),
                                        "--host", "127.0.0.1"], cwd=self.trials, stdout=fh, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      env={**os.environ, **({"SWARMRL_WARM": self.warm} if self.warm else {})})
         pid_file.write_text(str(server.pid))
         try:
             before = self._wait_up(url, server, serve_log, deadline)

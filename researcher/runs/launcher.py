@@ -54,6 +54,7 @@ LOG_TAIL_LINES = 40
 _STOP_POLL_S = 0.2
 
 Emit = Callable[..., None]
+WARM_ENV = "SWARMRL_WARM"  # the `swarm warm` socket a `swarm run` forks from (core.run.warm.ENV)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class LaunchTarget:
     experiment: str
     study: str
     containment: Literal["required", "auto"] = "required"  # the brief's `containment`: see `contain_mode`
+    warm: str | None = None  # the study's `swarm warm` socket (researcher.runs.warm); None: as the environment says
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -108,10 +110,11 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def run_env(commit: str | None, tracking_uri: str) -> dict[str, str]:
+def run_env(commit: str | None, tracking_uri: str, warm: str | None = None) -> dict[str, str]:
     """The environment of a core run. A run of a proposal's code (a `commit`) gets none of the study's
-    secrets but the MLflow tracking ones its telemetry needs: its clients inherit it and run that code."""
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri}
+    secrets but the MLflow tracking ones its telemetry needs: its clients inherit it and run that code.
+    `warm`: the study's `swarm warm` socket (researcher.runs.warm), which the run forks from."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, **({WARM_ENV: warm} if warm else {})}
     if commit:
         env = {k: v for k, v in env.items() if not is_secret(k) or k.startswith("MLFLOW_TRACKING_")}
     return env
@@ -231,7 +234,7 @@ class Launcher:
         if isinstance(prepared, Launch):
             return prepared
         argv, started = prepared
-        env = run_env(launch.commit, self.target.tracking_uri)
+        env = run_env(launch.commit, self.target.tracking_uri, self.target.warm)
         with open(rd / "run.log", "ab") as logfile:
             try:
                 proc = subprocess.Popen(argv, cwd=self.target.workdir, stdout=logfile, stderr=subprocess.STDOUT,

@@ -13,6 +13,7 @@ It does not print (events go to the `emit` callback) and installs no signal hand
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from researcher.review.mlflow_review import ReviewBoard
 from researcher.runs.backends import make_launcher
 from researcher.runs.launcher import Emit, LaunchTarget
 from researcher.runs.live_watch import LiveWatch, in_review
+from researcher.runs.warm import study_warm
 from researcher.study.graph import StudyContext, build_graph
 from researcher.study.store import (
     StudyFailed,
@@ -90,12 +92,13 @@ def open_board(meta: StudyMeta) -> ReviewBoard:
     return ReviewBoard(MlflowClient(meta.tracking_uri), meta.experiment, meta.name)
 
 
-def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit) -> StudyContext:
+def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit, warm: str | None = None) -> StudyContext:
+    """`warm`: the socket of the study's `swarm warm` (researcher.runs.warm) its runs fork from."""
     brief = study_brief(paths, meta)
     client = MlflowClient(meta.tracking_uri)
     target = LaunchTarget(command=brief.launch.command or default_swarm_command(), workdir=Path(meta.workdir),
                           tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name,
-                          containment=brief.containment)
+                          containment=brief.containment, warm=warm)
     workspace = Workspace(paths.workspace, brief.code, Path(meta.workdir)) if brief.code else None
     return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
                         board=ReviewBoard(client, meta.experiment, meta.name, _artifacts(paths, meta)),
@@ -150,8 +153,8 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
     """Start or resume the study at `paths` and drive it to its report (or to a review, see above)."""
     stop = stop or threading.Event()
     meta = load_meta(paths)
-    with StudyLock(paths):
-        ctx = build_context(paths, meta, emit)
+    with StudyLock(paths), study_warm(paths.state, Path(sys.executable).parent / "swarm") as warm:
+        ctx = build_context(paths, meta, emit, warm)
         cfg = thread_config(meta.name)
         with _compiled(paths, ctx) as app:
             snap = app.get_state(cfg)

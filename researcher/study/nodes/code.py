@@ -54,7 +54,7 @@ class CodeNodes(NodeBase):
         ctx.paths.trials.mkdir(parents=True, exist_ok=True)
         return Validator(ctx.workspace, ctx.brief, ctx.workdir, ctx.paths.trials, Path(sys.executable).parent / "swarm",
                          hidden=private_paths(ctx.paths, ctx.launcher.target.tracking_uri),
-                         required=contain_mode(ctx.brief.containment) == "required")
+                         required=contain_mode(ctx.brief.containment) == "required", warm=ctx.launcher.target.warm)
 
     def _execute_before_review(self) -> bool:
         brief = self.ctx.brief
