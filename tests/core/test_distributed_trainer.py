@@ -5,7 +5,8 @@ equal the single-rank step's, ranks split by tokens, a checkpoint written at wor
 at world size 1 (and the other way), and a dead rank fails the step loudly.
 
 Tolerance: float32 on CPU; the two ranks pack the samples into different micro-batches, so the
-sums are reordered: gradients agree to rtol 1e-4, atol 1e-6 (measured differences ~1e-8).
+sums are reordered: gradients agree to rtol 1e-4, atol 1e-6 (measured: at most 6e-8 apart, with
+gradients up to 0.73).
 """
 
 from __future__ import annotations
