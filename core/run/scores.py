@@ -2,10 +2,11 @@
 
 `scored(ep)` is one episode's number: a judged sandbox's judge score (its judge's failure value when it
 raised, timed out or expired: such an episode is finished with it, never dropped), else its reward
-averaged over the models that acted. `judged_metrics` turns a batch into `reward/mean` and
-`reward/<sandbox>/mean` over every episode, each counted once whichever models acted. The trainer's own
-means cover only the samples it trained, which leave out an episode that made no call (an agent that
-raised before calling the model), so the run logs these in their place. Beside them:
+averaged over the models that acted. When a batch holds judged episodes, `judged_metrics` turns it into
+`reward/<sandbox>/mean` of each judged sandbox and `reward/mean` over every episode, each counted once
+whichever models acted. The trainer's own means cover only the samples it trained, which leave out an
+episode that made no call (an agent that raised before calling the model), so the run logs these in
+their place; a batch of unjudged sandboxes keeps the trainer's (per model in a multi-model run). Beside them:
 `agent_reward/<sandbox>/mean`, what judged agents said of themselves (logged, never decided on), and
 `judge/<sandbox>/failed`, how many of a sandbox's episodes scored the failure value.
 
@@ -26,6 +27,9 @@ def scored(ep: Episode) -> float | None:
 
 def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
     """reward/mean, reward/<sandbox>/mean, agent_reward/<sandbox>/mean and judge/<sandbox>/failed of a batch."""
+    judged = {ep.sandbox for ep in episodes if ep.score is not None}
+    if not judged:
+        return {}
     values: dict[str, list[float]] = {}
     agent: dict[str, list[float]] = {}
     failed: dict[str, float] = {}
@@ -36,10 +40,9 @@ def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
             failed[ep.sandbox] = failed.get(ep.sandbox, 0.0) + ep.metrics.get("judge/failed", 0.0)
             if "agent_reward" in ep.metrics:
                 agent.setdefault(ep.sandbox, []).append(ep.metrics["agent_reward"])
-    out = {f"reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in values.items()}
+    out = {f"reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in values.items() if sandbox in judged}
     out.update({f"agent_reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in agent.items()})
     out.update({f"judge/{sandbox}/failed": n for sandbox, n in failed.items()})
     every = [x for v in values.values() for x in v]
-    if every:
-        out["reward/mean"] = sum(every) / len(every)
+    out["reward/mean"] = sum(every) / len(every)
     return out
