@@ -8,6 +8,12 @@ generator (one draw a row a step). The arms alternate, `--repeats` times each, o
 (SmolLM2-135M), after a warm-up; the figure is generated
 tokens over the wall time from submission to the last row done, the median of the repeats.
 
+Draws: what repeatable sampling adds to a decode step, alone: the hf engine drawing B rows' uniforms
+(`HFEngine._uniforms`) from the run's one stream (one call) against one generator per row (B calls),
+`--draw-steps` times each, alternating, median of 5 rounds in microseconds a step. Set beside a decode
+step's forward pass (hundreds of ms for SmolLM2 at B = 16 on this CPU) it is the whole difference in
+the hf engine; the end-to-end arms above measure it with the forward pass, and take long on a busy host.
+
 Runs: `swarm run configs/tiny.yaml` with 16 episodes in flight, `trainer.max_staleness=0` and
 `--steps` steps, twice with the same seed with repeatable sampling on, and twice with it off (each
 pair side by side); `core.run.parting.first_parting` names the first step whose rewards part.
@@ -15,10 +21,11 @@ pair side by side); `core.run.parting.first_parting` names the first step whose 
 vLLM's cost (a seeded request leaves vLLM's batched sampler for a per-row loop) needs a GPU: measure
 it with the same switch on `engine.kind=vllm` where one is lent (docs/benchmarks.md says whether it was).
 
-    .venv/bin/python bench/repeatable_sampling.py [--tokens 32] [--repeats 3] [--no-runs]
+    .venv/bin/python bench/repeatable_sampling.py [--tokens 32] [--repeats 3] [--no-engine] [--no-runs]
 
 It measures and prints; it asserts nothing. The last line:
-`repeatable_sampling: hf_ratio_b16=<on/off> hf_ratio_b32=<on/off> parting_on=<step|none> parting_off=<step|none>`.
+`repeatable_sampling: draw_us_b16=<off>/<on> draw_us_b32=<off>/<on> hf_ratio_b16=<on/off> hf_ratio_b32=<on/off>
+parting_on=<step|none> parting_off=<step|none>` (one line; `skipped` for what was not run).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.config import EngineConfig
 from core.engine import SamplingParams
-from core.engine.hf import HFEngine
+from core.engine.hf import HFEngine, _Row
 from core.models import smollm2_folder
 from core.run.parting import first_parting
 
@@ -74,6 +81,20 @@ def tokens_per_s(model, tok, rows: int, tokens: int, repeatable: bool) -> float:
         engine.close()
 
 
+def draw_us(model, tok, rows: int, steps: int, repeatable: bool) -> float:
+    """Microseconds a decode step spends drawing `rows` uniforms: per-row generators or the shared stream."""
+    engine = HFEngine(model, tok, EngineConfig(max_batch=rows, repeatable_sampling=repeatable), max_context=2048)
+    try:
+        batch = [_Row(req=None, generator=torch.Generator().manual_seed(i) if repeatable else None, position=0,
+                      version=0) for i in range(rows)]
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine._uniforms(batch)
+        return (time.perf_counter() - start) / steps * 1e6
+    finally:
+        engine.close()
+
+
 def run_pair(folder: Path, repeatable: bool, steps: int) -> tuple[int | None, str]:
     """Two same-seed runs side by side; (the first step whose rewards part, or None; a note)."""
     procs, ids = [], []
@@ -102,21 +123,34 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--no-runs", action="store_true", help="only the engine arms")
+    ap.add_argument("--draw-steps", type=int, default=2000)
+    ap.add_argument("--no-engine", action="store_true", help="skip the end-to-end engine arms")
+    ap.add_argument("--no-runs", action="store_true", help="skip the same-seed run pairs")
     args = ap.parse_args()
 
     model, tok = load_model()
     print(f"model smollm2-135m, {args.tokens} tokens a row, {args.repeats} repeats, torch threads {torch.get_num_threads()}")
-    print(f"{'rows':>4} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7}")
-    ratios = {}
+    draws = {}
+    print(f"{'rows':>4} {'off us/step':>12} {'on us/step':>11}   (drawing the uniforms alone)")
     for rows in ROWS:
         got: dict[bool, list[float]] = {False: [], True: []}
-        for i in range(args.repeats):
+        for i in range(5):
             for repeatable in ((False, True) if i % 2 == 0 else (True, False)):
-                got[repeatable].append(tokens_per_s(model, tok, rows, args.tokens, repeatable))
-        off, on = statistics.median(got[False]), statistics.median(got[True])
-        ratios[rows] = on / off
-        print(f"{rows:>4} {off:>10.1f} {on:>10.1f} {on / off:>7.3f}")
+                got[repeatable].append(draw_us(model, tok, rows, args.draw_steps, repeatable))
+        draws[rows] = statistics.median(got[False]), statistics.median(got[True])
+        print(f"{rows:>4} {draws[rows][0]:>12.1f} {draws[rows][1]:>11.1f}")
+
+    ratios = {rows: "skipped" for rows in ROWS}
+    if not args.no_engine:
+        print(f"{'rows':>4} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7}")
+        for rows in ROWS:
+            got = {False: [], True: []}
+            for i in range(args.repeats):
+                for repeatable in ((False, True) if i % 2 == 0 else (True, False)):
+                    got[repeatable].append(tokens_per_s(model, tok, rows, args.tokens, repeatable))
+            off, on = statistics.median(got[False]), statistics.median(got[True])
+            ratios[rows] = f"{on / off:.3f}"
+            print(f"{rows:>4} {off:>10.1f} {on:>10.1f} {on / off:>7.3f}")
 
     parting = {True: "skipped", False: "skipped"}
     if not args.no_runs:
@@ -128,7 +162,8 @@ def main() -> None:
                 parting[repeatable] = "none" if step is None else str(step)
                 print(f"same seed twice, repeatable sampling {'on' if repeatable else 'off'}: "
                       f"first parting step {parting[repeatable]} ({note})")
-    print(f"repeatable_sampling: hf_ratio_b16={ratios[16]:.3f} hf_ratio_b32={ratios[32]:.3f} "
+    print(f"repeatable_sampling: draw_us_b16={draws[16][0]:.1f}/{draws[16][1]:.1f} "
+          f"draw_us_b32={draws[32][0]:.1f}/{draws[32][1]:.1f} hf_ratio_b16={ratios[16]} hf_ratio_b32={ratios[32]} "
           f"parting_on={parting[True]} parting_off={parting[False]}")
 
 
