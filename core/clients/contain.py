@@ -73,6 +73,10 @@ RELAY = Path(__file__).with_name("relay.py")  # inside the sandbox: loopback por
 FORWARDER = Path(__file__).with_name("forwarder.py")  # outside: the socket -> the server's episode routes
 FORWARD_SOCKET = "forward.sock"
 WARM_ENV = "SWARMRL_WARM"  # `swarm warm`'s socket (core.run.warm): masked with its folder, as the runtime folder is
+# Paths (os.pathsep-separated) every contained process started under this environment has masked: how a
+# study hides its sqlite state and MLflow store from the clients of the runs it launches (`swarm run`,
+# `swarm swap`, `swarm contain` all read it), without a flag on each command.
+HIDE_ENV = "SWARMRL_CONTAIN_HIDE"
 CGROUP_SWEEP_AGE_S = 60.0  # an empty cgroup older than this was left by a detached process that ended
 
 
@@ -187,16 +191,14 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
          detached: bool = False, hidden: Sequence[Path] = (), *, tmp_bytes: int = ContainLimits().file_size,
          private: Sequence[Path] = (), forward: Path | None = None, port: int = 0) -> list[str]:
     """`argv` under bubblewrap, or unchanged when bwrap is missing (said once). Under bwrap: a read-only /,
-    `writable` writable, a private /tmp of at most `tmp_bytes` (so are the `private` folders: a size-bounded
-    tmpfs each, its HOME), its own pid and network namespaces, no capabilities; it dies with its starter
-    unless `detached`. The private /tmp hides the real one, so what it must read from there (a sandbox
-    folder under /tmp) is named in `readable`: bound read-only again (so is `cwd`). What is `hidden` (admin
-    token files, server files, a study's state: `masked_paths`) is masked next, a folder by an empty tmpfs, a
-    file by /dev/null; then the `readable` and `writable` folders inside a masked one are bound again, so
-    its own working folder stays usable inside a masked run folder.
-    The network namespace has only loopback: with `forward` (the forwarder's socket, `core.clients.forwarder`)
-    the command starts behind the relay (`core.clients.relay`) listening on 127.0.0.1:`port`, its one way to
-    its server; without it the command has no network at all."""
+    `writable` writable, a private /tmp and `private` folders (its HOME) of at most `tmp_bytes` each, its
+    own pid and network namespaces, no capabilities; it dies with its starter unless `detached`. What it
+    must read from under /tmp (hidden by the private one) is in `readable`, bound read-only again (so is
+    `cwd`). What is `hidden` (`masked_paths`) is masked next, a folder by an empty tmpfs, a file by
+    /dev/null; then the `readable` and `writable` folders inside a masked one are bound again (its working
+    folder inside a masked run folder). The network namespace has only loopback: with `forward` (the
+    forwarder's socket) the command starts behind the relay on 127.0.0.1:`port`, its one way to its
+    server; without it the command has no network at all."""
     global _warned_uncontained
     exe = bwrap()
     if exe is None:
@@ -237,9 +239,11 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
 def masked_paths(extra: Sequence[Path] = ()) -> list[Path]:
     """What every contained process has masked: this machine's admin token and server files
     (`server_files.token_files`), `swarm warm`'s socket folder ($SWARMRL_WARM's, besides the runtime folder),
-    and `extra` (a caller's own: a run folder's token, a study's sqlite state, the MLflow store)."""
+    the paths $SWARMRL_CONTAIN_HIDE lists, and `extra` (a caller's own: a run folder's token, a study's
+    sqlite state, the MLflow store)."""
     warm = os.environ.get(WARM_ENV)
-    return list(dict.fromkeys([*token_files(), *([Path(warm).parent] if warm else []), *map(Path, extra)]))
+    listed = [Path(p) for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p]
+    return list(dict.fromkeys([*token_files(), *([Path(warm).parent] if warm else []), *listed, *map(Path, extra)]))
 
 
 def inner_url(url: str) -> str:

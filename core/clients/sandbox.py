@@ -184,8 +184,8 @@ def entry_path(folder: Path, meta: dict[str, Any]) -> Path:
                          "the sandbox folder")
     rel = Path(entry)
     if rel.is_absolute() or ".." in rel.parts or "\\" in entry:
-        raise ValueError(f"{toml}: entry {entry!r} is invalid; it must be a relative path inside the sandbox "
-                         "folder (no absolute path, no '..')")
+        raise ValueError(f"{toml}: entry {entry!r} leads outside the sandbox folder {folder}: it must be a relative "
+                         "path inside the sandbox folder (no absolute path, no '..')")
     path = (folder / rel).resolve()
     if not path.is_relative_to(folder.resolve()):
         raise ValueError(f"{toml}: entry {entry!r} resolves to {path}, outside the sandbox folder {folder} (a "

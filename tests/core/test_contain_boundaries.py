@@ -173,7 +173,9 @@ print(json.dumps(seen))
 
 
 @needs_bwrap
-def test_a_sibling_runs_token_and_server_file_a_hidden_study_state_and_the_warm_socket_are_unreadable(tmp_path):
+@pytest.mark.parametrize("named_by", ["--hide", "SWARMRL_CONTAIN_HIDE"])
+def test_a_sibling_runs_token_and_server_file_a_hidden_study_state_and_the_warm_socket_are_unreadable(tmp_path,
+                                                                                                      named_by):
     state = tmp_path / "state"
     sibling = tmp_path / "elsewhere" / "sibling-run"
     sibling.mkdir(parents=True)
@@ -192,9 +194,11 @@ def test_a_sibling_runs_token_and_server_file_a_hidden_study_state_and_the_warm_
                str(warm_folder / "warm.sock")]
     with socket.socket(socket.AF_UNIX) as warm_sock:
         warm_sock.bind(targets[-1])
-        done = _contain("--hide", str(study), "--writable", str(study / "own"), "--cwd", str(study), "--",
+        hide = ["--hide", str(study)] if named_by == "--hide" else []  # else the study's launcher set the variable
+        done = _contain(*hide, "--writable", str(study / "own"), "--cwd", str(study), "--",
                         sys.executable, "-c", READ, *targets, cwd=tmp_path,
-                        env={"SWARMRL_STATE": str(state), "SWARMRL_WARM": targets[-1]})
+                        env={"SWARMRL_STATE": str(state), "SWARMRL_WARM": targets[-1],
+                             **({} if hide else {"SWARMRL_CONTAIN_HIDE": f"/nonexistent{os.pathsep}{study}"})})
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen[targets[0]] in ("", "PermissionError") and seen[targets[1]] in ("", "PermissionError"), seen
