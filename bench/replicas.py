@@ -6,8 +6,8 @@ ranks, and the time a weight sync takes, side by side in one invocation.
     python bench/replicas.py --device cuda                   (replicas on cuda:0/1, ranks on NCCL; >= 2 GPUs)
 
 Rollout: the same number of concurrent single-call episodes (each its own pin) against a
-`ReplicaEngine` of 1 replica process and then of 2, completions per second over the same count
-of completions. Train: the same batch of merged episodes stepped by one `Trainer` and by a
+`ReplicaEngine` of 1 replica process and of 2, alternating (`--repeats` rounds, medians),
+completions per second over the same count of completions. Train: the same batch of merged episodes stepped by one `Trainer` and by a
 2-rank `DistributedTrainer` (gloo on CPU, NCCL on GPUs), seconds per step, median of the steps
 after a warm-up. Sync: the router's `last_sync_s` over a few pushes of changed weights to 2 replicas.
 
@@ -45,8 +45,9 @@ SYNCS = 5  # weight pushes timed for sync_s
 TRAIN_STEPS = 4  # timed steps after one warm-up step
 
 
-def rollout_rate(cfg, mc, model, tok, replicas: int, completions: int, concurrency: int, max_tokens: int) -> float:
-    engine = process_replicas(cfg, mc.model_copy(update={"replicas": replicas}), model, 512)
+def rollout_rate(cfg, mc, model, tok, replicas: int, completions: int, concurrency: int, max_tokens: int,
+                 threads: int | None) -> float:
+    engine = process_replicas(cfg, mc.model_copy(update={"replicas": replicas}), model, 512, threads)
     prompt = tok.encode("count the letters", add_special_tokens=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
     done = 0
@@ -133,6 +134,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--groups", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds of 1 and 2 replicas (medians)")
+    # 0: as a run does, the cores split between the CPU replicas (1 replica: all of them). 1: one core a
+    # replica, "one device each". On an oversubscribed machine a replica with 2 OpenMP threads is ~30x
+    # slower than with 1 (its threads wait for each other at every op), which is what 0 shows there.
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per CPU replica (0: split the cores)")
     args = ap.parse_args()
     seed_everything(0)
     cfg = load_config({"models": [{"source": args.model, "device": args.device}],
@@ -140,12 +146,15 @@ def main() -> None:
     mc: ModelConfig = cfg.models[0]
     model, tok = models.load(mc)
     print(f"# bench/replicas.py: model {args.model} on {args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+          f"{torch.get_num_threads()} threads here, replica threads {args.threads or 'split'}", flush=True)
 
-    rates = {}
-    for n in (1, 2):
-        rates[n] = rollout_rate(cfg, mc, model, tok, n, args.completions, args.concurrency, args.max_tokens)
-        print(f"# rollout, {n} replica(s): {rates[n]:.1f} completions/s", flush=True)
+    runs: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(args.repeats):  # 1 and 2 alternate, so a change in the machine's load hits both alike
+        for n in (1, 2):
+            runs[n].append(rollout_rate(cfg, mc, model, tok, n, args.completions, args.concurrency, args.max_tokens,
+                                        args.threads or None))
+            print(f"# rollout, {n} replica(s): {runs[n][-1]:.1f} completions/s", flush=True)
+    rates = {n: statistics.median(r) for n, r in runs.items()}
     sync_s = sync_seconds(cfg, mc, model, tok)
     print(f"# sync to 2 replicas: {sync_s:.4f} s", flush=True)
     groups = batch(model, tok, args.groups, 4, 3)
@@ -161,7 +170,8 @@ def main() -> None:
 
     print("| what | 1 | 2 | scaling |")
     print("| --- | --- | --- | --- |")
-    print(f"| rollout completions/s (replicas) | {rates[1]:.1f} | {rates[2]:.1f} | {rates[2] / rates[1]:.2f}x |")
+    print(f"| rollout completions/s (replicas; median of {args.repeats}) | {rates[1]:.1f} | {rates[2]:.1f} | "
+          f"{rates[2] / rates[1]:.2f}x |")
     print(f"| trainer step s (ranks) | {t1:.3f} | {t2:.3f} | {t1 / t2:.2f}x |")
     print(f"| weight sync to 2 replicas, s (median of {SYNCS}) | | {sync_s:.4f} | |")
     print(f"replicas: rollout_scaling_2={rates[2] / rates[1]:.2f} train_scaling_2={t1 / t2:.2f} sync_s={sync_s:.4f}")

@@ -306,14 +306,17 @@ def make_model_engine(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, t
     return process_replicas(cfg, mc, model, max_context)
 
 
-def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, max_context: int) -> ReplicaEngine:
+def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, max_context: int,
+                     threads: int | None = None) -> ReplicaEngine:
     """`mc.replicas` replica processes (even one: bench/replicas.py compares 1 with 2), each on its
-    device (`model_devices`), synced from `model`."""
+    device (`model_devices`), synced from `model`; `threads`: torch threads of a CPU replica (None:
+    the cores split between the CPU replicas)."""
     _, replica_devices = model_devices(mc, torch.cuda.device_count())
 
     def start(i: int, on_lost: Callable) -> ProcessEngine:
         device = replica_devices[i]
         cpu_share = max(1, (os.cpu_count() or 1) // replica_devices.count("cpu")) if device == "cpu" else 0
+        cpu_share = threads if threads is not None and device == "cpu" else cpu_share
         spec = ReplicaSpec(index=i, model=mc.model_copy(update={"device": device}).model_dump(),
                            engine=cfg.engine.model_dump(), max_context=max_context, seed=cfg.trainer.seed + i,
                            threads=cpu_share)
