@@ -38,9 +38,9 @@ from mlflow.tracking import MlflowClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere: the project's packages import from its root
 
-from researcher.evidence import ab, decision  # noqa: E402
-from researcher.evidence.analysis import read_history  # noqa: E402
-from researcher.runs.live_swaps import LiveRun  # noqa: E402
+from researcher.evidence import ab, decision
+from researcher.evidence.analysis import read_history
+from researcher.runs.live_swaps import LiveRun
 
 SWARM = [sys.executable, "-m", "core.run.cli"]
 LR = 3e-4  # the tiny model saturates the letters reward within ~150 steps at 3e-3; this keeps it learning
@@ -103,8 +103,9 @@ def trials(count: int, window: int, direction: decision.Direction) -> list[Trial
               "telemetry": {"experiment": "rigor-live", "trajectories_per_step": 0}}
     (tmp / "run.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "SWARMRL_STATE": str(tmp / "state"), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}"}
-    run = subprocess.Popen([*SWARM, "run", str(tmp / "run.yaml"), "--quiet", "--run-id-file", str(run_dir / "run_id")],
-                           cwd=ROOT, env=env, stdout=open(tmp / "run.log", "wb"), stderr=subprocess.STDOUT)
+    with open(tmp / "run.log", "wb") as run_log:  # the child keeps its own copy of the descriptor
+        run = subprocess.Popen([*SWARM, "run", str(tmp / "run.yaml"), "--quiet", "--run-id-file",
+                                str(run_dir / "run_id")], cwd=ROOT, env=env, stdout=run_log, stderr=subprocess.STDOUT)
     out: list[Trial] = []
     try:
         server = json.loads(_wait(lambda: (run_dir / "server.json").is_file() and (run_dir / "server.json").read_text(),
@@ -124,7 +125,7 @@ def trials(count: int, window: int, direction: decision.Direction) -> list[Trial
             started = time.monotonic()
             spec = str(_copy(tmp, n).resolve())
             swapped = subprocess.run([*SWARM, "swap", spec, "--server", str(run_dir), "--ab"], cwd=ROOT, env=env,
-                                     capture_output=True, text=True, timeout=600)
+                                     capture_output=True, text=True, timeout=600, check=False)
             if swapped.returncode != 0:
                 raise RuntimeError(f"swarm swap --ab failed:\n{swapped.stderr[-2000:]}")
             record = next(r for r in reversed(status()["swaps"]) if r["ab"] and r["to_spec"] == spec)

@@ -30,7 +30,16 @@ from functools import lru_cache
 
 import numpy as np
 
-from researcher.evidence.decision import ALPHA, MIN_SEEDS, NO_TEST, PAIRED, Direction, _finite, _judge, holm
+from researcher.evidence.decision import (
+    ALPHA,
+    MIN_SEEDS,
+    NO_TEST,
+    PAIRED,
+    Direction,
+    _finite,
+    _judge,
+    holm,
+)
 from researcher.records import Verdict
 
 HAC = "HAC t-test (Newey–West, fixed-b)"
@@ -101,7 +110,7 @@ def ab_verdict(new: Mapping[int, float], old: Mapping[int, float], direction: Di
     """One window's verdict, uncorrected: the HAC test on new - old over the steps both logged."""
     new, old = _finite(new), _finite(old)
     common = sorted(set(new) & set(old))
-    head = dict(n=len(common), n_baseline=len(common), baseline=baseline_id)
+    head = {"n": len(common), "n_baseline": len(common), "baseline": baseline_id}
     diffs = {s: new[s] - old[s] for s in common}
     try:
         effect, p, ci = hac_test(diffs)

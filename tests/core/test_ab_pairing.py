@@ -14,10 +14,10 @@ import pytest
 from core.clients.hotswap import inherited
 from core.clients.sdk import SwarmClient, SwarmError
 from core.clients.table import ClientTable
+from core.config import ab_metric
 from core.episodes.pairing import DEBT_MAX_VERSIONS, Pairs, TaskPairing
 from core.episodes.registry import Registry
 from core.episodes.wire import DrainClients, OpenEpisode, RegisterClient
-from core.config import ab_metric
 from core.records import Call, Episode
 
 

@@ -25,7 +25,12 @@ from researcher.records import Launch, Proposal, SwapSide
 from researcher.runs.launcher import Launcher, LaunchTarget
 from researcher.runs.live_swaps import LiveRun
 from researcher.study.nodes.live import LiveNode
-from tests.researcher.test_live_watch import RecordedMlflow, brief, launcher, live_process  # noqa: F401 (fixtures)
+from tests.researcher.test_live_watch import (  # noqa: F401 (fixtures)
+    RecordedMlflow,
+    brief,
+    launcher,
+    live_process,
+)
 
 SWAP_STEP = 30
 
