@@ -132,3 +132,24 @@ def test_a_killed_replica_aborts_its_episodes_fails_its_calls_and_comes_back_syn
 
     engine.is_open = lambda episode: episode.startswith("after-")  # the earlier episodes have ended
     assert {calls[0] for calls in asyncio.run(spread())} == {0.0, 1.0}  # the restarted one is routed to again
+
+
+def test_an_overlapped_step_swaps_the_new_weights_into_both_replicas_between_decode_steps(replicas):
+    engine, model, tok, _ = replicas
+    prompt = tok.encode("overlap", add_special_tokens=False)
+    before = engine.version
+
+    def step() -> bool:  # what `trainer.apply` does inside the loop's swap: change the module in place
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.98)
+        return True
+
+    assert engine.swap_weights(step) is True
+    assert engine.version == before + 1
+    assert [s["version"] for s in engine.status()] == [before + 1] * 2
+    EPISODE.set("overlap-check")
+    gen = asyncio.run(engine.generate(prompt, GREEDY))
+    assert gen.version == before + 1
+    assert gen.logprobs == pytest.approx(_logprobs_under(model, prompt, gen), abs=1e-4)
+    assert engine.swap_weights(lambda: False) is False and engine.version == before + 1  # no change, no version
