@@ -5,7 +5,7 @@ person proposes a patch with `--hot-swap` (shorter replies); it is validated, ap
 tag, and swapped in with `swarm swap --ab`: the new client serves beside the old one. The researcher
 is killed with -9 as soon as it has recorded the swap's intent, and resumed: the A/B starts once
 (one A/B record on the server, one `swarmrl.swap.<n>` tag), the proposal's commit is made once, both
-versions log rewards at the same steps after the swap, the verdict pairs them by step, and the
+versions log paired scores at the same steps after the swap, the verdict pairs them by step, and the
 loser drains (by a second record naming the winner) so one version serves on, with no episode lost.
 `show --json` reports `swap: {step, old, new, steps, kept, verdict, ...}`. (That the new code's
 reward is what trains is shown with a changed reward function in tests/core/test_swap.py; here the
@@ -25,6 +25,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from core.config import ab_metric
 from researcher.study.store import owner_pid, study_paths
 from tests.researcher.harness import Project, letters_code
 from tests.researcher.test_code_study import AGENT, _approve_by_tag, _patch, _wait_status
@@ -128,9 +129,13 @@ def test_a_hot_swap_into_the_live_run_survives_kill_9_and_happens_once(project: 
         assert sorted(k for k in tags if k.startswith("swarmrl.swap.")) == [f"swarmrl.swap.{record['n']}"]
         assert json.loads(tags[f"swarmrl.swap.{record['n']}"]) == {
             "step": record["step"], "from_version": old["version"], "to_version": record["to_version"], "proposal": "p1"}
-        for version in (old["version"], record["to_version"]):  # both versions trained at the A/B's steps
-            logged = {m.step for m in client.get_metric_history(run_id, f"reward/letters/version/{version}")}
-            assert set(swap["steps"]) <= logged, version
+        for version in (old["version"], record["to_version"]):
+            trained = {m.step for m in client.get_metric_history(run_id, f"reward/letters/version/{version}")}
+            assert any(s > swap["step"] for s in trained), version  # both versions trained during the A/B
+            # The A/B's steps are those at which a (task, weights) cell both versions reached was scored
+            # (core.episodes.pairing): each version's paired score is logged there, whichever version trained.
+            paired = {m.step for m in client.get_metric_history(run_id, ab_metric("letters", version))}
+            assert set(swap["steps"]) <= paired, version
 
         git = ["git", "-C", str(paths.workspace)]
         refs = subprocess.run([*git, "for-each-ref", "--format=%(refname)", "refs/proposals/"], capture_output=True,
