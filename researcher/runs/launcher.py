@@ -33,7 +33,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +55,8 @@ _STOP_POLL_S = 0.2
 
 Emit = Callable[..., None]
 WARM_ENV = "SWARMRL_WARM"  # the `swarm warm` socket a `swarm run` forks from (core.run.warm.ENV)
+# Paths (":"-separated) the core masks in every client it contains (core.clients.contain.HIDE_ENV).
+CONTAIN_HIDE_ENV = "SWARMRL_CONTAIN_HIDE"
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class LaunchTarget:
     study: str
     containment: Literal["required", "auto"] = "required"  # the brief's `containment`: see `contain_mode`
     warm: str | None = None  # the study's `swarm warm` socket (researcher.runs.warm); None: as the environment says
+    # What the contained clients of its runs and swaps must not read: the study's state and MLflow store
+    # (study.store.private_paths). The core masks what `CONTAIN_HIDE_ENV` lists in every client it contains.
+    hidden: tuple[Path, ...] = ()
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -110,11 +115,19 @@ def log_tail(path: str | Path, lines: int = LOG_TAIL_LINES) -> str:
         return "(no log)"
 
 
-def run_env(commit: str | None, tracking_uri: str, warm: str | None = None) -> dict[str, str]:
+def hide_env(hidden: Sequence[Path]) -> dict[str, str]:
+    """`CONTAIN_HIDE_ENV` naming `hidden`, for a `swarm run` or `swarm swap` whose clients are contained."""
+    return {CONTAIN_HIDE_ENV: ":".join(str(p) for p in hidden)} if hidden else {}
+
+
+def run_env(commit: str | None, tracking_uri: str, warm: str | None = None,
+            hidden: Sequence[Path] = ()) -> dict[str, str]:
     """The environment of a core run. A run of a proposal's code (a `commit`) gets none of the study's
     secrets but the MLflow tracking ones its telemetry needs: its clients inherit it and run that code.
-    `warm`: the study's `swarm warm` socket (researcher.runs.warm), which the run forks from."""
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, **({WARM_ENV: warm} if warm else {})}
+    `warm`: the study's `swarm warm` socket (researcher.runs.warm), which the run forks from.
+    `hidden`: what its contained clients must not read (`hide_env`)."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, **({WARM_ENV: warm} if warm else {}),
+           **hide_env(hidden)}
     if commit:
         env = {k: v for k, v in env.items() if not is_secret(k) or k.startswith("MLFLOW_TRACKING_")}
     return env
@@ -234,7 +247,7 @@ class Launcher:
         if isinstance(prepared, Launch):
             return prepared
         argv, started = prepared
-        env = run_env(launch.commit, self.target.tracking_uri, self.target.warm)
+        env = run_env(launch.commit, self.target.tracking_uri, self.target.warm, self.target.hidden)
         with open(rd / "run.log", "ab") as logfile:
             try:
                 proc = subprocess.Popen(argv, cwd=self.target.workdir, stdout=logfile, stderr=subprocess.STDOUT,

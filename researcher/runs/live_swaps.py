@@ -29,6 +29,7 @@ This module does not decide anything or touch the workspace's history (checkouts
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ from mlflow.tracking import MlflowClient
 
 from core.config import ab_metric
 from researcher.evidence.analysis import read_history
-from researcher.runs.launcher import Launcher, contain_mode, log_tail, write_json
+from researcher.runs.launcher import Launcher, contain_mode, hide_env, log_tail, write_json
 from researcher.records import SwapSide
 from researcher.code.workspace import Workspace
 
@@ -141,6 +142,7 @@ class LiveRun:
                 contain_mode(self.launcher.target.containment)]
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **hide_env(self.launcher.target.hidden)},
                                     start_new_session=True)  # a killed study must not take a half-done swap along
         intent.setdefault("pids", {})[spec] = proc.pid
         write_json(path, intent)

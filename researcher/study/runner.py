@@ -46,6 +46,7 @@ from researcher.study.store import (
     experiment_name,
     load_meta,
     mark_failed,
+    private_paths,
     resolve_tracking_uri,
     study_brief,
     study_paths,
@@ -98,7 +99,8 @@ def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit, warm: str | No
     client = MlflowClient(meta.tracking_uri)
     target = LaunchTarget(command=brief.launch.command or default_swarm_command(), workdir=Path(meta.workdir),
                           tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name,
-                          containment=brief.containment, warm=warm)
+                          containment=brief.containment, warm=warm,
+                          hidden=tuple(private_paths(paths, meta.tracking_uri)))
     workspace = Workspace(paths.workspace, brief.code, Path(meta.workdir)) if brief.code else None
     return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
                         board=ReviewBoard(client, meta.experiment, meta.name, _artifacts(paths, meta)),

@@ -5,7 +5,10 @@ the filesystem test skips only where it is absent)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from core.clients import contain
 from core.clients.contain import contained_env, run_contained
 from core.config import ContainLimits as Limits
 from researcher.runs.launcher import run_env
+from researcher.study.store import private_paths, study_paths
 
 SECRETS = {"OPENAI_API_KEY": "sk-secret-openai", "MLFLOW_TRACKING_TOKEN": "mlflow-secret",
            "MLFLOW_TRACKING_PASSWORD": "mlflow-password", "SWARMRL_ADMIN_TOKEN": "admin-secret",
@@ -110,3 +114,38 @@ def test_a_core_run_of_proposal_code_gets_no_secret_but_its_mlflow_credentials(m
     assert code_run["MLFLOW_TRACKING_TOKEN"] == "mlflow-secret"  # the run's own telemetry needs it
     assert not {"OPENAI_API_KEY", "SWARMRL_ADMIN_TOKEN", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN"} & set(code_run)
     assert run_env(None, "sqlite:///x.db")["OPENAI_API_KEY"] == "sk-secret-openai"  # a config run: unchanged
+
+
+@pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_a_studys_runs_hide_its_state_and_mlflow_store_from_their_contained_clients(tmp_path: Path, monkeypatch,
+                                                                                    request) -> None:
+    """The study names its private paths to every core run it starts (run_env → $SWARMRL_CONTAIN_HIDE), and the
+    core masks them in the clients it contains: a client of such a run reads neither the study's state nor its store."""
+    home = Path(tempfile.mkdtemp(dir="/var/tmp"))  # outside /tmp, which the sandbox's private /tmp hides anyway
+    request.addfinalizer(lambda: shutil.rmtree(home, ignore_errors=True))
+    paths = study_paths(home / "studies", "s")
+    paths.db.parent.mkdir(parents=True)
+    paths.db.write_text("checkpointed decisions")
+    store = home / "mlflow.db"
+    store.write_text("every run's metrics")
+    hidden = private_paths(paths, f"sqlite:///{store}")
+    env = run_env("abc123", f"sqlite:///{store}", hidden=hidden)
+    for key in [k for k in os.environ if k.startswith("SWARMRL_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SWARMRL_CONTAIN_HIDE", env["SWARMRL_CONTAIN_HIDE"])  # as the run's process has it
+    tree = tmp_path / "client"
+    tree.mkdir()
+    code, out = _py(f"""
+for path in ({str(paths.db)!r}, {str(store)!r}):
+    try:
+        print(path, repr(open(path).read()))
+    except OSError as e:
+        print(path, type(e).__name__)
+""", tree)
+    assert code == 0, out
+    assert "checkpointed decisions" not in out and "every run's metrics" not in out, out
+    assert str(paths.db) in out and str(store) in out, out
+    # Without the study's names the same files are readable: the mask, not the sandbox's view, hides them.
+    monkeypatch.delenv("SWARMRL_CONTAIN_HIDE")
+    code, out = _py(f"print(open({str(store)!r}).read())", tree)
+    assert code == 0 and "every run's metrics" in out, out
