@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import openai  # noqa: E402
 import torch  # noqa: E402
 
-from core.config import load_config  # noqa: E402
+from core.config_io import load_config  # noqa: E402
 from core.serve.server import Policy, Server  # noqa: E402
 
 ARMS = ("static", "sequential", "concurrent")

@@ -44,7 +44,7 @@ for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
 
 import httpx  # noqa: E402
 
-from core.config import load_config  # noqa: E402
+from core.config_io import load_config  # noqa: E402
 from core.episodes.registry import EpisodeError, unbalanced  # noqa: E402
 from core.run.loop import CoreRun  # noqa: E402
 from core.run.signals import on_signals  # noqa: E402

@@ -26,7 +26,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from core.config import load_config  # noqa: E402
+from core.config_io import load_config  # noqa: E402
 
 STEP_LINE = re.compile(r"^step +(\d+) reward (-?[\d.]+) \((\d+)s\)")  # what a run prints per step
 

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from core.clients.sdk import SwarmClient  # noqa: E402
-from core.config import load_config  # noqa: E402
+from core.config_io import load_config  # noqa: E402
 from core.clients.sandbox import Agent, load_agent  # noqa: E402
 from core.serve.server import Server  # noqa: E402
 from core.train.timelines import merge_calls, merge_stats  # noqa: E402

@@ -33,7 +33,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core import models  # noqa: E402
-from core.config import ModelConfig, load_config  # noqa: E402
+from core.config import ModelConfig  # noqa: E402
+from core.config_io import load_config
 from core.engine import SamplingParams  # noqa: E402
 from core.engine.replicas import process_replicas  # noqa: E402
 from core.engine.routing import EPISODE  # noqa: E402

@@ -138,7 +138,7 @@ def run_trl(arm: str, steps: int, out: Path, report) -> dict:
 
 
 def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
-    from core.config import load_config
+    from core.config_io import load_config
     from core.run.loop import CoreRun
 
     _, dtype, lora, staleness = ARMS[arm]

@@ -8,5 +8,6 @@ Packages by job, importing one way only (tests/test_layering.py checks it), top 
     episodes/  the episode lifecycle
     train/     the RL update
     engine/    generation
-and the foundation every package may use: `config`, `models`, `records`, `auth`, `mlflow_history`.
+and the foundation every package may use: `config`, `config_io`, `models`, `records`, `auth`,
+`mlflow_history`.
 """

@@ -9,7 +9,7 @@ import torch
 from filelock import FileLock
 
 from core.serve.chat import ChatRenderer
-from core.config import load_config
+from core.config_io import load_config
 from core.engine.factory import make_engine
 from core.models import build_tiny
 from core.serve.server import Policy, Server

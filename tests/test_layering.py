@@ -14,12 +14,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["run", "ray", "serve", "clients", "episodes", "train", "engine"]
-FOUNDATION = {"core", "core.config", "core.models", "core.records", "core.auth", "core.mlflow_history"}
+FOUNDATION = {"core", "core.config", "core.config_io", "core.models", "core.records", "core.auth", "core.mlflow_history"}
 # Ray's driver builds its run on the loop and raises the plan's error; the modules above it in run/
 # (placement, the processes, the command) are the ones that must not be reached from ray/.
 RAY_MAY_USE = {"core.run.loop", "core.run.plan", "core.run.checkpoint"}
 RAY_GATE = "core.run.placement"  # the one module that may import core.ray, and only inside a function
-RESEARCHER_MAY_USE = {"core.config", "core.mlflow_history"}
+# The researcher validates search-space keys against the run config (`load_config`, `ConfigError`), keeps
+# credentials from proposal code (`is_secret`) and diffs configs (`flatten`), so it needs the config's
+# schema and its reading and writing (core.config_io, split from core.config by size, not by audience);
+# and it reads runs back from MLflow. Nothing else of the core.
+RESEARCHER_MAY_USE = {"core.config", "core.config_io", "core.mlflow_history"}
 # researcher/ by tier, top to bottom (researcher/__init__.py): a package imports its own modules, the
 # tiers below it and the foundation; packages of one tier do not import each other.
 RESEARCHER_TIERS = [{"cli"}, {"study"}, {"review", "runs", "planner"}, {"code", "evidence"}]
@@ -201,7 +205,7 @@ def test_ray_outside_placement_and_researcher_internals_are_caught(tmp_path: Pat
         "core.ray.driver -> core.run.processes: core.ray may use only "
         "['core.run.checkpoint', 'core.run.loop', 'core.run.plan'] of core.run",
         "core.run.loop -> core.ray.driver: only core.run.placement imports core.ray, inside the function that needs it",
-        "researcher.cli.main -> core.run.loop: the researcher uses only ['core.config', 'core.mlflow_history']",
+        "researcher.cli.main -> core.run.loop: the researcher uses only ['core.config', 'core.config_io', 'core.mlflow_history']",
     ])
 
 

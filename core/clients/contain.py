@@ -5,7 +5,7 @@
 - an environment allowlist (`contained_env`): PATH, LANG and a few harmless settings, a temporary
   HOME and TMPDIR, plus what the caller passes (what the client needs: its server URL comes on its
   command line, its episode keys from the server). Secrets are never passed: any name
-  `core.config.is_secret` calls a credential (`*_API_KEY`, `*_TOKEN`, `*_PASSWORD`, MLflow tracking
+  `core.config_io.is_secret` calls a credential (`*_API_KEY`, `*_TOKEN`, `*_PASSWORD`, MLflow tracking
   credentials, `SWARMRL_ADMIN_TOKEN`, cloud credentials); a caller passing one is a bug (ValueError);
 - resource limits set between fork and exec (`core.config.ContainLimits`): CPU seconds, address
   space, file size, processes (on top of those the user already runs), open files; when running as
@@ -49,7 +49,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from core.clients.server_files import token_files
-from core.config import ConfigError, ContainLimits, ContainMode, is_secret
+from core.config import ContainLimits, ContainMode
+from core.config_io import ConfigError, is_secret
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError
 from safetensors.torch import load_file, save_model
 
-from core.config import redacted
+from core.config_io import redacted
 from core.records import Episode
 from core.train.trainer import Trainer
 

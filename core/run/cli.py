@@ -28,7 +28,8 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
-from core.config import CONTAIN_MODES, ConfigError, ContainLimits, RunConfig, load_config
+from core.config import CONTAIN_MODES, ContainLimits, RunConfig
+from core.config_io import ConfigError, load_config
 from core.clients.contain import bwrap, require_bwrap, run_contained
 from core.clients.sandbox import SandboxNotFound, locate, sandbox_roots
 from core.run import warm

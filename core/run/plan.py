@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import ConfigError, ModelConfig, RunConfig, model_devices
+from core.config import ModelConfig, RunConfig, model_devices
+from core.config_io import ConfigError
 from core.run.memory import device_memory_gb, footprint
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -26,7 +26,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from core.run import checkpoint
 from core.auth import masked
-from core.config import RunConfig, flatten
+from core.config import RunConfig
+from core.config_io import flatten
 from core.run.loop import CoreRun
 from core.run.placement import core_run
 from core.run.plan import PlacementError

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from core.config import ConfigError
+from core.config_io import ConfigError
 from researcher.brief.judges import unjudged
 from researcher.brief.schema import Brief, BriefError, ChoiceParam
 

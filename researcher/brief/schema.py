@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from core.config import RunConfig, load_config
+from core.config import RunConfig
+from core.config_io import load_config
 
 # Units accepted in durations such as `wall_clock: 20m`; days matter because studies run for days.
 _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

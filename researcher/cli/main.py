@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.text import Text
 
-from core.config import ConfigError, flatten
+from core.config_io import ConfigError, flatten
 from researcher.brief.schema import BriefError
 from researcher.budget import Spent
 from researcher.cli.code import checkout, diff, print_diff, propose, reviewed_diff, show, state_records

@@ -42,7 +42,8 @@ import yaml
 from mlflow.entities import ViewType
 from mlflow.tracking import MlflowClient
 
-from core.config import ContainMode, is_secret
+from core.config import ContainMode
+from core.config_io import is_secret
 from researcher.records import TERMINAL, Launch
 from researcher.code.workspace import Workspace, WorkspaceError
 

@@ -17,7 +17,7 @@ import pytest
 
 from core.clients.sandbox import load_agent
 from core.clients.sdk import SwarmClient
-from core.config import load_config
+from core.config_io import load_config
 from core.engine import Generation, scoring_temperature
 from core.engine.null import NullEngine
 from core.models import build_tiny

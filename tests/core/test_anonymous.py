@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 
 from core.clients.sdk import SwarmClient
-from core.config import load_config
+from core.config_io import load_config
 from core.run.loop import CoreRun
 from core.serve.server import Server
 

@@ -16,7 +16,7 @@ import pytest
 from mlflow import MlflowClient
 
 from core.run import checkpoint, supervisor
-from core.config import load_config
+from core.config_io import load_config
 from core.episodes.registry import unbalanced
 from core.run.loop import CoreRun
 from core.serve.server import free_port

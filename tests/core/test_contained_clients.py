@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from core.clients import contain
-from core.config import ConfigError, load_config
+from core.config_io import ConfigError, load_config
 from core.run.loop import CoreRun
 from core.run.plan import describe
 from tests.researcher.test_contain import SECRETS

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from core.run import checkpoint
-from core.config import flatten, load_config
+from core.config_io import flatten, load_config
 from core.run.processes import announce_admin_token
 from core.clients.sandbox import load_agent
 from core.serve.server import Server

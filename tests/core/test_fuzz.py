@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
-from core.config import load_config
+from core.config_io import load_config
 from core.models import build_tiny
 from core.serve.server import Server
 from tests.support import tiny_policy

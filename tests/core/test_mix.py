@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core.config import load_config
+from core.config_io import load_config
 from core.episodes.registry import EpisodeError, Registry
 from core.records import Call
 from core.run.loop import CoreRun

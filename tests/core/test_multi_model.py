@@ -20,7 +20,7 @@ import torch
 from mlflow import MlflowClient
 
 from core.run import checkpoint
-from core.config import flatten, load_config
+from core.config_io import flatten, load_config
 from core.run.loop import CoreRun
 from core.serve.server import Server
 from core.run.telemetry import Telemetry

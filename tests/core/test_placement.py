@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from core import models
-from core.config import ConfigError, ModelConfig, load_config
+from core.config import ModelConfig
+from core.config_io import ConfigError, load_config
 
 
 @pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])

@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from core.run.cli import app
-from core.config import ConfigError, load_config
+from core.config_io import ConfigError, load_config
 from core.engine import SamplingParams
 from core.run.plan import describe, plan
 from core.ray.actors import ModelActor, NotAdopted

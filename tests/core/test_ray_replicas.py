@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.config import load_config
+from core.config_io import load_config
 from core.engine.replicas import ReplicaEngine
 from core.ray.replicas import RayReplica
 from tests.core.turns_agent import TURNS

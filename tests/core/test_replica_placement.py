@@ -6,7 +6,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from core.config import ConfigError, load_config, model_devices
+from core.config import model_devices
+from core.config_io import ConfigError, load_config
 from core.run.cli import app
 from core.run.memory import footprint
 from core.run.plan import plan

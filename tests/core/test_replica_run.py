@@ -17,7 +17,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from core.config import load_config
+from core.config_io import load_config
 from core.engine.replicas import ReplicaEngine
 from core.records import Episode
 from core.run.cli import app

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from core import models
-from core.config import load_config
+from core.config_io import load_config
 from core.engine import SamplingParams
 from core.engine.process import ReplicaLost
 from core.engine.replicas import ReplicaBehind, ReplicaEngine, make_model_engine

@@ -14,7 +14,7 @@ import pytest
 from mlflow import MlflowClient
 
 from core.run import checkpoint
-from core.config import ConfigError, load_config
+from core.config_io import ConfigError, load_config
 from core.run.loop import CoreRun
 from core.run.telemetry import PROCESS_TAG, RunOwner
 from tests.support import train_in_process

@@ -14,7 +14,7 @@ import torch
 
 from core.run import checkpoint
 from core.run.checkpoint import step_dir_name
-from core.config import load_config
+from core.config_io import load_config
 from core.engine import SamplingParams
 from core.records import Call
 from core.run.loop import CoreRun

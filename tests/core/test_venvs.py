@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.clients import venvs
-from core.config import load_config
+from core.config_io import load_config
 from core.run.loop import CoreRun
 from core.clients.sandbox import sandbox_meta, sandbox_requirements
 from core.clients.venvs import VenvError, client_python, ensure_venv

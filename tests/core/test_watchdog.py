@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from core.run.cli import app
-from core.config import EngineConfig, load_config
+from core.config import EngineConfig
+from core.config_io import load_config
 from core.engine import SamplingParams
 from core.engine.hf import HFEngine
 from core.models import build_tiny

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.config import flatten
+from core.config_io import flatten
 from researcher.evidence.analysis import summarize
 from researcher.planner.heuristic import HeuristicPlanner, candidate_arms, rung_sizes
 from researcher.planner.types import PlanContext, PlanResult

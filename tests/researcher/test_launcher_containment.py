@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from core.config import load_config
+from core.config_io import load_config
 from researcher.records import Launch
 from researcher.runs import launcher as launcher_module
 from researcher.runs.launcher import Launcher, LaunchTarget, contain_mode

@@ -14,7 +14,7 @@ from typing import Any, TypedDict
 
 from mlflow.tracking import MlflowClient
 
-from core.config import flat_values, flatten
+from core.config_io import flat_values, flatten
 from researcher.brief.schema import Brief
 from researcher.code.workspace import Workspace
 from researcher.evidence import confirmation, stages

@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from core.config import ConfigError
+from core.config_io import ConfigError
 from researcher.code.workspace import WorkspaceError
 from researcher.evidence import analysis
 from researcher.evidence.ab import confirm_ab, judge_ab

@@ -20,7 +20,8 @@ from typing import Any
 
 import yaml
 
-from core.config import ConfigError, RunConfig
+from core.config import RunConfig
+from core.config_io import ConfigError
 from researcher.budget import Spent
 from researcher.evidence import analysis
 from researcher.records import TERMINAL, ExperimentResult, Launch

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.config import load_config
+from core.config_io import load_config
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.serve.server import Server
