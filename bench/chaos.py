@@ -12,7 +12,7 @@ seconds for the next kill. The run must:
 - complete all its steps;
 - never train a partial episode: every trained episode was finished by its client (the bench
   records each batch the trainer takes, and follows the episodes that were open at each kill);
-- keep its books balanced at every kill and at the end (`core.episodes.registry.unbalanced`):
+- keep its books balanced at every kill and at the end (`core.episodes.books.unbalanced`):
   opened = finished + aborted + expired + open, finished = trained + stale-dropped + buffered.
 
 `--min-kills K` keeps the run training past `--steps` until K kills have landed (at most
@@ -45,7 +45,8 @@ for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
 import httpx  # noqa: E402
 
 from core.config_io import load_config  # noqa: E402
-from core.episodes.registry import EpisodeError, unbalanced  # noqa: E402
+from core.episodes.registry import EpisodeError  # noqa: E402
+from core.episodes.books import unbalanced
 from core.run.loop import CoreRun  # noqa: E402
 from core.run.signals import on_signals  # noqa: E402
 

@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from core.config_io import load_config  # noqa: E402
-from core.episodes.registry import Batch  # noqa: E402
+from core.episodes.batching import Batch  # noqa: E402
 from core.records import Call, Episode  # noqa: E402
 from core.run.loop import CoreRun  # noqa: E402
 

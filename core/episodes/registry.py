@@ -1,4 +1,4 @@
-"""The episode registry: keys, leases, states, groups, batch assembly, mix quotas and back-pressure.
+"""The episode registry: keys, leases, states, groups, batches, mix quotas and back-pressure.
 
 Lifecycle: open -> (calls...) -> finished | aborted | expired. Finished train episodes join their
 group, keyed by (sandbox, task_id, client code version: `Episode.train_group`, so an A/B never mixes
@@ -8,6 +8,8 @@ trainer takes ready groups in arrival order. Eval and debug episodes never train
 Mix quotas hold in what trains, not only in what opens: each batch slot goes to the sandbox
 furthest below its share of the groups trained so far (`core.episodes.mix.next_group`), and waits
 for one under way; a sandbox silent for a lease is skipped, so a dead client costs at most a lease.
+Which groups make a batch is `core.episodes.batching`'s job (a pure function the registry calls
+under its lock).
 Which opens are admitted is `core.episodes.admission`'s job. Staleness counts by the oldest weight
 version among an episode's calls. One lock guards all state (HTTP handlers and the trainer thread
 both touch it). The registry does not render, generate or train; it only keeps the books.
@@ -20,12 +22,11 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from core.auth import path_secret, same_secret
 from core.engine.routing import EPISODE
 from core.episodes.admission import Admission, Refusal
-from core.episodes.mix import next_group
+from core.episodes.batching import Batch, assemble
 from core.episodes.pairing import Pairs
 from core.records import Call, Episode
 from core.episodes.wire import OpenEpisode
@@ -48,23 +49,6 @@ class EpisodeError(Exception):
     def refused(cls, refusal: Refusal) -> EpisodeError:
         """An open that `core.episodes.admission` refuses: 503 with Retry-After."""
         return cls(503, refusal.message, refusal.code, retry_after=refusal.retry_after)
-
-
-@dataclass
-class Batch:
-    groups: list[list[Episode]]
-    dropped_stale: int = 0
-
-    @property
-    def episodes(self) -> list[Episode]:
-        return [e for g in self.groups for e in g]
-
-    def by_version(self) -> dict[tuple[str, str], list[Episode]]:
-        """The batch's episodes by (sandbox, client code version; "unknown" when the client sent none)."""
-        out: dict[tuple[str, str], list[Episode]] = {}
-        for e in self.episodes:
-            out.setdefault((e.sandbox, e.client_version or "unknown"), []).append(e)
-        return out
 
 
 class Registry(Admission):
@@ -330,36 +314,21 @@ class Registry(Admission):
         with self._lock:
             if len(self._ready) < self.batch_groups:
                 return None
-            candidates, taken = list(self._ready), dict(self._trained_groups)
             # Able to deliver a group soon: one under way, or a client that asked to open within a lease
             # (it may be between two episodes) and would be admitted (waiting on a sandbox the full
             # room keeps out would never end). A dead client stops asking.
             started = self._started_groups()
             coming = {key[0] for key in started}
             coming |= {s for s in self._active_sandboxes() if self._no_room(s, started) is None}
-            groups, consumed, stale_whole, dropped = [], [], [], 0
-            while candidates and len(groups) < self.batch_groups:
-                group = next_group(candidates, taken, self.mix, coming)
-                if group is None:
-                    return None  # the plan is dropped, nothing taken: it is made again on the next call
-                candidates = [g for g in candidates if g is not group]
-                consumed.append(group)
-                fresh = [e for e in group if _staleness(e, current_versions) <= max_staleness]
-                dropped += len(group) - len(fresh)
-                if fresh:  # a group dropped whole as stale fills no slot and counts for no quota
-                    groups.append(fresh)
-                    taken[group[0].sandbox] = taken.get(group[0].sandbox, 0) + 1
-                else:
-                    stale_whole.append(group)
-            if len(groups) < self.batch_groups:
-                # Stale groups left too few fresh ones: drop only the stale, keep the fresh ready for the
-                # next call, so that every step trains `batch_groups` groups and none is consumed short.
-                consumed, groups = stale_whole, []
-                dropped = sum(len(g) for g in stale_whole)
+            plan = assemble(list(self._ready), self._trained_groups, self.batch_groups, self.mix, coming,
+                            current_versions, max_staleness)
+            if plan is None:
+                return None  # the plan is dropped, nothing taken: it is made again on the next call
+            groups, consumed, dropped = plan.groups, plan.consumed, plan.dropped
             gone = {id(g) for g in consumed}
             self._ready = deque(g for g in self._ready if id(g) not in gone)
             if groups:
-                self._trained_groups = taken
+                self._trained_groups = plan.taken
             self.counters["trained"] += sum(len(g) for g in groups)
             self.counters["stale"] += dropped
             self.counters["wasted"] += dropped
@@ -417,32 +386,6 @@ class Registry(Admission):
                 "clients": sorted({e.client_id for e in self._open.values() if e.client_id}),
                 "counters": dict(self.counters),
             }
-
-
-def unbalanced(counters: dict[str, int], open_episodes: int, buffered: int) -> list[str]:
-    """The identities the registry's books must satisfy at any snapshot, as the ones that fail (empty: balanced).
-
-    Every opened episode is finished, aborted, expired or still open; every finished (or restored) one
-    is trained, dropped as stale, still buffered, or of a kind that never trains (eval, debug)."""
-    c = counters
-    books = {
-        "opened = finished + aborted + expired + open": (
-            c["opened"], c["finished"] + c["aborted"] + c["expired"] + open_episodes),
-        "finished + restored = trained + stale + buffered + not-train": (
-            c["finished"] + c["restored"], c["trained"] + c["stale"] + buffered + c["finished_not_train"]),
-    }
-    return [f"{rule}: {left} != {right}" for rule, (left, right) in books.items() if left != right]
-
-
-def _staleness(ep: Episode, current: dict[str, int]) -> int:
-    """Versions between the oldest weights that generated this episode's tokens and the current ones.
-
-    A call's version is the one that prefilled it (the oldest behind any of its tokens), so an
-    episode opened before a weight sync whose calls all ran after it is not stale."""
-    oldest: dict[str, int] = {}
-    for call in ep.calls:
-        oldest[call.model] = min(oldest.get(call.model, call.version), call.version)
-    return max((current.get(m, v) - v for m, v in oldest.items()), default=0)
 
 
 def _current(ep: Episode) -> Episode:

@@ -37,7 +37,8 @@ from core.config import RunConfig
 from core.clients.contain import require_bwrap
 from core.clients.server_files import token_files
 from core.engine.replicas import ReplicaBehind, ReplicaEngine
-from core.episodes.registry import Batch, EpisodeError
+from core.episodes.registry import EpisodeError
+from core.episodes.batching import Batch
 from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent, locate, sandbox_roots

@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from core.run import checkpoint, supervisor
 from core.config_io import load_config
-from core.episodes.registry import unbalanced
+from core.episodes.books import unbalanced
 from core.run.loop import CoreRun
 from core.serve.server import free_port
 from tests.support import train_in_process

@@ -14,7 +14,8 @@ from core.clients.dealer import Dealer
 from core.clients.judge import JudgeError, load_judge
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
-from core.episodes.registry import EpisodeError, Registry, unbalanced
+from core.episodes.registry import EpisodeError, Registry
+from core.episodes.books import unbalanced
 from core.episodes.wire import OpenEpisode
 from core.run.scores import judged_metrics
 
