@@ -1,4 +1,4 @@
-"""Reading a run config in and writing it down: YAML and `--set key=value` overrides in, credentials redacted and flattened out.
+"""A run config read in and written down: YAML and `--set key=value` overrides in, redacted and flat out.
 
 `load_config` turns a YAML file (or a dict) plus overrides into a validated `core.config.RunConfig`,
 and every way it can fail is a `ConfigError` naming the offending key. It is also the one home of

@@ -11,7 +11,7 @@ This is the one file that holds the whole RL loop:
             on-policy (max_staleness 0): hold new generations, drain, step, resume
             overlapped (max_staleness >= 1): keep generating; swap weights between two decode steps
             the version goes up only if the weights changed (not on zero advantages, skips, errors)
-        log metrics (`time/*` breakdown, `episodes/wasted_frac`) and a few trajectories to MLflow;
+        log metrics (`time/*` breakdown; the rollout's, `core.run.rollout_metrics`) and a few trajectories to MLflow;
         checkpoint every N steps
     checkpoint, stop clients, stop the server
 
@@ -44,7 +44,7 @@ from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent, locate, sandbox_roots
 from core.serve.server import Server
 from core.run.supervisor import Supervisor
-from core.run.scores import judged_metrics, scored
+from core.run.rollout_metrics import RolloutMeter
 from core.run.telemetry import Telemetry
 from core.clients.venvs import client_python
 from core.episodes.wire import SwapRecord
@@ -94,7 +94,7 @@ class CoreRun:
         # Isolated clients: restarted when they die; a client that keeps dying without work fails the run.
         self.supervisor = Supervisor(self.server.registry.finished_by, self._give_up, cfg.containment,
                                      hidden=token_files(run_folder(cfg.trainer.checkpoint_dir)))
-        self._last = (time.time(), 0)  # (time, completion tokens served) at the previous step
+        self._rollout = RolloutMeter(self.server)  # rates since the previous step, per-version rewards
 
     # -- lifecycle -------------------------------------------------------------------------------
     def resume(self) -> checkpoint.Checkpoint | None:
@@ -247,7 +247,7 @@ class CoreRun:
                 continue
             metrics["time/wait_groups_s"] = taken - idle_since
             metrics["time/step_s"] = time.perf_counter() - idle_since
-            metrics.update(self._rollout_metrics(batch))
+            metrics.update(self._rollout.metrics(batch))
             if self.telemetry is not None:
                 self.telemetry.log(self.step, metrics)
                 self.telemetry.log_trajectories(self.step, batch.episodes)
@@ -345,52 +345,6 @@ class CoreRun:
                 policy.engine.resume(policy.version + 1 if updated else None)
             timing["time/sync_s"] += synced
             timing["time/train_s"] += time.perf_counter() - started - synced
-
-    def _rollout_metrics(self, batch: Batch) -> dict[str, float]:
-        now, tokens = time.time(), self.server.throughput.completion_tokens
-        then, then_tokens = self._last
-        self._last = (now, tokens)
-        dt = max(now - then, 1e-9)
-        counters = self.server.registry.counters
-        episodes = batch.episodes
-        out = {
-            "rollout/episodes_per_s": len(episodes) / dt,
-            "rollout/tokens_per_s": (tokens - then_tokens) / dt,
-            # Wall time from the batch's first open to its last finish (overlaps the previous step).
-            "time/rollout_s": max(e.ended_at or now for e in episodes) - min(e.opened_at for e in episodes),
-            "episodes/aborted": float(counters["aborted"]),
-            "episodes/expired": float(counters["expired"]),
-            "episodes/refused": float(counters["refused"]),
-            # Of the train episodes that generated anything so far, those never trained (stale, or
-            # aborted/expired after generating).
-            "episodes/wasted_frac": counters["wasted"] / max(counters["generated"], 1),
-            **self.server.throughput.tito_metrics(),  # tito/{reused,drift,broken}, cumulative
-        }
-        by_sandbox: dict[str, list[float]] = {}
-        for ep in self.server.registry.take_eval():
-            if (value := scored(ep)) is not None:
-                by_sandbox.setdefault(ep.sandbox, []).append(value)
-        for (sandbox, version), eps in batch.by_version().items():  # every episode names its code version
-            rewards = [v for v in map(scored, eps) if v is not None]
-            out[f"episodes/{sandbox}/version/{version}"] = float(len(eps))
-            if rewards:
-                out[f"reward/{sandbox}/version/{version}"] = sum(rewards) / len(rewards)
-        for sandbox, rewards in by_sandbox.items():
-            out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
-        out.update(judged_metrics(batch.episodes))  # reward/mean and reward/<sandbox>/mean: every episode counted
-        for ep in batch.episodes:  # an A/B: both versions' scores over the (task, weights) cells both reached
-            self.server.registry.pairs.add(ep, scored(ep))
-        out.update(self.server.registry.pairs.take())
-        out["episodes/mixed_version_groups"] = float(sum(len({e.client_version for e in g}) > 1 for g in batch.groups))
-        for name, p in self.server.policies.items():
-            if isinstance(p.engine, ReplicaEngine):  # each replica's load, version and health, per step
-                prefix = "" if len(self.server.policies) == 1 else f"{name}/"
-                out[f"{prefix}time/replica_sync_s"] = p.engine.last_sync_s
-                for r in p.engine.status():
-                    for key in ("episodes", "inflight", "healthy", "version", "restarts"):
-                        out[f"{prefix}replica/{r['replica']}/{key}"] = float(r[key] if r[key] is not None else -1)
-        return out
-
 
 # A step's metrics that say it learnt nothing: it raised (`train/failed`) or its optimizer step was
 # skipped for a non-finite loss or gradient (`train/skipped`); both count toward max_failed_steps.
