@@ -5,7 +5,7 @@ failed episode is retried (so its group can still fill), but failures are also c
 last episode failed, the runner admits one episode at a time after an exponential backoff (the
 `core.clients.sdk.backoff_delay` schedule), so a failing client never opens episodes faster than it
 finishes them. After `max_consecutive_failures` failed episodes in a row it gives up with one line
-naming the error, the sandbox and the likely fix. Every rollout has a deadline (`--episode-timeout`):
+naming the error, the sandbox and the likely fix (`core.clients.failures`). Every rollout has a deadline (`--episode-timeout`):
 one that runs past it, even while it still awaits (and so still heartbeats), is cancelled and its
 episode aborted with a reason naming the sandbox's file and function; that counts as a failed
 episode. A rollout that blocks its event loop cannot be cancelled: its heartbeats stop with it, so
@@ -28,15 +28,13 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import openai
-
-from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, ServerUnreachable, SwarmClient, SwarmError, backoff_delay
-from core.clients.deadline import EPISODE_TIMEOUT_S, EpisodeTimeout, rollout_source, within_limit
+from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, SwarmClient, SwarmError
+from core.clients.deadline import EPISODE_TIMEOUT_S, rollout_source, within_limit
+from core.clients.failures import ClientGaveUp, FailureGate, describe, likely_fix, sleep_unless
 from core.clients.sandbox import Agent, Outcome, load_agent, task_order
 from core.clients.task_index import TaskIndex
 from core.clients.contain import host_pid
@@ -58,85 +56,12 @@ EXIT_GAVE_UP = 2  # `swarm client` exit code when it gives up (or cannot start)
 EXIT_SIGTERM, EXIT_SIGINT = 143, 130  # the shell's codes for a process ended by these signals
 
 
-class ClientGaveUp(RuntimeError):
-    """Too many consecutive failed episodes; the message is the one line a person reads."""
-
-
 @dataclass
 class RunnerStats:
     finished: int = 0
     failed: int = 0
     aborted_on_stop: int = 0  # in-flight episodes cut off because the drain bound ran out
     rewards: list[float] = field(default_factory=list)
-
-
-class FailureGate:
-    """Consecutive failed episodes of one runner: backoff and one episode at a time while failing."""
-
-    def __init__(self, limit: int):
-        self.limit = limit  # 0: never give up
-        self.consecutive = 0
-        self.last_error: BaseException | None = None
-        self._probe = asyncio.Lock()
-
-    @property
-    def exhausted(self) -> bool:
-        return self.limit > 0 and self.consecutive >= self.limit
-
-    def succeeded(self) -> None:
-        self.consecutive = 0
-
-    def failed(self, error: BaseException) -> None:
-        self.consecutive += 1
-        self.last_error = error
-
-    @asynccontextmanager
-    async def admit(self, stop: asyncio.Event) -> AsyncIterator[None]:
-        """Healthy: enter at once. Failing: wait for the episode before to end, then for the backoff."""
-        if self.consecutive == 0:
-            yield
-            return
-        async with self._probe:
-            if self.consecutive:
-                await _sleep_unless(stop, backoff_delay(self.consecutive - 1))
-            yield
-
-
-async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except TimeoutError:
-        pass
-
-
-def describe(error: BaseException) -> str:
-    """An error in one line: the server's own message when it sent one."""
-    if isinstance(error, openai.APIStatusError):
-        body = error.body if isinstance(error.body, dict) else {}
-        return f"{error.status_code} {body.get('message') or error.message}"
-    return f"{type(error).__name__}: {error}"
-
-
-def likely_fix(error: BaseException, agent: Agent, url: str) -> str:
-    where = f"{agent.folder}/agent.py" if agent.folder else f"agent {agent.name}"
-    status = getattr(error, "status_code", None) or getattr(error, "status", None)
-    body = getattr(error, "body", None)
-    code = body.get("code") if isinstance(body, dict) else None
-    if isinstance(error, (ServerUnreachable, openai.APIConnectionError)):
-        return f"start the swarm server (`swarm serve ...`) or point --server at a running one; {url} does not answer"
-    if status == 404 and code == "model_not_found":
-        return (f"{where} asks for a model this server does not serve: call `model=llm.model` (the server's single "
-                "model), or serve the model under the name the sandbox uses (`swarm serve --name NAME`)")
-    if status == 400:
-        return f"the server refused a request of the sandbox (see the message): fix the request in {where}"
-    if isinstance(error, EpisodeTimeout):
-        return (f"find where the rollout in {where} waits forever (run it with `--episodes 1 -v`), or raise "
-                "--episode-timeout if its episodes are just slow")
-    if status == 409:
-        return "episodes ended before their reward arrived: raise the server's server.lease_s or shorten the rollout"
-    if isinstance(error, SwarmError):
-        return "the server refuses to open these episodes: check --group-size and --kind against its config"
-    return f"the sandbox's rollout raises: run it once with `--episodes 1 -v` to see the traceback, then fix {where}"
 
 
 async def run_agent(
@@ -328,7 +253,7 @@ class Registration:
     async def keep(self, stop: asyncio.Event, name: str) -> None:
         """Renew until `stop`; a drain order sets `stop`, so the runner drains exactly as on SIGTERM."""
         while not stop.is_set():
-            await _sleep_unless(stop, self.heartbeat_s)
+            await sleep_unless(stop, self.heartbeat_s)
             if stop.is_set():
                 return
             try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from core.clients.sdk import BACKOFF_MAX_S, BACKOFF_START_S, backoff_delay, model_to_call
-from core.clients.runner import FailureGate
+from core.clients.failures import FailureGate
 from core.clients.sandbox import load_agent
 
 ROOT = Path(__file__).resolve().parents[2]
