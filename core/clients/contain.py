@@ -9,7 +9,8 @@
   credentials, `SWARMRL_ADMIN_TOKEN`, cloud credentials); a caller passing one is a bug (ValueError);
 - resource limits set between fork and exec (`core.config.ContainLimits`): CPU seconds, address
   space, file size, processes (on top of those the user already runs), open files; when running as
-  root, where the kernel does not apply the process limit, a pids cgroup of its own when one can be made;
+  root, where the kernel does not apply the process limit, a pids cgroup of its own when one can be made
+  (`core.clients.process_count`);
 - its own session and process group, killed whole at the timeout or on `kill()`; it dies with the
   thread that started it (PR_SET_PDEATHSIG), so nothing outlives its starter, unless it is started
   `detached` (a client `swarm swap` starts outlives that command: it ends when the server drains it);
@@ -42,12 +43,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from core.clients.process_count import pids_cgroup, remove_cgroup, user_processes
 from core.clients.server_files import token_files
 from core.config import ContainLimits, ContainMode
 from core.config_io import ConfigError, is_secret
@@ -61,8 +62,6 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "HF_HUB_OFFLIN
 # the same `core` as the run or swap that started it (not whatever an installed copy points at).
 CLIENT_ENV = ("PYTHONPATH",)
 HOST_PID_ENV = "SWARMRL_HOST_PID"  # set by `wrap` inside bubblewrap's pid namespace: see `host_pid`
-_CGROUP_PIDS = Path("/sys/fs/cgroup/pids")  # cgroup v1's pids hierarchy (v2: the unified tree, below)
-_CGROUP_V2 = Path("/sys/fs/cgroup")
 _warned_uncontained = False
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Looked up once here: the child runs the preexec hook between fork and exec, where loading a library
@@ -78,7 +77,6 @@ WARM_ENV = "SWARMRL_WARM"  # `swarm warm`'s socket (core.run.warm): masked with 
 # study hides its sqlite state and MLflow store from the clients of the runs it launches (`swarm run`,
 # `swarm swap`, `swarm contain` all read it), without a flag on each command.
 HIDE_ENV = "SWARMRL_CONTAIN_HIDE"
-CGROUP_SWEEP_AGE_S = 60.0  # an empty cgroup older than this was left by a detached process that ended
 
 
 def bwrap() -> str | None:
@@ -111,64 +109,6 @@ def contained_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[st
             raise ValueError(f"{key} looks like a credential; contained code is never given one")
         env[key] = value
     return env
-
-
-def _user_processes() -> int:
-    """Processes (threads count too, for RLIMIT_NPROC) this user runs now, read from /proc."""
-    uid, n = os.getuid(), 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    n += len(os.listdir(entry / "task"))
-            except OSError:
-                continue
-    return n
-
-
-def _pids_cgroup(limit: int) -> Path | None:
-    """A fresh pids cgroup holding at most `limit` tasks, when this process may make one (as root in most
-    containers); None otherwise. The child joins it before exec."""
-    for root in (_CGROUP_PIDS, _CGROUP_V2):
-        if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
-            continue
-        _sweep_cgroups(root)
-        try:
-            group = Path(tempfile.mkdtemp(prefix="swarmrl-contained-", dir=root))
-        except OSError:
-            continue
-        try:
-            (group / "pids.max").write_text(str(limit))
-            return group
-        except OSError:  # no pids controller here (v2 without it enabled)
-            _remove_cgroup(group)
-    return None
-
-
-def _sweep_cgroups(root: Path) -> None:
-    """Remove the empty pids cgroups that detached processes left when they ended (nobody waits on them to
-    remove theirs). The kernel refuses to remove one with tasks in it; one made in the last minute is left
-    alone, as its process may not have joined it yet."""
-    for group in root.glob("swarmrl-contained-*"):
-        try:
-            if time.time() - group.stat().st_mtime > CGROUP_SWEEP_AGE_S:
-                group.rmdir()
-        except OSError:
-            continue
-
-
-def _remove_cgroup(group: Path | None, wait_s: float = 5.0) -> None:
-    """Remove a pids cgroup once its tasks are gone (killed ones take a moment to leave it)."""
-    deadline = time.monotonic() + wait_s
-    while group is not None:
-        try:
-            group.rmdir()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                log.warning("could not remove the cgroup %s (tasks still in it)", group)
-                return
-            time.sleep(0.05)
 
 
 def _preexec(limits: ContainLimits, nproc: int, group: Path | None, detached: bool):
@@ -312,7 +252,7 @@ class Contained:
         if self.forwarder is not None:
             self.forwarder.kill()
             self.forwarder.wait()
-        _remove_cgroup(self.group)
+        remove_cgroup(self.group)
         shutil.rmtree(self.scratch, ignore_errors=True)
         if self.net is not None:
             shutil.rmtree(self.net, ignore_errors=True)
@@ -331,8 +271,8 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
     scratch = scratch or Path(tempfile.mkdtemp(prefix="swarmrl-contained-"))
     (scratch / "tmp").mkdir(parents=True, exist_ok=True)
     env = contained_env(scratch, extra_env)
-    nproc = _user_processes() + limits.processes
-    group = _pids_cgroup(limits.processes) if os.getuid() == 0 else None
+    nproc = user_processes() + limits.processes
+    group = pids_cgroup(limits.processes) if os.getuid() == 0 else None
     net = Path(tempfile.mkdtemp(prefix="swarmrl-net-")) if server and bwrap() is not None else None  # 0700
     if net is not None:
         argv = [inner_url(server) if a == server else a for a in argv]
@@ -351,7 +291,7 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
         if proc is not None:  # the forwarder did not start: the process would have no way to its server
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        _remove_cgroup(group)
+        remove_cgroup(group)
         shutil.rmtree(scratch, ignore_errors=True)
         if net is not None:
             shutil.rmtree(net, ignore_errors=True)
