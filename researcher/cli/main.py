@@ -36,7 +36,7 @@ from researcher.planner.types import PlannerError, choose_planner
 from researcher.code.lineage import parent_problem
 from researcher.records import CodeVersion, Decision
 from researcher.review.console import StudyConsole, budget_table, decisions_table, proposals_table, verdicts_table
-from researcher.review.plain import plain
+from researcher.review.plain import plain, plain_record
 from researcher.review.views import best_result, proposal_view, status_json
 from researcher.study.snapshot import read_state as read_snapshot
 from researcher.study.store import (
@@ -77,14 +77,8 @@ def _known_errors() -> tuple[type[Exception], ...]:
 @app.callback()
 def _main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log INFO messages too.")) -> None:
     handler = RichHandler(console=Console(stderr=True), show_path=False)
-    handler.addFilter(_plain_record)
+    handler.addFilter(plain_record)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s", handlers=[handler])
-
-
-def _plain_record(record: logging.LogRecord) -> bool:
-    """A log line is plain text too (review/plain.py): a planner's error quoting the LLM's reply, a run's log tail."""
-    record.msg, record.args = plain(record.getMessage()), None
-    return True
 
 
 @study_app.callback()

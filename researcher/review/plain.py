@@ -7,8 +7,9 @@ return overwrites the line it ends), and a bidirectional override makes code rea
 than it runs ("Trojan Source"). `plain` turns each such character into a visible escape (`\\x1b`,
 `\\u202e`), keeping newlines and tabs where a multi-line text may hold them; `cell` does the same
 for one-line table cells. `text` gives rich a `Text`, so `[bold]` or `[link=...]` in LLM text stays
-literal. Every surface a person reads (the CLI, the Markdown/HTML report, the MLflow note) passes
-its untrusted text through here.
+literal; `plain_record` is the logging filter that does it to every log line the CLI prints. Every
+surface a person reads (the CLI, the Markdown/HTML report, the MLflow note) passes its untrusted text
+through here.
 
 It escapes for display only: what a study stores (state, diffs, artifacts) keeps the exact bytes.
 It is not an HTML or Markdown escaper (`report_html` and the MLflow note do that on top).
@@ -16,6 +17,7 @@ It is not an HTML or Markdown escaper (`report_html` and the MLflow note do that
 
 from __future__ import annotations
 
+import logging
 import re
 
 from rich.text import Text
@@ -69,3 +71,9 @@ def markdown(value: object) -> str:
 def text(value: object, style: str = "") -> Text:
     """A rich `Text` of `plain(value)`: printed as it reads, never parsed as rich markup."""
     return Text(plain(value), style=style)
+
+
+def plain_record(record: logging.LogRecord) -> bool:
+    """A logging filter: a log line is plain text too (a planner's error quoting the LLM's reply, a run's log tail)."""
+    record.msg, record.args = plain(record.getMessage()), None
+    return True

@@ -17,6 +17,7 @@ Real git, real `swarm contain` (bubblewrap), real `mlflow server`; the study run
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -32,6 +33,7 @@ from core.clients import contain
 from researcher.code.lineage import Lineage
 from researcher.records import CodeVersion, Edit, StepResult
 from researcher.review.mlflow_review import ReviewBoard
+from researcher.review.plain import plain_record
 from researcher.study import inbox
 from researcher.study.store import private_paths, study_paths
 from tests.researcher.harness import BIN, SWARM, Project, letters_code
@@ -276,3 +278,9 @@ def test_a_contained_process_cannot_forge_an_approval_through_mlflow(auth_server
 def test_a_local_store_is_not_called_authenticated(tmp_path) -> None:
     board = ReviewBoard(MlflowClient(f"sqlite:///{tmp_path / 'm.db'}"), "study-local", "local")
     assert board.authenticated() is False
+
+
+def test_a_log_line_quoting_hostile_text_prints_its_control_characters_escaped() -> None:
+    record = logging.LogRecord("researcher", logging.WARNING, __file__, 1, "planner reply: %s", (f"{ESC}[2Kok\u202e",), None)
+    assert plain_record(record) is True  # the line is kept, only made plain
+    assert record.getMessage() == "planner reply: \\x1b[2Kok\\u202e"
