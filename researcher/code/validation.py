@@ -4,7 +4,7 @@ Static (they read the code, nothing of it runs):
 1. apply: the edits (or patch) apply cleanly in a trial worktree, and only to allowed paths;
 2. compile: every changed Python file compiles;
 3. contract: an AST check that each edited sandbox's entry still defines `tasks` and
-   `async def rollout(task, llm)`;
+   `async def rollout(task, llm)` (researcher/code/contract.py);
 Executing (they run the proposal's code):
 4. import: each edited sandbox imports in a fresh subprocess and defines `tasks(split)` and
    `async rollout(task, llm)`;
@@ -39,7 +39,6 @@ import socket
 import subprocess
 import sys
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ import yaml
 
 from core.config import ContainLimits
 from researcher.brief.schema import Brief
+from researcher.code.contract import ContractError, contract_problems, entry_name
 from researcher.code.workspace import EditError, Workspace, WorkspaceError
 from researcher.records import EXECUTING_STEPS, STATIC_STEPS, CodeVersion, Proposal, StepResult
 
@@ -200,21 +200,16 @@ class Validator:
         rollout(task, llm)` at its top level (an import of either is accepted; the import step checks it)."""
         logs = []
         for folder in self.sandboxes(tree):
-            entry = folder / _entry_name(folder)
+            try:
+                entry = folder / entry_name(folder)
+            except ContractError as e:
+                raise StepFailed(str(e)) from None
             rel = entry.relative_to(tree)
             try:
                 module = ast.parse(entry.read_text(), str(rel))
             except (OSError, SyntaxError, ValueError) as e:
                 raise StepFailed(f"{rel}: cannot be read as Python: {type(e).__name__}: {e}") from None
-            found = _top_level(module)
-            problems = []
-            if "tasks" not in found:
-                problems.append("it defines no tasks(split)")
-            rollout = found.get("rollout")
-            if rollout is None or isinstance(rollout, ast.FunctionDef):
-                problems.append("it defines no `async def rollout(task, llm)`")
-            elif isinstance(rollout, ast.AsyncFunctionDef) and len(rollout.args.args) + len(rollout.args.posonlyargs) != 2:
-                problems.append("rollout must take (task, llm)")
+            problems = contract_problems(module)
             if problems:
                 raise StepFailed(f"{rel}: " + "; ".join(problems))
             logs.append(f"{rel}: defines tasks and async rollout(task, llm) (read, not run)")
@@ -339,31 +334,6 @@ class Validator:
 
 
 _SIGNALS = {int(s) for s in signal.Signals}  # `swarm contain` exits 128+N for a command killed by signal N
-
-
-def _entry_name(folder: Path) -> str:
-    try:
-        meta = tomllib.loads((folder / "sandbox.toml").read_text()) if (folder / "sandbox.toml").is_file() else {}
-    except tomllib.TOMLDecodeError as e:
-        raise StepFailed(f"{folder.name}/sandbox.toml: {e}") from None
-    return str(meta.get("entry", "agent.py"))
-
-
-def _top_level(module: ast.Module) -> dict[str, ast.AST]:
-    """Names bound at a module's top level -> the statement binding them (last one wins)."""
-    found: dict[str, ast.AST] = {}
-    for node in module.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            found[node.name] = node
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                found[(alias.asname or alias.name).split(".")[0]] = node
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                if isinstance(t, ast.Name):
-                    found[t.id] = node
-    return found
 
 
 def _free_port() -> int:
