@@ -38,7 +38,8 @@ from core.engine import SamplingParams  # noqa: E402
 from core.engine.hf import HFEngine  # noqa: E402
 from core.models import byte_tokenizer  # noqa: E402
 from core.records import Call, Episode  # noqa: E402
-from core.train.trainer import Trainer, prepare_policy  # noqa: E402
+from core.models import prepare_policy  # noqa: E402
+from core.train.trainer import Trainer  # noqa: E402
 
 # Dense bf16 peak of the GPUs this is lent on (NVIDIA's data sheets, without sparsity).
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}

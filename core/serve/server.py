@@ -25,8 +25,6 @@ from core.serve.chat import ChatRenderer
 from core.auth import masked
 from core.clients.dealer import Dealer
 from core.clients.judge import load_judges
-from core.clients.dealer import Dealer
-from core.clients.judge import load_judges
 from core.clients.table import ClientTable
 from core.config import RunConfig
 from core.engine.replicas import ReplicaEngine, make_model_engine
@@ -52,11 +50,6 @@ class Server:
             max_abs_reward=cfg.trainer.max_abs_reward,
         )
         self.clients = ClientTable()  # registered client processes: `swarm swap` drains through it
-        # Judged sandboxes score and deal tasks by the judges in the folders this config names, never by code
-        # a client brings (a hot-swapped client's checkout included): core.clients.judge, DESIGN §3.7.
-        self.judges = load_judges(cfg)
-        self.dealer = Dealer(self.judges, cfg.trainer.seed)
-        self.registry.failure_scores = {name: judge.failure for name, judge in self.judges.items()}
         # Judged sandboxes score and deal tasks by the judges in the folders this config names, never by code
         # a client brings (a hot-swapped client's checkout included): core.clients.judge, DESIGN §3.7.
         self.judges = load_judges(cfg)
@@ -168,9 +161,7 @@ def load_policies(cfg: RunConfig) -> dict[str, Policy]:
     for mc in cfg.models:
         model, tok = models.load(mc)
         if mc.trainable and mc.lora is not None:
-            from core.train.trainer import prepare_policy  # peft is imported only for LoRA runs
-
-            model = prepare_policy(model, mc.lora)
+            model = models.prepare_policy(model, mc.lora)  # peft is imported only for LoRA runs
         max_context = mc.max_context or min(getattr(model.config, "max_position_embeddings", 2048), 1 << 16)
         engine = make_model_engine(cfg, mc, model, tok, max_context)  # one engine, or replicas (core.engine.replicas)
         policies[mc.name] = Policy(mc.name, model, tok, ChatRenderer(tok), engine, trainable=mc.trainable)

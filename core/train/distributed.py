@@ -47,8 +47,9 @@ import torch.distributed as dist
 
 from core import models
 from core.config import ModelConfig, RunConfig, TrainerConfig, model_devices
+from core.models import prepare_policy
 from core.train.timelines import Sample
-from core.train.trainer import PreparedStep, Trainer, prepare_policy, seed_everything
+from core.train.trainer import PreparedStep, Trainer, seed_everything
 
 log = logging.getLogger(__name__)
 

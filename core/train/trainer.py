@@ -47,7 +47,6 @@ from typing import Any
 import numpy as np
 import torch
 from core.config import TrainerConfig
-from core.models import prepare_policy  # re-exported: the trainer's callers build policies with it
 from core.records import Episode
 from core.train.prompt_sharing import share_prompt
 from core.train.timelines import Sample, merge_with_stats

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.config import LoraConfig, TrainerConfig
+from core.models import build_tiny, prepare_policy
 from core.run import checkpoint
 from core.run.checkpoint import CheckpointError, load_latest, restore, save
-from core.config import LoraConfig, TrainerConfig
-from core.models import build_tiny
-from core.train.trainer import Trainer, prepare_policy, seed_everything
+from core.train.trainer import Trainer, seed_everything
 from tests.core.test_trainer import MODEL, completion_logprob, x_groups
 
 # Dropout makes the LoRA run draw from the RNG every step, so only a restored RNG reproduces it.

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.run import checkpoint
 from core.config import TrainerConfig
-from core.models import build_tiny
-from core.train.trainer import Trainer, prepare_policy, seed_everything
+from core.models import build_tiny, prepare_policy
+from core.run import checkpoint
+from core.train.trainer import Trainer, seed_everything
 from tests.core.test_trainer import MODEL, x_groups
 
 LR = 1e-5  # the RL learning rate of bench/vs_trl.py and configs/smollm2-*.yaml

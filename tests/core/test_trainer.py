@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-from core.config import LoraConfig, TrainerConfig
-from core.models import build_tiny, byte_tokenizer
-from core.records import Call, Episode
 import core.train.timelines as timelines
 import core.train.trainer as trainer_module
-from core.train.trainer import Trainer, prepare_policy, seed_everything
+from core.config import LoraConfig, TrainerConfig
+from core.models import build_tiny, byte_tokenizer, prepare_policy
+from core.records import Call, Episode
+from core.train.trainer import Trainer, seed_everything
 
 MODEL = "policy"
 PROMPT = "<|im_start|>user\nwrite\n<|im_end|>\n<|im_start|>assistant\n"

@@ -14,8 +14,7 @@ from core.config import EngineConfig, LoraConfig, ModelConfig
 from core.engine import SamplingParams
 from core.engine.factory import make_engine
 from core.engine.hf import HFEngine
-from core.models import load
-from core.train.trainer import prepare_policy
+from core.models import load, prepare_policy
 from tests.vllm.conftest import chat_prompt
 from tests.vllm.test_engine_parity import LOGPROB_TOLERANCE
 
