@@ -68,6 +68,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # could deadlock on a lock another thread of the parent held at the fork.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 BWRAP_FIX = "apt-get install bubblewrap"
+_CORE = Path(__file__).resolve().parents[1]  # the `core` package a contained `swarm` imports
 # The two stdlib-only scripts of the network boundary, run by file path with `python -I` (docstrings there).
 RELAY = Path(__file__).with_name("relay.py")  # inside the sandbox: loopback port -> the forwarder's socket
 FORWARDER = Path(__file__).with_name("forwarder.py")  # outside: the socket -> the server's episode routes
@@ -199,8 +200,11 @@ def inner_url(url: str) -> str:
 
 def _own_code_under_tmp() -> list[Path]:
     """This Python and the folders it imports from, where they live under /tmp (a venv or a checkout
-    there): the private /tmp would hide them, and a contained client is our Python running our code."""
+    there): the private /tmp would hide them, and a contained client is our Python running our code. The
+    `core` package folder is named on its own: an editable install finds it through its import hook, not
+    through sys.path, so a checkout under /tmp is on no sys.path entry."""
     roots = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *sys.path) if p}  # "": the cwd, not code
+    roots.add(_CORE)
     return sorted(r for r in roots if r.is_relative_to("/tmp") and r != Path("/tmp") and r.exists())
 
 
