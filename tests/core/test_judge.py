@@ -5,6 +5,7 @@ agent does in its own process reaches the judge."""
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import httpx
@@ -14,8 +15,8 @@ from core.clients.dealer import Dealer
 from core.clients.judge import JudgeError, load_judge
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
-from core.episodes.registry import EpisodeError, Registry
 from core.episodes.books import unbalanced
+from core.episodes.registry import EpisodeError, Registry
 from core.episodes.wire import OpenEpisode
 from core.run.scores import judged_metrics
 
@@ -129,7 +130,34 @@ def test_an_episode_that_raises_or_times_out_counts_with_the_failure_value(live_
     assert metrics["judge/judged/failed"] == 2
 
 
-def test_an_agent_that_rebinds_the_judge_in_its_own_process_does_not_change_the_score(live_server, tmp_path):
+# What the hostile agent below rebinds in every module it can reach.
+REBOUND = ("score", "points", "FAILURE")
+
+
+@pytest.fixture
+def rebinds_undone():
+    """The hostile agent rebinds `score`, `points` and `FAILURE` in every module of this process, pytest's
+    and the researcher's too (tests/researcher then scored every run 99.0): put back what each module had,
+    and drop the modules first imported meanwhile that it reached, so a later import gets a fresh copy."""
+    before = {name: (m, {n: m.__dict__[n] for n in REBOUND if n in m.__dict__})
+              for name, m in list(sys.modules.items()) if isinstance(getattr(m, "__dict__", None), dict)}
+    yield
+    for name, m in list(sys.modules.items()):
+        found = getattr(m, "__dict__", None)
+        if not isinstance(found, dict) or not any(n in found for n in REBOUND):
+            continue
+        if name not in before or before[name][0] is not m:
+            sys.modules.pop(name, None)
+            continue
+        for n in REBOUND:
+            if n in before[name][1]:
+                found[n] = before[name][1][n]
+            else:
+                found.pop(n, None)
+
+
+def test_an_agent_that_rebinds_the_judge_in_its_own_process_does_not_change_the_score(live_server, tmp_path,
+                                                                                       rebinds_undone):
     # It imports the judge and its sibling by name and rebinds them at import time, and in every rollout
     # rebinds whatever judge-like module it can find; it runs in the server's process (an in-process client).
     body = ('    import sys\n'
