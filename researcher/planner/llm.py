@@ -76,15 +76,15 @@ Reply with ONE JSON object and nothing else, shaped like:
 {format}
 Rules:
 - `overrides` keys must be search-space keys; values must lie inside their range or choices.
-- A code change sets needs_code_change=true and code_change="AREA: what to change", AREA being a
-  code area of the search space. Code changes always wait for a human.
+- A code change: needs_code_change=true, code_change="AREA: what to change" (AREA: a code area of the
+  search space). Code changes wait for a human.
 - priority: 1 (run first) to 10. Never repeat a configuration already run or vetoed; learn from the reasons.
-- prediction: the metric, its direction against the baseline (up, down, same) and the expected difference
-  of means. parent: the id of the proposal this builds on, or null. ablation: true when it removes one part
-  of its parent to test whether that part mattered.
-- Verdicts are tests against the baseline on the same seeds; only `better` counts as progress.
-- The study runs the baseline itself (base config at the base commit, same seeds and steps) for every
-  proposal: never propose it.
+- prediction: the metric, its direction against the baseline (up, down, same), the expected difference of
+  means. parent: the id of the proposal this builds on, or null. ablation: true when it removes one part of
+  its parent to test whether that part mattered.
+- The study runs the baseline itself (base config at the base commit, same seeds and steps): never propose
+  it. A code change is judged against the base commit with its own overrides, a chain also against its
+  parent. Verdicts are tests on the same seeds; only `better` counts as progress.
 - At most {n} proposals. Set "stop": true when nothing more is worth the budget."""
 
 
@@ -164,11 +164,10 @@ def _describe_history(ctx: PlanContext) -> str:
 
 
 def _describe_baseline(ctx: PlanContext) -> str:
-    """The baseline the study runs beside every proposal, and its scores so far."""
-    rows = ["The study runs the baseline (the base config at the base commit) on the same seeds and steps as "
-            "each proposal, once per (steps, seeds), and judges every proposal against it; a code change is "
-            "judged against the base commit run with the proposal's own overrides (only the code differs), "
-            "and a change on a parent also against the parent's code."]
+    """The references scored so far (base config or a code change's own overrides, at the base or a parent's
+    code). What a baseline is and how proposals are judged against it is said once, in SYSTEM: the prompt
+    must fit small contexts (tiny's 2048 byte-level tokens)."""
+    rows: list[str] = []
     for p in ctx.proposals:
         r = ctx.result(p.id)
         if not is_reference(p, ctx.base_values) or p.extends or r is None:
@@ -179,7 +178,7 @@ def _describe_baseline(ctx: PlanContext) -> str:
         code = f" at the code of {p.parent}" if p.parent else ""
         rows.append(f"- {p.id}, {steps} steps{f', {config}' if config else ''}{code}: {ctx.brief.objective.metric} = "
                     f"{r.summary.fmt() if r.summary else r.status}; per seed {{{seeds}}}")
-    if len(rows) == 1:
+    if not rows:
         rows.append("(no baseline scored yet: it runs with this round)")
     return "\n".join(rows)
 
@@ -195,7 +194,7 @@ def build_messages(ctx: PlanContext) -> list[dict[str, str]]:
             f"# Baseline\n{_describe_baseline(ctx)}\n\n"
             f"# History\n{_describe_history(ctx)}\n\n"
             + (f"{code}\n\n" if (code := describe_code(ctx)) else "") +
-            f"Plan round {ctx.round}. Reply with the JSON object only.")
+            f"Plan round {ctx.round}.")  # SYSTEM already asks for the JSON object alone
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
 

@@ -79,3 +79,12 @@ def test_a_configuration_already_run_is_refused_as_a_repeat(tmp_path: Path) -> N
         "prediction": {"metric": "reward/mean", "direction": "up", "effect": 0.1}}]})
     check_plan(fresh, ctx)  # a new configuration with a prediction and a known parent is fine
     assert fresh.proposals[0].prediction is not None and fresh.proposals[0].prediction.direction == "up"
+
+
+def test_a_first_round_prompt_fits_a_2048_byte_token_context_with_room_to_reply(tmp_path: Path) -> None:
+    """tiny (`swarm serve --model tiny`) counts a token a byte: the prompt must leave it room for a plan."""
+    brief = make_brief(tmp_path, SPACE)
+    ctx = PlanContext(brief=brief, base_values=typed_values(brief.resolve_config(tmp_path).model_dump()),
+                      base_steps=8, round=1, runs_left=10, steps_left=100, tokens_left=100_000)
+    prompt_bytes = sum(len(m["content"].encode()) for m in build_messages(ctx))
+    assert prompt_bytes < 1850  # 2048 less a reply of ~150 tokens and the chat template's few per message
