@@ -198,10 +198,11 @@ def test_swarm_serve_after_its_last_step_serves_on_and_refuses_train_episodes_wi
     url = read_until(serve, r"serving .* at (http://\S+)")[0].group(1)
     feeder = start(swarm("client", "sandbox:letters", "--server", url))
     read_until(serve, r"trainer done after 2 steps")
-    refused = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters", "task_id": "late"}, timeout=30)
+    # letters is judged: its episodes open without a task_id and the server deals the task (core.clients.dealer)
+    refused = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters"}, timeout=30)
     assert refused.status_code == 409, refused.text  # at once: no back-pressure wait that could never end
     assert "takes no more train episodes" in refused.json()["error"]["message"]
-    evaluated = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters", "task_id": "e", "kind": "eval"},
+    evaluated = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters", "kind": "eval"},
                            timeout=30)
     assert evaluated.status_code == 200, evaluated.text  # the server serves on
     assert serve.poll() is None

@@ -64,12 +64,17 @@ def test_the_client_table_keys_heartbeats_drains_named_clients_for_a_successor_a
 
 
 def _sandbox_copy(dest: Path, reward_body: str | None = None) -> Path:
+    """letters, unjudged: this test tells the versions apart by the reward each one's own code returns (a judged
+    sandbox's score is the server's, whatever code runs: tests/core/test_judge.py)."""
     folder = dest / "letters"
     shutil.copytree(ROOT / "sandboxes" / "letters", folder, ignore=shutil.ignore_patterns("__pycache__", "tests"))
+    toml = folder / "sandbox.toml"
+    toml.write_text("".join(line for line in toml.read_text().splitlines(keepends=True) if not line.startswith("judge")))
     if reward_body is not None:
         text = (folder / "reward.py").read_text()
-        start = text.index("def reward(")
-        (folder / "reward.py").write_text(text[:start] + f"def reward(text: str) -> float:\n    {reward_body}\n")
+        start, end = text.index("def reward("), text.index("def tasks(")
+        (folder / "reward.py").write_text(text[:start] + f"def reward(text: str) -> float:\n    {reward_body}\n\n\n"
+                                          + text[end:])
     return folder
 
 
