@@ -5,6 +5,7 @@ one-line refusal. Real `swarm` processes (the command the researcher's validatio
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -74,3 +75,31 @@ def test_required_without_bwrap_refuses_and_names_the_fix(tmp_path):
     done = _contain("--required", "--", "true", cwd=tmp_path, env={"PATH": str(tmp_path)})
     assert done.returncode == 2
     assert "apt-get install bubblewrap" in " ".join(done.stderr.split())
+
+
+# An editable install's import hook, reduced: `core` from CHECKOUT, which no sys.path entry names.
+_HOOK = """import sys
+from importlib.machinery import PathFinder
+class _Editable:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        return PathFinder.find_spec(name, [{checkout!r}]) if name == "core" else None
+sys.meta_path.insert(0, _Editable)
+"""
+
+
+def test_an_editable_checkout_under_tmp_on_no_sys_path_entry_is_visible_to_the_contained_command(tmp_path):
+    # A fresh clone under /tmp with an editable install: its `core` is found by the install's import hook, not
+    # through sys.path; the contained `swarm` of a study's smoke step must still import that same `core`.
+    checkout, starter, work = tmp_path / "checkout", tmp_path / "starter", tmp_path / "work"
+    shutil.copytree(ROOT / "core", checkout / "core", ignore=shutil.ignore_patterns("__pycache__"))
+    starter.mkdir()
+    work.mkdir()
+    hook = _HOOK.format(checkout=str(checkout))
+    inner = hook + "import core.run.cli\nprint('core from', core.__file__)\n"
+    (starter / "start.py").write_text(hook + "from core.run.cli import app\napp()\n")
+    done = subprocess.run([sys.executable, str(starter / "start.py"), "contain", "--", sys.executable, "-c", inner],
+                          cwd=work, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"core from {checkout / 'core' / '__init__.py'}" in done.stdout, done.stdout + done.stderr
