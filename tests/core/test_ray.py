@@ -88,7 +88,7 @@ def test_a_local_plan_says_everything_runs_here():
 
 @pytest.mark.slow  # a fresh interpreter importing the core: ~10 s quiet, over a minute on a busy machine
 def test_a_local_run_never_imports_ray():
-    code = ("import sys; from core.config import load_config; from core.run.placement import core_run; "
+    code = ("import sys; from core.config_io import load_config; from core.run.placement import core_run; "
             "r = core_run(load_config('configs/tiny.yaml', ['trainer.checkpoint_dir=/nonexistent'])); "
             "r.server.close(); print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
