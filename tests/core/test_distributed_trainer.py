@@ -6,7 +6,10 @@ at world size 1 (and the other way), and a dead rank fails the step loudly.
 
 Tolerance: float32 on CPU; the two ranks pack the samples into different micro-batches, so the
 sums are reordered: gradients agree to rtol 1e-4, atol 1e-6 (measured: at most 6e-8 apart, with
-gradients up to 0.73).
+gradients up to 0.73). Weights after an AdamW step are compared more loosely: AdamW divides each
+gradient by its own running magnitude, so an element whose gradient is within that reordering noise
+of zero may step either way by up to lr; `assert_steps_agree` allows that for a tiny share of
+elements and holds all the others to 1e-5 (CI found one such element in k_proj on another CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ def pair():
     dp.close()
 
 
+def assert_steps_agree(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    """Weights after the same AdamW steps: all within 2·lr, and all but 0.1 % within 1e-5."""
+    diff = (got.detach() - want.detach()).abs()
+    assert diff.max().item() <= 2 * CFG.lr, name
+    assert (diff > 1e-5).float().mean().item() <= 1e-3, name
+
+
 def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
 
@@ -70,7 +80,7 @@ def test_two_ranks_sum_to_the_single_rank_gradient_and_step(pair):
     assert two.sums["loss"] == pytest.approx(one.sums["loss"], rel=1e-5)
     assert single.apply(one) and dp.apply(two)
     for (n, p1), p2 in zip(single.policy.named_parameters(), dp.policy.parameters()):
-        torch.testing.assert_close(p2, p1, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=n)
+        assert_steps_agree(p2, p1, n)
 
 
 def test_a_checkpoint_written_at_two_ranks_resumes_at_one_and_the_runs_agree(pair, tmp_path):
@@ -85,7 +95,7 @@ def test_a_checkpoint_written_at_two_ranks_resumes_at_one_and_the_runs_agree(pai
     m1, m2 = single.step(batch), resumed.step(batch)  # both continue: same weights, same optimizer state
     assert m2["train/updated"] == 1.0 and m1["train/loss"] == pytest.approx(m2["train/loss"], rel=1e-4)
     for (n, p1), p2 in zip(single.policy.named_parameters(), resumed.policy.parameters()):
-        torch.testing.assert_close(p2, p1, rtol=1e-3, atol=1e-5, msg=n)
+        assert_steps_agree(p2, p1, n)
 
 
 def test_a_one_rank_checkpoint_loads_into_two_ranks_and_reaches_the_new_rank(tmp_path):
@@ -97,12 +107,18 @@ def test_a_one_rank_checkpoint_loads_into_two_ranks_and_reaches_the_new_rank(tmp
     try:
         checkpoint.restore(checkpoint.load(path), {MODEL: dp})
         batch = groups_for(trained.policy)
-        m1, m2 = trained.step(batch), dp.step(batch)
-        # Rank 1 stepped from the checkpoint too: had it kept its initial weights, the summed gradient
-        # (and so the step) would differ from the single trainer's.
-        assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-4)
+        one, two = trained.prepare(batch), dp.prepare(batch)
+        trained.backward(one)
+        dp.backward(two)
+        # Rank 1 computed its share from the checkpoint too: had it kept its initial weights, the
+        # summed gradient would differ from the single trainer's.
+        g1, g2 = grads(trained), grads(dp)
+        assert g1.keys() == g2.keys() and g1
+        for name in g1:
+            torch.testing.assert_close(g2[name], g1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+        assert trained.apply(one) and dp.apply(two)
         for (n, p1), p2 in zip(trained.policy.named_parameters(), dp.policy.parameters()):
-            torch.testing.assert_close(p2, p1, rtol=1e-3, atol=1e-5, msg=n)
+            assert_steps_agree(p2, p1, n)
     finally:
         dp.close()
 
