@@ -65,6 +65,13 @@ def grads(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
 
 
+def assert_same_gradients(got: Trainer, want: Trainer) -> None:
+    g1, g2 = grads(want), grads(got)
+    assert g1.keys() == g2.keys() and g1
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
 def test_two_ranks_sum_to_the_single_rank_gradient_and_step(pair):
     base, single, dp = pair
     batch = groups_for(base)
@@ -72,10 +79,7 @@ def test_two_ranks_sum_to_the_single_rank_gradient_and_step(pair):
     assert one.normalizer == two.normalizer  # one normaliser over the whole batch, not per rank
     single.backward(one)
     dp.backward(two)
-    g1, g2 = grads(single), grads(dp)
-    assert g1.keys() == g2.keys() and g1
-    for name in g1:
-        torch.testing.assert_close(g2[name], g1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+    assert_same_gradients(dp, single)
     assert two.sums["masked"] == one.sums["masked"] and two.sums["tokens"] == one.sums["tokens"]
     assert two.sums["loss"] == pytest.approx(one.sums["loss"], rel=1e-5)
     assert single.apply(one) and dp.apply(two)
@@ -112,10 +116,7 @@ def test_a_one_rank_checkpoint_loads_into_two_ranks_and_reaches_the_new_rank(tmp
         dp.backward(two)
         # Rank 1 computed its share from the checkpoint too: had it kept its initial weights, the
         # summed gradient would differ from the single trainer's.
-        g1, g2 = grads(trained), grads(dp)
-        assert g1.keys() == g2.keys() and g1
-        for name in g1:
-            torch.testing.assert_close(g2[name], g1[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+        assert_same_gradients(dp, trained)
         assert trained.apply(one) and dp.apply(two)
         for (n, p1), p2 in zip(trained.policy.named_parameters(), dp.policy.parameters()):
             assert_steps_agree(p2, p1, n)
