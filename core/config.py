@@ -120,6 +120,23 @@ def model_devices(mc: ModelConfig, gpus: int) -> tuple[list[str], list[str]]:
     return ranks, mc.replica_devices or [f"cuda:{first + i}" for i in range(n)]
 
 
+def sleeping_replicas(mc: ModelConfig, gpus: int) -> list[int]:
+    """The replicas that sleep during the trainer's step: `layout: colocated` put them on a GPU that
+    also holds a trainer rank, which needs the memory for its gradients and optimizer state. None on
+    CPU (host memory is not what a step runs short of) or when split."""
+    if mc.layout != "colocated" or mc.replicas < 2:
+        return []
+    ranks, replicas = model_devices(mc, gpus)
+
+    def gpu(d: str) -> str | None:  # the same GPU however it is named ("auto" and "cuda" are cuda:0 here)
+        if d == "auto":
+            return "cuda:0" if gpus else None
+        return (d if ":" in d else d + ":0") if d.startswith("cuda") else None
+
+    trained = {gpu(d) for d in ranks} - {None}
+    return [i for i, d in enumerate(replicas) if gpu(d) in trained]
+
+
 class EngineConfig(Strict):
     kind: Literal["hf", "instant", "vllm"] = "hf"  # instant: the null engine, answers at once (benchmarks)
     max_batch: int = Field(32, ge=1)  # most sequences decoded together in one forward pass

@@ -265,5 +265,18 @@ class HFEngine(WorkerEngine):
         return [rows[i] for i in cache.keep_rows(keep)], cache
 
 
+    def _release(self) -> int:
+        """What a drained hf engine still holds: nothing of its own. The batch's KV cache went when the
+        last row retired (there is no prefix cache), but on a GPU torch's caching allocator keeps those
+        blocks reserved for this process; handing them back lets the colocated trainer (another
+        process) use them. The weights stay: a replica's sync loads the next ones into them. On CPU
+        freed memory goes back to the allocator at once: nothing to release."""
+        if self.device.type != "cuda":
+            return 0
+        reserved = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return max(0, reserved - torch.cuda.memory_reserved(self.device))
+
+
 def _generator(seed: int | None) -> torch.Generator | None:
     return torch.Generator().manual_seed(seed) if seed is not None else None

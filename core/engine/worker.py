@@ -55,6 +55,10 @@ class Swap:
     """A weight change the worker runs between two forward passes, for a waiting trainer thread."""
 
     apply: Callable[[], bool]  # True when it changed the weights
+    # The version served after it (a replica catching up with the trainer), not one more; None: one more.
+    version: int | None = None
+    # Not a weight change but work only the worker may do (sleep, wake): no hook, the version stays.
+    task: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     changed: bool = False
     error: BaseException | None = None
@@ -110,6 +114,7 @@ class WorkerEngine:
         self._held_back: deque[Request | None] = deque()  # dequeued while held: admitted first after resume
         self._drained = threading.Event()
         self._closed = threading.Event()
+        self._asleep = False  # `sleep` released the engine's device memory; `wake` takes it back
         # Requests not yet answered (queued or decoding) -> when they were submitted: the watchdog's view.
         self._inflight: dict[int, float] = {}
         self._inflight_lock = threading.Lock()
@@ -192,14 +197,48 @@ class WorkerEngine:
             self._admitting.clear()
 
     def resume(self, new_version: int | None = None) -> None:
+        self.wake()  # a run that slept the engine (`sleep`) and resumes it without waking it first
         if new_version is not None:
             self.version = new_version
         self._admitting.set()
 
-    def swap_weights(self, apply: Callable[[], bool]) -> bool:
+    def swap_weights(self, apply: Callable[[], bool], version: int | None = None) -> bool:
+        """`version`: what the engine serves after a changing `apply` (a replica's sync names the
+        trainer's version), instead of one more than now."""
+        return self._on_worker(Swap(apply, version))
+
+    # -- sleep: a drained engine gives its device memory back while a colocated trainer steps --------
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def sleep(self) -> int:
+        """Release what device memory the drained engine holds until `wake`; returns the bytes released
+        (0 where there is nothing to gain, as on CPU). Only for an engine whose module is its own (a
+        replica process): the engine must be paused (`pause_blocking`) and nothing is admitted asleep."""
+        if self._admitting.is_set() or not self._drained.is_set():
+            raise RuntimeError("sleep needs a drained engine: pause_blocking first")
+        freed: list[int] = []
+        self._on_worker(Swap(lambda: freed.append(self._release()) or False, task=True))
+        self._asleep = True
+        return freed[0]
+
+    def wake(self) -> None:
+        """Take the memory back (the weights the engine served before `sleep`); admission stays as it was."""
+        if self._asleep:
+            self._on_worker(Swap(lambda: self._reclaim() or False, task=True))
+            self._asleep = False
+
+    def _release(self) -> int:
+        """On the worker: free device memory, return the bytes freed (each engine knows what it holds)."""
+        return 0
+
+    def _reclaim(self) -> None:
+        """On the worker: take back what `_release` freed."""
+
+    def _on_worker(self, swap: Swap) -> bool:
         if self._closed.is_set():
             raise RuntimeError("engine is closed")
-        swap = Swap(apply)
         self._swaps.put(swap)
         self._queue.put(None)  # wake a worker blocked on an empty request queue
         while not swap.done.wait(IDLE_POLL_S):
@@ -247,8 +286,10 @@ class WorkerEngine:
             try:
                 with torch.no_grad():
                     swap.changed = bool(swap.apply())
-                self._after_swap(swap.changed)
-                self.version += int(swap.changed)
+                if not swap.task:
+                    self._after_swap(swap.changed)
+                    if swap.changed:
+                        self.version = self.version + 1 if swap.version is None else swap.version
             except BaseException as e:  # handed to the trainer thread, which logs it with its step
                 swap.error = e
             swap.done.set()

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import ModelConfig, RunConfig, model_devices
+from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
 from core.config_io import ConfigError
 from core.run.memory import device_memory_gb, footprint
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+REPLICA_ENGINES = ("hf", "vllm")  # the engine kinds a replica process builds (`core.engine.process.build_replica`)
 
 
 class PlacementError(RuntimeError):
@@ -104,9 +105,9 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
     on_gpu = m.device.startswith("cuda") or (m.device == "auto" and gpus > 0) or m.trainer.devices is not None and \
         any(d.startswith("cuda") for d in m.trainer.devices)
     ranks, replicas = model_devices(m, gpus)
-    if m.replicas > 1 and cfg.engine.kind != "hf":
-        raise ConfigError(f"{key}.replicas: replicas run the hf engine (engine.kind {cfg.engine.kind!r} is not built "
-                          "for replica processes)")
+    if m.replicas > 1 and cfg.engine.kind not in REPLICA_ENGINES:
+        raise ConfigError(f"{key}.replicas: replicas run the hf or vllm engine, not engine.kind {cfg.engine.kind!r} "
+                          "(the instant engine generates nothing to spread)")
     if m.trainer.world_size > 1 and not m.trainable:
         raise ConfigError(f"{key}.trainer.world_size: {m.trainer.world_size} ranks for a model that does not train")
     if ray and on_gpu and m.ray.num_gpus < m.trainer.world_size:
@@ -145,8 +146,21 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
                            m.ray.num_cpus * m.replicas if ray else 0.0, (1.0 if on_gpu else 0.0) * m.replicas if ray else 0.0,
                            f"devices {','.join(replicas) if not ray else ('1 GPU each' if on_gpu else 'cpu')}; "
                            "weights synced after each step (" + ("the LoRA adapters" if m.lora is not None else
-                                                                 f"{_size(fp.replica_gb)} of weights") + " to each)"))
+                                                                 f"{_size(fp.replica_gb)} of weights") + " to each); "
+                           + _sleeping(m, gpus, ray)))
     return rows
+
+
+def _sleeping(m: ModelConfig, gpus: int, ray: bool) -> str:
+    """Whether the replicas sleep during the trainer's step (`core.engine.replicas.ReplicaEngine.sleep`)."""
+    if ray:
+        return "not sleeping: each Ray replica holds a GPU of its own"
+    asleep = sleeping_replicas(m, gpus)
+    if asleep:
+        return f"sleeping during the step: replica(s) {','.join(map(str, asleep))} share a trainer rank's GPU"
+    if m.layout == "colocated":
+        return "not sleeping: colocated on cpu, where host memory is not what a step runs short of"
+    return "not sleeping: layout split"
 
 
 def _size(gb: float) -> str:
