@@ -9,6 +9,11 @@ them. Every client of a sandbox, and of each (kind, split), draws from the one d
 clients fill groups together. `deal` takes a slot; `undo` puts back the last one when the open it was
 for is refused (no await lies between the two, so on the server's event loop nobody deals in between).
 
+A checkpoint keeps each deck's place (`state`: the pass and how many tasks of it were drawn), so a
+resumed run deals on from there rather than from the first task again; `restore` replays the pass to
+that place. The task being dealt when the checkpoint was written is dealt again from its first slot:
+its open episodes did not survive the restart, and a group needs all of its slots.
+
 Deliberately not here: scoring (`core.clients.judge`), the open route (`core.serve.swarm_routes`).
 """
 
@@ -41,6 +46,7 @@ class _Deck:
     def __init__(self, judge: Judge, split: str, seed: str):
         self.judge, self.split, self.seed = judge, split, seed
         self.passes = 0
+        self.drawn = 0  # tasks drawn from the current pass (a put-back one counts when drawn again)
         self.order: Iterator[tuple[int, Any]] = iter(())
         self.current: Dealt | None = None
         self.dealt = 0  # slots of `current` dealt so far
@@ -50,6 +56,7 @@ class _Deck:
     def _next(self) -> Dealt:
         if self.put_back is not None:
             drawn, self.put_back = self.put_back, None
+            self.drawn += 1
             return drawn
         for _ in range(2):  # a fresh pass when this one is spent; an empty split is an error, not a spin
             try:
@@ -59,9 +66,10 @@ class _Deck:
             if pair is not None:
                 index, task = pair
                 task = task_json(self.judge, task)
+                self.drawn += 1
                 return Dealt(str(task.get("id", index)), task)
             shuffle = f"{self.seed}/{self.judge.sandbox}/{self.split}/{self.passes}" if self.split == SHUFFLED_SPLIT else None
-            self.passes += 1
+            self.passes, self.drawn = self.passes + 1, 0
             try:
                 self.order = iter(task_order(self.judge.tasks(self.split), shuffle))
             except Exception as e:  # noqa: BLE001 - the judge's own code: named with its file
@@ -80,8 +88,21 @@ class _Deck:
         if self.previous is not None:
             if self.previous[0] is not self.current:  # the deal drew a new task: it comes first again
                 self.put_back = self.current
+                self.drawn -= 1
             self.current, self.dealt = self.previous
             self.previous = None
+
+
+    def state(self) -> dict[str, int]:
+        return {"passes": self.passes, "drawn": self.drawn}
+
+    def restore(self, passes: int, drawn: int) -> None:
+        """Replay to a saved place: the pass's order is rebuilt from the same seed and judge, then drawn
+        again up to the task that was current, which is dealt from its first slot."""
+        self.passes, self.drawn, self.order, self.put_back, self.previous = max(passes - 1, 0), 0, iter(()), None, None
+        self.current, self.dealt = None, 0
+        for _ in range(drawn - 1):
+            self._next()
 
 
 class Dealer:
@@ -117,6 +138,20 @@ class Dealer:
             self._tasks[episode_id] = dealt.task
             while len(self._tasks) > TASKS_KEPT:
                 self._tasks.popitem(last=False)
+
+    def state(self) -> dict[str, dict[str, int]]:
+        """Each deck's place, keyed "sandbox/kind/split", for a checkpoint (plain JSON)."""
+        with self._lock:
+            return {"/".join(key): deck.state() for key, deck in self._decks.items() if deck.passes}
+
+    def restore(self, state: dict[str, dict[str, int]]) -> None:
+        """Put the decks back where a checkpoint found them; a sandbox this run no longer judges is skipped."""
+        with self._lock:
+            for key, place in state.items():
+                sandbox, kind, split = key.split("/", 2)
+                if sandbox in self.judges:
+                    deck = self._decks[(sandbox, kind, split)] = _Deck(self.judges[sandbox], split, self.seed)
+                    deck.restore(int(place["passes"]), int(place["drawn"]))
 
     def task_of(self, episode_id: str) -> dict[str, Any] | None:
         """The task dealt to an episode (None when none was, or it was forgotten); kept for a repeated finish."""

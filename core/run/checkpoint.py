@@ -33,7 +33,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,8 @@ class Manifest(BaseModel):
     models: dict[str, ModelEntry] = Field(default_factory=dict)  # trained models whose weights are saved
     # None in checkpoints of runs without telemetry, and in those written before runs were recorded.
     mlflow: MlflowRun | None = None
+    # Where each judged sandbox's deck stood (`core.clients.dealer`): a resume deals on from there.
+    dealer: dict[str, dict[str, int]] = Field(default_factory=dict)
 
 
 @dataclass
@@ -97,6 +99,7 @@ class Checkpoint:
     buffered: list[list[Episode]]
     mlflow: MlflowRun | None = None
     samplers: dict[str, torch.Tensor] | None = None  # model -> engine sampler state; None: not saved
+    dealer: dict[str, dict[str, int]] = field(default_factory=dict)  # the dealer's decks (`Dealer.state`)
 
 
 def step_dir_name(step: int) -> str:
@@ -113,12 +116,13 @@ def save(
     keep: int | None = None,
     mlflow: MlflowRun | None = None,
     samplers: dict[str, torch.Tensor] | None = None,
+    dealer: dict[str, dict[str, int]] | None = None,
 ) -> Path:
     """Write a checkpoint atomically and point `latest` at it; returns its folder.
 
     `keep`: how many checkpoints to keep (oldest removed first); None keeps all.
     `mlflow`: the MLflow run the run logs to, for a resume to reopen.
-    `samplers`: model -> its engine's sampler state (`WorkerEngine.sampler_state`).
+    `samplers`: model -> its engine's sampler state (`WorkerEngine.sampler_state`); `dealer`: `Dealer.state`.
     """
     if step < 0:
         raise CheckpointError(f"step must be non-negative, got {step}")
@@ -130,6 +134,7 @@ def save(
         config=redacted(config),  # provenance without credentials: a checkpoint may be shared
         models={name: ModelEntry(lora=t.lora, trainer_step=t.step_count) for name, t in trainers.items()},
         mlflow=mlflow,
+        dealer=dealer or {},
     )
     try:
         manifest_text = manifest.model_dump_json(indent=2)
@@ -281,6 +286,7 @@ def load(path: str | Path) -> Checkpoint:
         buffered=buffered,
         mlflow=manifest.mlflow,
         samplers=samplers,
+        dealer=manifest.dealer,
     )
 
 

@@ -110,6 +110,7 @@ class CoreRun:
                 self.server.policies[name].engine.resume(version)
                 self.server.policies[name].step = ckpt.step
         self.server.registry.restore(ckpt.buffered)
+        self.server.dealer.restore(ckpt.dealer)
         self.step = ckpt.step
         log.info("resumed from %s at step %d with %d buffered groups", ckpt.path, ckpt.step, len(ckpt.buffered))
         return ckpt
@@ -122,6 +123,7 @@ class CoreRun:
                 self.server.versions(), self.cfg.model_dump(), keep=self.cfg.trainer.keep_checkpoints,
                 mlflow=checkpoint.MlflowRun(run_id=t.run_id, tracking_uri=t.store_uri) if t is not None else None,
                 samplers=checkpoint.samplers_of({n: p.engine for n, p in self.server.policies.items()}),
+                dealer=self.server.dealer.state(),
             )
         self._checkpointed_at = time.monotonic()
         log.info("checkpoint written to %s", path)

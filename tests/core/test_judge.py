@@ -18,6 +18,7 @@ from core.clients.sandbox import load_agent
 from core.episodes.books import unbalanced
 from core.episodes.registry import EpisodeError, Registry
 from core.episodes.wire import OpenEpisode
+from core.run import checkpoint
 from core.run.scores import judged_metrics
 
 JUDGE = '''
@@ -244,3 +245,22 @@ def test_the_dealer_deals_each_task_a_group_in_a_seeded_order_and_takes_back_a_r
     assert len(orders) > 1  # seeds shuffle the train split
     evals = [dealer.deal("judged", "eval", "eval", 1).task_id for _ in range(4)]
     assert evals == ["eval-hard-0", "eval-hard-1", "eval-hard-2", "eval-easy"]  # other splits as the judge yields
+
+
+@pytest.mark.parametrize("slots", [5, 11])  # inside the first pass, and into the second
+def test_a_resumed_dealer_deals_on_from_its_checkpointed_place(tmp_path, slots):
+    judge = load_judge(_judged(tmp_path))
+    dealer = Dealer({"judged": judge}, seed=3)
+    dealt = [dealer.deal("judged", "train", "train", 2).task_id for _ in range(slots)]
+    ckpt = checkpoint.load(checkpoint.save(tmp_path / "ckpt", 1, {}, [], {}, {}, dealer=dealer.state()))
+    resumed = Dealer({"judged": judge}, seed=3)
+    resumed.restore(ckpt.dealer)
+    after = [dealer.deal("judged", "train", "train", 2).task_id for _ in range(8)]
+    again = [resumed.deal("judged", "train", "train", 2).task_id for _ in range(9)]
+    # The task that was being dealt starts over at its first slot (its open episodes died with the run),
+    # then the deck goes on as the uninterrupted one does, not from the first task of the first pass.
+    assert again[0] == dealt[-1] and again[1:] == after
+    assert again != [Dealer({"judged": judge}, seed=3).deal("judged", "train", "train", 2).task_id for _ in range(9)]
+    unjudged = Dealer({}, seed=3)
+    unjudged.restore(ckpt.dealer)  # a sandbox this run no longer judges is skipped, not an error
+    assert unjudged.state() == {}
