@@ -108,16 +108,22 @@ def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
         torch.set_num_threads(spec.threads)
     model, tok = models.load(mc)
     policy = models.prepare_policy(model, mc.lora) if mc.lora is not None and mc.trainable else model
-    return make_engine(engine_cfg.kind, policy, tok, engine_cfg, spec.max_context, spec.seed), policy
+    engine = make_engine(engine_cfg.kind, policy, tok, engine_cfg, spec.max_context, spec.seed)
+    if engine_cfg.kind == "vllm":
+        # A replica sleeps when the run says (`sleep`: colocated on a trainer rank's GPU), not each time
+        # it drains as an engine in the trainer's own process does.
+        engine.sleep_when_drained = False
+    return engine, policy
 
 
 def sync_replica(engine: Any, policy: torch.nn.Module, blob: bytes, version: int) -> int:
     """Load the weights between two decode steps and serve `version` from then on; returns it."""
     def apply() -> bool:
         load_weights(policy, blob)
-        engine.version = version  # set between two decode steps; False below: no extra bump
-        return False
-    engine.swap_weights(apply)
+        # True: the weights changed, so an engine with its own copy of them (vLLM) streams them in
+        # before its next step; the swap then serves `version` (set between two decode steps).
+        return True
+    engine.swap_weights(apply, version=version)
     return engine.version
 
 
@@ -151,6 +157,13 @@ def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
         except Exception as e:  # noqa: BLE001 - the parent fails the sync loudly with it
             send("ack", seq, f"error: {type(e).__name__}: {e}")
 
+    def rest(seq: int, kind: str) -> None:
+        try:
+            freed = engine.sleep() if kind == "sleep" else engine.wake()
+            send("ack", seq, {"asleep": engine.asleep, "freed_bytes": freed or 0})
+        except Exception as e:  # noqa: BLE001 - the parent fails the call loudly with it
+            send("ack", seq, f"error: {type(e).__name__}: {e}")
+
     def beat() -> None:
         while True:
             send("beat", engine.version, asdict(engine.load()))
@@ -173,6 +186,8 @@ def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
                 fut.cancel()
         elif kind == "sync":
             threading.Thread(target=sync, args=msg[1:], daemon=True).start()
+        elif kind in ("sleep", "wake"):
+            threading.Thread(target=rest, args=(msg[1], kind), daemon=True).start()
         elif kind == "hold":
             engine.hold()
         elif kind == "pause":
@@ -194,6 +209,7 @@ class ProcessEngine:
         self.max_context = spec.max_context
         self.version = -1  # what the child last reported serving
         self.lost: str | None = None  # why it was taken out of service, once it was
+        self.asleep = False  # what the child last said after `sleep` / `wake`
         self._pending: dict[int, tuple[asyncio.Future, asyncio.AbstractEventLoop, Callable | None]] = {}
         self._acks: dict[int, tuple[threading.Event, list]] = {}
         self._ids = itertools.count()
@@ -260,6 +276,22 @@ class ProcessEngine:
 
     def resume(self, new_version: int | None = None) -> None:
         self._send("resume", new_version)
+
+    def sleep(self) -> dict:
+        """Drained (`pause_blocking` first): the replica releases its device memory until `wake`.
+        Returns the child's answer: {"asleep": True, "freed_bytes": n} (n is 0 on CPU)."""
+        return self._rest("sleep")
+
+    def wake(self) -> dict:
+        """Take the memory back; the replica serves again once resumed."""
+        return self._rest("wake")
+
+    def _rest(self, kind: str) -> dict:
+        answer = self._request(kind, timeout=SYNC_S)
+        if isinstance(answer, str):
+            raise RuntimeError(f"replica {self.spec.index} could not {kind}: {answer}")
+        self.asleep = answer["asleep"]
+        return answer
 
     def sync(self, blob: bytes, version: int) -> int:
         """Send the weights; returns the version the replica then serves (raises if it could not)."""

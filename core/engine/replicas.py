@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from core.config import ModelConfig, RunConfig, model_devices
+from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
 from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.factory import make_engine
 from core.engine.routing import EPISODE
@@ -63,11 +63,13 @@ class ReplicaEngine:
     """N replicas of one model as one `Engine` (see the module doc)."""
 
     def __init__(self, weights: Callable[[], bytes], start: Callable[[int, Callable], Any], count: int,
-                 max_staleness: int, max_context: int, route_wait_s: float):
+                 max_staleness: int, max_context: int, route_wait_s: float, sleepers: tuple[int, ...] = ()):
         """`weights()` packs the trainer's current trainable weights (`pack_weights`); `start(i, on_lost)`
         builds replica slot i (a `ProcessEngine` or an actor handle); `route_wait_s` bounds how long a new
-        episode waits for an eligible replica before its call fails."""
+        episode waits for an eligible replica before its call fails; `sleepers`: the slots colocated on a
+        trainer rank's GPU (`core.config.sleeping_replicas`), put to sleep during the step (`sleep`)."""
         self.weights, self._start, self.max_staleness = weights, start, max_staleness
+        self.sleepers = tuple(sleepers)
         self.max_context, self.route_wait_s = max_context, route_wait_s
         self.version = 0
         self.last_sync_s = 0.0  # seconds the last weight sync took (packing, sending, every replica's ack)
@@ -170,6 +172,31 @@ class ReplicaEngine:
             self._sync_all(new_version)
         for r in self._live():
             r.resume(None)
+
+    def sleep(self) -> int:
+        """While the trainer steps (after `pause_blocking`): the colocated replicas give their device
+        memory back; returns how many went to sleep. Nothing to do without colocated GPU replicas."""
+        slept = 0
+        for i in self.sleepers:
+            r = self.replicas[i]
+            if r is not None and r.healthy():
+                try:
+                    r.sleep()
+                    slept += 1
+                except (ReplicaLost, RuntimeError) as e:  # it keeps its memory; the step may run short of it
+                    log.warning("replica %d could not sleep: %s", i, e)
+        return slept
+
+    def wake(self) -> None:
+        """After the step, before `resume`: the sleeping replicas take their memory back. One that cannot
+        is taken out of service (restarted and synced), never left to serve without its weights."""
+        for i in self.sleepers:
+            r = self.replicas[i]
+            if r is not None and r.healthy() and r.asleep:
+                try:
+                    r.wake()
+                except (ReplicaLost, RuntimeError) as e:
+                    r.kill(f"could not wake after the step: {e}")
 
     def swap_weights(self, apply: Callable[[], bool]) -> bool:
         """`apply` changes the trainer's module (nothing generates with it); the replicas then take the
@@ -277,6 +304,7 @@ class ReplicaEngine:
                              "device": getattr(r, "device", None), "pid": getattr(r, "pid", None),
                              "inflight": r.inflight if r is not None else 0, "episodes": pinned[i],
                              "episodes_total": self.episodes_total[i],
+                             "asleep": bool(getattr(r, "asleep", False)),
                              "restarts": self.restarts[i]})
             return rows
 
@@ -311,7 +339,8 @@ def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, ma
     """`mc.replicas` replica processes (even one: bench/replicas.py compares 1 with 2), each on its
     device (`model_devices`), synced from `model`; `threads`: torch threads of a CPU replica (None:
     the cores split between the CPU replicas)."""
-    _, replica_devices = model_devices(mc, torch.cuda.device_count())
+    gpus = torch.cuda.device_count()
+    _, replica_devices = model_devices(mc, gpus)
 
     def start(i: int, on_lost: Callable) -> ProcessEngine:
         device = replica_devices[i]
@@ -323,4 +352,5 @@ def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, ma
         return ProcessEngine(spec, cfg.server.request_timeout_s, on_lost)
 
     return ReplicaEngine(lambda: pack_weights(weights_of(model)), start, mc.replicas, cfg.trainer.max_staleness,
-                         max_context, route_wait_s=cfg.server.request_timeout_s)
+                         max_context, route_wait_s=cfg.server.request_timeout_s,
+                         sleepers=tuple(sleeping_replicas(mc, gpus)))
