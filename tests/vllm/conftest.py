@@ -26,7 +26,9 @@ MAX_CONTEXT = 1024  # enough for every prompt here; keeps vLLM's KV cache small
 # away tears down vLLM's process-wide state, and the session engine's weight sync fails after it:
 # `make test-vllm` runs these in a process of their own, and a run that collects them with the rest
 # (`pytest tests/vllm`) runs them last, after every test of the session engine.
-OWN_ENGINE_MODULES = ("test_lora_sync.py",)
+# The replica modules' two replica processes each hold a vLLM engine: they too run after the session
+# engine's tests, so fewer engines share memory at once.
+OWN_ENGINE_MODULES = ("test_lora_sync.py", "test_replicas.py", "test_replica_lora.py")
 
 
 def pytest_collection_modifyitems(config, items):
