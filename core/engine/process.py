@@ -12,15 +12,17 @@ Health: the replica is `healthy` while its process lives, its heartbeat is recen
 has waited longer than `hang_s`. A replica found dead or hung is killed (SIGKILL) and every
 request waiting on it fails with `ReplicaLost`; the router (`core.engine.replicas`) then restarts it.
 
-Weights travel as `torch.save` bytes over the pipe: simple and copy-safe on one machine. A
-cross-GPU NCCL broadcast is not built (docs/scaling.md gives the arithmetic). Deliberately not
-here: routing, restarts, versions policy (the router's), and anything of the trainer.
+Weights travel over a process group of two, this process and the replica (`core.engine.weight_sync`:
+gloo, or NCCL between two GPUs), built when the replica starts; the pipe carries only the layout
+(names, shapes, dtypes, when it changes) and the sync's command and answer. A transfer that fails
+(the replica died or hung mid-broadcast) leaves the group out of step, so the replica is killed and
+the router restarts it with a fresh group. Deliberately not here: routing, restarts, versions
+policy (the router's), and anything of the trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import itertools
 import logging
 import multiprocessing
@@ -37,6 +39,8 @@ from core import models
 from core.config import EngineConfig, ModelConfig
 from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.factory import make_engine
+from core.engine.groups import free_port
+from core.engine.weight_sync import WeightReceiver, WeightSender, layout_of
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +85,6 @@ def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def pack_weights(weights: dict[str, torch.Tensor]) -> bytes:
-    buf = io.BytesIO()
-    torch.save({n: t.cpu() for n, t in weights.items()}, buf)
-    return buf.getvalue()
-
-
-def load_weights(model: torch.nn.Module, blob: bytes) -> None:
-    """Copy packed weights (`pack_weights`) into `model`'s parameters of the same names."""
-    weights = torch.load(io.BytesIO(blob), weights_only=True)
-    params = dict(model.named_parameters())
-    unknown = sorted(set(weights) - set(params))
-    if unknown:  # a sync that names weights this replica lacks must not pass as done
-        raise ValueError(f"weights {unknown[:3]} are not parameters of this replica's model")
-    with torch.no_grad():
-        for name, t in weights.items():
-            params[name].copy_(t)
-
-
 def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
     """A replica's engine and the module it generates with (LoRA-wrapped like the trainer's, so the
     adapters' names match), as a replica process or a Ray replica actor builds them."""
@@ -116,10 +102,10 @@ def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
     return engine, policy
 
 
-def sync_replica(engine: Any, policy: torch.nn.Module, blob: bytes, version: int) -> int:
-    """Load the weights between two decode steps and serve `version` from then on; returns it."""
+def sync_replica(engine: Any, load: Callable[[], None], version: int) -> int:
+    """`load()` the weights between two decode steps and serve `version` from then on; returns it."""
     def apply() -> bool:
-        load_weights(policy, blob)
+        load()
         # True: the weights changed, so an engine with its own copy of them (vLLM) streams them in
         # before its next step; the swap then serves `version` (set between two decode steps).
         return True
@@ -151,10 +137,12 @@ def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
         finally:
             running.pop(rid, None)
 
-    def sync(seq: int, blob: bytes, version: int) -> None:
+    receiver = WeightReceiver(policy, spec.model["device"])
+
+    def answer(seq: int, work: Callable[[], Any]) -> None:
         try:
-            send("ack", seq, sync_replica(engine, policy, blob, version))
-        except Exception as e:  # noqa: BLE001 - the parent fails the sync loudly with it
+            send("ack", seq, work())
+        except Exception as e:  # noqa: BLE001 - the parent fails the request loudly with it
             send("ack", seq, f"error: {type(e).__name__}: {e}")
 
     def rest(seq: int, kind: str) -> None:
@@ -184,8 +172,18 @@ def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
             fut = running.get(msg[1])
             if fut is not None:
                 fut.cancel()
-        elif kind == "sync":
-            threading.Thread(target=sync, args=msg[1:], daemon=True).start()
+        elif kind == "weights_group":  # joins while the parent hosts the group: on a thread of its own
+            _, seq, port, backend = msg
+            threading.Thread(target=answer, args=(seq, lambda p=port, b=backend: receiver.join(p, b, SYNC_S)),
+                             daemon=True).start()
+        elif kind == "layout":
+            answer(msg[1], lambda layout=msg[2]: receiver.expect(layout))
+        elif kind == "sync":  # the parent broadcasts meanwhile; decode goes on until the swap
+            _, seq, version = msg
+            threading.Thread(target=answer, args=(seq, lambda v=version: sync_replica(engine, receiver.receive, v)),
+                             daemon=True).start()
+        elif kind == "digest":
+            answer(msg[1], receiver.digest)
         elif kind in ("sleep", "wake"):
             threading.Thread(target=rest, args=(msg[1], kind), daemon=True).start()
         elif kind == "hold":
@@ -203,9 +201,12 @@ def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
 class ProcessEngine:
     """The parent's handle on one replica process (see the module doc)."""
 
-    def __init__(self, spec: ReplicaSpec, hang_s: float, on_lost: Callable[[ProcessEngine, str], None]):
+    def __init__(self, spec: ReplicaSpec, hang_s: float, on_lost: Callable[[ProcessEngine, str], None],
+                 weights_device: str = "cpu"):
+        """`weights_device`: where the trainer's weights live (the group's backend follows from it)."""
         self.spec, self.hang_s, self.on_lost = spec, hang_s, on_lost
         self.device = spec.model["device"]
+        self._sender = WeightSender(weights_device, self.device)
         self.max_context = spec.max_context
         self.version = -1  # what the child last reported serving
         self.lost: str | None = None  # why it was taken out of service, once it was
@@ -227,6 +228,7 @@ class ProcessEngine:
         if not self._ready.wait(START_S) or self.lost:
             self.kill(self.lost or f"did not start within {START_S:g} s")
             raise ReplicaLost(f"replica {spec.index} on {self.device} could not start: {self.lost}")
+        self._join_weights_group()
 
     @property
     def pid(self) -> int | None:
@@ -293,13 +295,56 @@ class ProcessEngine:
         self.asleep = answer["asleep"]
         return answer
 
-    def sync(self, blob: bytes, version: int) -> int:
-        """Send the weights; returns the version the replica then serves (raises if it could not)."""
-        answer = self._request("sync", blob, version, timeout=SYNC_S)
+    def sync(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        """Broadcast `weights` (the trainer's trainable parameters) to the replica, which serves `version`
+        from its next decode step; returns the version it then serves (raises if it could not). The layout
+        goes first when it changed since the replica last accepted one: refused, nothing is sent."""
+        layout = layout_of(weights)
+        if layout != self._sender.layout:
+            self._sender.layout = None
+            answer = self._request("layout", layout, timeout=SYNC_S)
+            if answer != "ok":
+                raise RuntimeError(f"replica {self.spec.index} refused the weights: {answer}")
+            self._sender.layout = layout
+        answer = self._request("sync", version, timeout=SYNC_S, during=lambda: self._transfer(weights))
         if isinstance(answer, str):
             raise RuntimeError(f"replica {self.spec.index} could not load the weights: {answer}")
         self.version = answer
         return answer
+
+    def weights_digest(self) -> str:
+        """The replica's `weights_digest` of the parameters it was last synced (a check for tests and ops)."""
+        answer = self._request("digest", timeout=SYNC_S)
+        if isinstance(answer, str) and not answer.startswith("error:"):
+            return answer
+        raise RuntimeError(f"replica {self.spec.index} could not digest its weights: {answer}")
+
+    def _transfer(self, weights: dict[str, torch.Tensor]) -> None:
+        try:
+            self._sender.send(weights)
+        except Exception as e:  # the group is out of step now: the replica goes (and restarts with a new one)
+            self.kill(f"the weight transfer failed: {type(e).__name__}: {e}")
+            raise ReplicaLost(f"replica {self.spec.index} was lost during a weight transfer: {e}") from e
+
+    def _join_weights_group(self) -> None:
+        """Host the replica's weights group while the child joins it; a failure on either side kills it."""
+        port = free_port()
+
+        def host() -> None:
+            try:
+                self._sender.join(port, SYNC_S)
+            except Exception as e:  # noqa: BLE001 - the child would wait on the store for ever: kill it
+                self.kill(f"could not host its weights group: {type(e).__name__}: {e}")
+        hosting = threading.Thread(target=host, name=f"replica-{self.spec.index}-group", daemon=True)
+        hosting.start()
+        try:
+            answer = self._request("weights_group", port, self._sender.backend, timeout=START_S)
+        except (ReplicaLost, RuntimeError) as e:
+            answer = f"error: {e}"
+        hosting.join(START_S if answer == "ok" else 0)
+        if answer != "ok" or self._sender.group is None:
+            self.kill(f"could not join its weights group: {answer}")
+            raise ReplicaLost(f"replica {self.spec.index} on {self.device} could not start: {self.lost}")
 
     def kill(self, why: str) -> None:
         """Take it out of service: SIGKILL the process, fail what waits on it, tell the router (once)."""
@@ -339,12 +384,15 @@ class ProcessEngine:
             self.kill(f"its pipe broke: {e}")
             raise ReplicaLost(f"replica {self.spec.index} was lost: {e}") from e
 
-    def _request(self, kind: str, *args: Any, timeout: float) -> Any:
+    def _request(self, kind: str, *args: Any, timeout: float, during: Callable[[], None] | None = None) -> Any:
+        """Send a request and wait for its answer; `during` runs in between (a sync's broadcast)."""
         seq = next(self._ids)
         event, box = threading.Event(), []
         self._acks[seq] = (event, box)
         try:
             self._send(kind, seq, *args)
+            if during is not None:
+                during()
             if not event.wait(timeout):
                 raise RuntimeError(f"replica {self.spec.index} did not answer {kind} within {timeout:g} s")
             return box[0]

@@ -14,10 +14,11 @@ prefix (KV) cache serves the next turn. A call without an episode is routed but 
 
 Weight sync. The run loop drives this engine as it drives a local one: `hold`/`pause_blocking`
 before a step, `resume(version)` after it (on-policy), or `swap_weights(apply)` (overlapped).
-When the version moves, the trainer's trainable parameters are sent to every replica, which then
-reports the new version; a replica that does not is a `ReplicaBehind` error, raised to the loop:
-the run fails loudly instead of training on while inference serves old weights. Every generation
-carries the version the replica that made it served, so every recorded call (and so episode) names it.
+When the version moves, the trainer's trainable parameters are sent to every replica (in parallel:
+a broadcast over each replica process's own group, `core.engine.weight_sync`, or one object in
+Ray's store for every replica actor), which then reports the new version; a replica that does not
+is a `ReplicaBehind` error, raised to the loop: the run fails loudly instead of training on while
+inference serves old weights. Every generation carries the version the replica that made it served, so every recorded call (and so episode) names it.
 
 Faults. A replica found dead or hung (`ProcessEngine.healthy`, checked on each routing decision and
 by a monitor thread) leaves routing at once; the episodes pinned to it are handed to `on_lost`
@@ -43,7 +44,7 @@ from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
 from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.factory import make_engine
 from core.engine.routing import EPISODE
-from core.engine.process import ProcessEngine, ReplicaLost, ReplicaSpec, pack_weights, weights_of
+from core.engine.process import ProcessEngine, ReplicaLost, ReplicaSpec, weights_of
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,10 @@ class ReplicaBehind(RuntimeError):
 class ReplicaEngine:
     """N replicas of one model as one `Engine` (see the module doc)."""
 
-    def __init__(self, weights: Callable[[], bytes], start: Callable[[int, Callable], Any], count: int,
+    def __init__(self, weights: Callable[[], Any], start: Callable[[int, Callable], Any], count: int,
                  max_staleness: int, max_context: int, route_wait_s: float, sleepers: tuple[int, ...] = ()):
-        """`weights()` packs the trainer's current trainable weights (`pack_weights`); `start(i, on_lost)`
+        """`weights()` gives the trainer's current trainable weights as the replicas' `sync` takes them (a
+        dict of the live tensors for processes, an object reference under Ray); `start(i, on_lost)`
         builds replica slot i (a `ProcessEngine` or an actor handle); `route_wait_s` bounds how long a new
         episode waits for an eligible replica before its call fails; `sleepers`: the slots colocated on a
         trainer rank's GPU (`core.config.sleeping_replicas`), put to sleep during the step (`sleep`)."""
@@ -72,7 +74,7 @@ class ReplicaEngine:
         self.sleepers = tuple(sleepers)
         self.max_context, self.route_wait_s = max_context, route_wait_s
         self.version = 0
-        self.last_sync_s = 0.0  # seconds the last weight sync took (packing, sending, every replica's ack)
+        self.last_sync_s = 0.0  # seconds the last weight sync took (layout, transfer, every replica's ack)
         self.on_lost: Callable[[list[str]], None] | None = None  # set by the run: aborts the episodes
         self.is_open: Callable[[str], bool] | None = None  # set by the run: whether a pinned episode is still open
         self.failure: BaseException | None = None  # a replica that could not be brought back, for the run
@@ -213,16 +215,16 @@ class ReplicaEngine:
 
     def _sync_locked(self, version: int) -> None:
         started = time.perf_counter()
-        blob = self.weights()
+        weights = self.weights()
         behind: list[str] = []
         threads = []
 
         def push(i: int, r: Any) -> None:
             try:
-                served = r.sync(blob, version)
+                served = r.sync(weights, version)
                 if served != version:
                     behind.append(f"replica {i} serves {served}, not {version}")
-            except (ReplicaLost, RuntimeError) as e:
+            except Exception as e:  # noqa: BLE001 - whatever a replica raised (a Ray task error too) counts
                 if r.healthy():  # alive and still not synced: behind. A lost one is restarted and synced.
                     behind.append(f"replica {i}: {e}")
         for i, r in enumerate(self.replicas):
@@ -349,8 +351,9 @@ def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, ma
         spec = ReplicaSpec(index=i, model=mc.model_copy(update={"device": device}).model_dump(),
                            engine=cfg.engine.model_dump(), max_context=max_context, seed=cfg.trainer.seed + i,
                            threads=cpu_share)
-        return ProcessEngine(spec, cfg.server.request_timeout_s, on_lost)
+        return ProcessEngine(spec, cfg.server.request_timeout_s, on_lost, weights_device)
 
-    return ReplicaEngine(lambda: pack_weights(weights_of(model)), start, mc.replicas, cfg.trainer.max_staleness,
+    weights_device = str(next(model.parameters()).device)
+    return ReplicaEngine(lambda: weights_of(model), start, mc.replicas, cfg.trainer.max_staleness,
                          max_context, route_wait_s=cfg.server.request_timeout_s,
                          sleepers=tuple(sleeping_replicas(mc, gpus)))

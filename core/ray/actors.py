@@ -28,7 +28,7 @@ from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.serve.server import load_policies
-from core.engine.process import pack_weights, weights_of
+from core.engine.process import weights_of
 from core.train.distributed import DistributedTrainer, build_trainer
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
@@ -117,10 +117,10 @@ class ModelActor:
         ckpt = checkpoint.load(path)
         await asyncio.to_thread(checkpoint.restore_one, ckpt, self.name, self._trainer(adopted=False))
 
-    async def weights(self) -> bytes:
-        """The trainer's trainable weights, packed for the model's replica actors (`core.ray.replicas`)."""
+    async def weights(self) -> dict[str, Any]:
+        """The trainer's trainable weights (on CPU) for the model's replica actors (`core.ray.replicas`)."""
         self._serving()
-        return await asyncio.to_thread(lambda: pack_weights(weights_of(self.policy.model)))
+        return await asyncio.to_thread(lambda: {n: t.cpu() for n, t in weights_of(self.policy.model).items()})
 
     async def close(self) -> None:
         self.engine.close()

@@ -5,8 +5,11 @@
 `RayReplica` is the driver's handle on it, with the replica interface the router
 (`core.engine.replicas.ReplicaEngine`) routes over: generate, admission, `sync(weights, version)`,
 and health from a heartbeat the handle polls. Weights reach the replicas from the model actor
-(rank 0 of the trainer, `ModelActor.weights`) through the driver, as `torch.save` bytes in Ray's
-object store.
+(rank 0 of the trainer, `ModelActor.weights`, a dict of CPU tensors: LoRA adapters or full weights)
+through Ray's object store: the driver puts them once a sync (`ray.put`) and every replica actor gets
+the same object reference, which Ray resolves in the actor (one fetch per node, not one copy per
+actor). A torch.distributed group between actors on other nodes is not built (the process replicas'
+group, `core.engine.weight_sync`, is for one machine).
 
 A replica actor is started with `max_restarts=0`: a dead one is replaced by the router (a new actor,
 synced before it is routed to), not restarted by Ray behind its back with initial weights.
@@ -25,6 +28,7 @@ from dataclasses import asdict
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from core.config import ModelConfig, RunConfig
@@ -32,6 +36,7 @@ from core.engine import EngineLoad, Generation, SamplingParams
 from core.engine.replicas import ReplicaEngine
 from core.engine.process import HEARTBEAT_S, SILENT_S, START_S, SYNC_S, ReplicaLost, ReplicaSpec, build_replica, \
     hung, sync_replica
+from core.engine.weight_sync import apply_weights, weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +46,7 @@ class ReplicaActor:
 
     def __init__(self, spec: ReplicaSpec):
         self.engine, self.policy = build_replica(spec)
+        self.synced: list[str] = []  # the parameter names the last sync carried
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return await self.engine.generate(prompt_ids, params)
@@ -54,8 +60,17 @@ class ReplicaActor:
     async def resume(self, new_version: int | None) -> None:
         self.engine.resume(new_version)
 
-    async def sync(self, blob: bytes, version: int) -> int:
-        return await asyncio.to_thread(sync_replica, self.engine, self.policy, blob, version)
+    async def sync(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        """`weights` arrive resolved from the object reference the driver passed (Ray fetches it)."""
+        if not isinstance(weights, dict):
+            raise TypeError(f"a replica sync takes a dict of tensors, got {type(weights).__name__}")
+        self.synced = list(weights)
+        return await asyncio.to_thread(sync_replica, self.engine, lambda: apply_weights(self.policy, weights), version)
+
+    async def weights_digest(self) -> str:
+        """`weights_digest` of the parameters the last sync named, as this replica holds them."""
+        params = dict(self.policy.named_parameters())
+        return weights_digest((n, params[n]) for n in self.synced)
 
     async def beat(self) -> tuple[int, dict, int]:
         return self.engine.version, asdict(self.engine.load()), os.getpid()
@@ -123,9 +138,13 @@ class RayReplica:
     def resume(self, new_version: int | None = None) -> None:
         self._call("resume", new_version)
 
-    def sync(self, blob: bytes, version: int) -> int:
-        self.version = self._call("sync", blob, version)
+    def sync(self, weights: ray.ObjectRef, version: int) -> int:
+        """`weights`: the one object reference of this sync, the same for every replica actor."""
+        self.version = self._call("sync", weights, version)
         return self.version
+
+    def weights_digest(self) -> str:
+        return self._call("weights_digest")
 
     def kill(self, why: str) -> None:
         with self._lock:
@@ -164,9 +183,10 @@ class RayReplica:
             time.sleep(HEARTBEAT_S)
 
 
-def ray_replicas(cfg: RunConfig, mc: ModelConfig, weights: Callable[[], bytes], max_context: int) -> ReplicaEngine:
+def ray_replicas(cfg: RunConfig, mc: ModelConfig, weights: Callable[[], dict], max_context: int) -> ReplicaEngine:
     """`mc.replicas` replica actors behind one router; each reserves `models[].ray.num_cpus`, one GPU for a
-    model on cuda (the actor then sees it as cuda:0), and `models[].ray.resources`."""
+    model on cuda (the actor then sees it as cuda:0), and `models[].ray.resources`. `weights()`: the
+    trainer's trainable weights (the model actor's), put in the object store once a sync."""
     on_gpu = mc.device.startswith("cuda") or mc.ray.num_gpus > 0
     resources = {"num_cpus": mc.ray.num_cpus, "num_gpus": 1 if on_gpu else 0, "resources": mc.ray.resources or None,
                  "max_concurrency": max(cfg.server.max_open_episodes, 64)}
@@ -176,5 +196,5 @@ def ray_replicas(cfg: RunConfig, mc: ModelConfig, weights: Callable[[], bytes], 
                            engine=cfg.engine.model_dump(), max_context=max_context, seed=cfg.trainer.seed + i)
         return RayReplica(spec, resources, cfg.server.request_timeout_s, on_lost)
 
-    return ReplicaEngine(weights, start, mc.replicas, cfg.trainer.max_staleness, max_context,
+    return ReplicaEngine(lambda: ray.put(weights()), start, mc.replicas, cfg.trainer.max_staleness, max_context,
                          route_wait_s=cfg.server.request_timeout_s)

@@ -1,16 +1,21 @@
 """Rollout replicas (core/engine/replicas.py) as 2 real engine processes of the tiny model.
 
 Sticky least-loaded routing, weight sync reaching both replicas (checked on the weights they
-generate with, not only on the version they report), a sync a replica cannot take failing loudly,
-and a SIGKILLed replica: its episodes handed over for abort, its waiting call failed, the replica
-restarted at the current version and routed to again.
+generate with and on a digest of the weights they hold, not only on the version they report), for
+full weights and for LoRA adapters; a sync a replica cannot take (a name or a shape its model lacks)
+failing loudly, naming the parameter; a SIGKILLed replica: its episodes handed over for abort, its
+waiting call failed, the replica restarted at the current version and routed to again; and a replica
+killed just before or in the middle of a sync: the sync neither hangs nor fails, the replica comes
+back with the new weights.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
+import threading
 import time
 
 import pytest
@@ -19,12 +24,17 @@ import torch
 from core import models
 from core.config_io import load_config
 from core.engine import SamplingParams
-from core.engine.process import ReplicaLost
+from core.engine.process import ReplicaLost, weights_of
 from core.engine.replicas import ReplicaBehind, ReplicaEngine, make_model_engine
 from core.engine.routing import EPISODE
+from core.engine.weight_sync import weights_digest
 
 RESTART_WAIT_S = 180.0  # a restart spawns a process that imports torch: ~5 s quiet, far more on a loaded 2-core box
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+# How long a sync may take to return once its stopped replica is killed: the kill fails the transfer
+# at once; this bound (far below the 300 s sync timeout) only keeps a hang from passing unnoticed.
+SYNC_RETURN_S = 120.0
+SYNC_UNDER_WAY_S = 1.0  # time for the router to send the sync to a stopped replica and wait on it
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +68,24 @@ def test_an_episodes_calls_stay_on_one_replica_and_new_episodes_go_to_the_least_
     assert {engine.replica_of(f"sticky-{i}") for i in range(6)} == {0, 1}
 
 
+def _perturb(model) -> None:
+    """What a trainer step does to the trainer's module: its trainable weights change in place."""
+    with torch.no_grad():
+        for t in weights_of(model).values():
+            t.add_(torch.randn_like(t) * 0.05)
+
+
+def _digests_match(engine, model) -> bool:
+    """Every replica holds, bit for bit, the trainer's trainable weights."""
+    return [r.weights_digest() for r in engine.replicas] == [weights_digest(weights_of(model).items())] * 2
+
+
+def _wait_all_healthy(engine) -> None:
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while time.monotonic() < deadline and not all(s["healthy"] for s in engine.status()):
+        time.sleep(0.5)
+
+
 def _logprobs_under(model, prompt: list[int], gen) -> list[float]:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + gen.token_ids])).logits[0].float()
@@ -68,12 +96,11 @@ def _logprobs_under(model, prompt: list[int], gen) -> list[float]:
 def test_after_a_sync_both_replicas_serve_the_new_version_with_the_new_weights(replicas):
     engine, model, tok, _ = replicas
     prompt = tok.encode("weights", add_special_tokens=False)
-    with torch.no_grad():
-        for p in model.parameters():  # what a trainer step does to the trainer's module
-            p.add_(torch.randn_like(p) * 0.05)
+    _perturb(model)
     target = engine.version + 1
     engine.resume(target)
     assert [s["version"] for s in engine.status()] == [target, target]
+    assert _digests_match(engine, model)
 
     async def main():
         return await asyncio.gather(*(_episode(engine, f"synced-{i}", prompt, 1) for i in range(2)))
@@ -92,13 +119,32 @@ def test_a_sync_a_replica_cannot_take_fails_loudly_and_keeps_the_version(replica
     before = engine.version
     model.register_parameter("not_in_replicas", torch.nn.Parameter(torch.zeros(2)))
     try:
-        with pytest.raises(ReplicaBehind, match="did not reach every replica"):
+        with pytest.raises(ReplicaBehind, match="did not reach every replica.*parameter 'not_in_replicas' of the "
+                           "trainer's weights is not a parameter of this replica's model"):
             engine.resume(before + 1)
     finally:
         del model.not_in_replicas
     assert engine.version == before
     engine.resume(before + 1)  # the cause gone, the next sync goes through
     assert [s["version"] for s in engine.status()] == [before + 1] * 2
+
+
+def test_a_sync_whose_shapes_do_not_match_the_replicas_model_fails_naming_the_parameter(replicas):
+    engine, model, _, _ = replicas
+    before = engine.version
+    name, original = next((n, p) for n, p in model.named_parameters() if p.dim() == 1)
+    owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+    setattr(owner, attr, torch.nn.Parameter(torch.zeros(original.numel() + 1)))
+    try:
+        with pytest.raises(ReplicaBehind, match=rf"parameter '{re.escape(name)}' has shape \[{original.numel() + 1}\] "
+                           rf"in the trainer's weights but \[{original.numel()}\] in this replica's model"):
+            engine.resume(before + 1)
+    finally:
+        setattr(owner, attr, original)
+    assert engine.version == before and all(s["healthy"] for s in engine.status())  # refused, not lost
+    _perturb(model)
+    engine.resume(before + 1)
+    assert _digests_match(engine, model)
 
 
 def test_a_killed_replica_aborts_its_episodes_fails_its_calls_and_comes_back_synced(replicas):
@@ -153,3 +199,66 @@ def test_an_overlapped_step_swaps_the_new_weights_into_both_replicas_between_dec
     assert gen.version == before + 1
     assert gen.logprobs == pytest.approx(_logprobs_under(model, prompt, gen), abs=1e-4)
     assert engine.swap_weights(lambda: False) is False and engine.version == before + 1  # no change, no version
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_replica_killed_before_or_during_a_sync_neither_hangs_nor_fails_it_and_comes_back_synced(replicas, when):
+    engine, model, _, _ = replicas
+    _wait_all_healthy(engine)
+    victim = 1
+    pid = engine.status()[victim]["pid"]
+    _perturb(model)
+    target = engine.version + 1
+    os.kill(pid, signal.SIGKILL if when == "before" else signal.SIGSTOP)  # stopped: it cannot take the sync
+    outcome: list[BaseException | None] = []
+
+    def sync() -> None:
+        try:
+            engine.resume(target)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - the assertion below shows it
+            outcome.append(e)
+    syncing = threading.Thread(target=sync, daemon=True)
+    syncing.start()
+    if when == "during":
+        syncing.join(SYNC_UNDER_WAY_S)
+        assert syncing.is_alive()  # the sync waits on the stopped replica...
+        os.kill(pid, signal.SIGKILL)  # ...which dies in the middle of it
+    syncing.join(SYNC_RETURN_S)
+    assert not syncing.is_alive(), "the sync hung on a killed replica"
+    assert outcome == [None]  # not ReplicaBehind: a lost replica is restarted, not behind
+    assert engine.version == target
+    _wait_all_healthy(engine)
+    rows = engine.status()
+    assert all(s["healthy"] for s in rows) and rows[victim]["pid"] != pid
+    assert [s["version"] for s in rows] == [target, target]
+    assert _digests_match(engine, model)  # the restarted replica got the new weights, not its initial ones
+
+
+@pytest.fixture(scope="module")
+def lora_replicas():
+    cfg = load_config({"models": [{"device": "cpu", "replicas": 2, "lora": {"r": 4, "alpha": 8}}],
+                       "trainer": {"max_staleness": 0}})
+    model, tok = models.load(cfg.models[0])
+    policy = models.prepare_policy(model, cfg.models[0].lora).eval()
+    engine = make_model_engine(cfg, cfg.models[0], policy, tok, 256)
+    yield engine, policy, tok
+    engine.close()
+
+
+def test_lora_adapters_alone_reach_both_replicas_bit_for_bit_after_every_sync(lora_replicas):
+    engine, policy, tok = lora_replicas
+    assert _digests_match(engine, policy)  # the start's sync: the trainer's adapters, not each replica's own init
+    adapters = weights_of(policy)
+    assert adapters and all("lora_" in n for n in adapters)  # only the adapters travel
+    for _ in range(2):  # two steps: the layout went once, the second sync reuses it
+        _perturb(policy)
+        target = engine.version + 1
+        engine.resume(target)
+        assert [s["version"] for s in engine.status()] == [target, target]
+        assert _digests_match(engine, policy)
+    prompt = tok.encode("adapters", add_special_tokens=False)
+    EPISODE.set("lora-check")
+    gen = asyncio.run(engine.generate(prompt, GREEDY))
+    assert gen.version == engine.version
+    assert gen.logprobs == pytest.approx(_logprobs_under(policy, prompt, gen), abs=1e-4)
