@@ -40,7 +40,7 @@ from core.config import EngineConfig, ModelConfig
 from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.factory import make_engine
 from core.engine.groups import free_port
-from core.engine.weight_sync import WeightReceiver, WeightSender, layout_of
+from core.engine.weight_sync import WeightReceiver, WeightSender, layout_of, sync_replica
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +80,6 @@ def hung(last_beat: float, load: EngineLoad, hang_s: float) -> str | None:
     return None
 
 
-def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What a trainer step changes: the trainable parameters (every weight, or the LoRA adapters)."""
-    return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
-
-
 def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
     """A replica's engine and the module it generates with (LoRA-wrapped like the trainer's, so the
     adapters' names match), as a replica process or a Ray replica actor builds them."""
@@ -100,17 +95,6 @@ def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
         # it drains as an engine in the trainer's own process does.
         engine.sleep_when_drained = False
     return engine, policy
-
-
-def sync_replica(engine: Any, load: Callable[[], None], version: int) -> int:
-    """`load()` the weights between two decode steps and serve `version` from then on; returns it."""
-    def apply() -> bool:
-        load()
-        # True: the weights changed, so an engine with its own copy of them (vLLM) streams them in
-        # before its next step; the swap then serves `version` (set between two decode steps).
-        return True
-    engine.swap_weights(apply, version=version)
-    return engine.version
 
 
 def _replica_main(conn: Any, spec: ReplicaSpec) -> None:

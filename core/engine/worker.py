@@ -202,10 +202,15 @@ class WorkerEngine:
             self.version = new_version
         self._admitting.set()
 
-    def swap_weights(self, apply: Callable[[], bool], version: int | None = None) -> bool:
-        """`version`: what the engine serves after a changing `apply` (a replica's sync names the
-        trainer's version), instead of one more than now."""
-        return self._on_worker(Swap(apply, version))
+    def swap_weights(self, apply: Callable[[], bool]) -> bool:
+        return self._on_worker(Swap(apply))
+
+    def replace_weights(self, load: Callable[[], None], version: int) -> int:
+        """A replica's sync: `load()` another's weights between two forward passes, then serve `version`
+        (the trainer's, not one more than now). The weights count as changed, so an engine with its own
+        copy of them (vLLM) takes them in before its next step. Returns the version served."""
+        self._on_worker(Swap(lambda: load() or True, version))
+        return self.version
 
     # -- sleep: a drained engine gives its device memory back while a colocated trainer steps --------
     @property
