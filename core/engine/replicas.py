@@ -44,7 +44,8 @@ from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
 from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.factory import make_engine
 from core.engine.routing import EPISODE
-from core.engine.process import ProcessEngine, ReplicaLost, ReplicaSpec, weights_of
+from core.engine.process import ProcessEngine, ReplicaLost, ReplicaSpec
+from core.engine.weight_sync import weights_of
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -64,6 +64,10 @@ def buffer_device(backend: str, device: str) -> torch.device:
     """Where a side's bucket buffers live: its GPU under NCCL, host memory under gloo."""
     return torch.device(device) if backend == "nccl" else torch.device("cpu")
 
+
+def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a trainer step changes: the trainable parameters (every weight, or the LoRA adapters)."""
+    return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 def layout_of(weights: dict[str, torch.Tensor]) -> Layout:
     return [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()]
@@ -151,6 +155,11 @@ def receive_weights(group: Any, params: list[torch.nn.Parameter], layout: Layout
                 p.copy_(flat[offset: offset + p.numel()].view(p.shape))
                 offset += p.numel()
 
+
+def sync_replica(engine: Any, load: Callable[[], None], version: int) -> int:
+    """`load()` the weights between two decode steps and serve `version` from then on; returns it
+    (`WorkerEngine.replace_weights`: a vLLM replica then streams them into vLLM's copy)."""
+    return engine.replace_weights(load, version)
 
 def apply_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy `weights` into `module`'s parameters of the same names (checked as `check_layout` checks)."""

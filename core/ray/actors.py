@@ -28,7 +28,7 @@ from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.serve.server import load_policies
-from core.engine.process import weights_of
+from core.engine.weight_sync import weights_of
 from core.train.distributed import DistributedTrainer, build_trainer
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 

@@ -35,8 +35,8 @@ from core.config import ModelConfig, RunConfig
 from core.engine import EngineLoad, Generation, SamplingParams
 from core.engine.replicas import ReplicaEngine
 from core.engine.process import HEARTBEAT_S, SILENT_S, START_S, SYNC_S, ReplicaLost, ReplicaSpec, build_replica, \
-    hung, sync_replica
-from core.engine.weight_sync import apply_weights, weights_digest
+    hung
+from core.engine.weight_sync import apply_weights, sync_replica, weights_digest
 
 log = logging.getLogger(__name__)
 

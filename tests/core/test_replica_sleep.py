@@ -21,8 +21,9 @@ from core import models
 from core.config import sleeping_replicas
 from core.config_io import load_config
 from core.engine import SamplingParams
-from core.engine.process import ProcessEngine, ReplicaSpec, weights_of
+from core.engine.process import ProcessEngine, ReplicaSpec
 from core.engine.replicas import ReplicaEngine
+from core.engine.weight_sync import weights_of
 from core.run.cli import app
 from core.run.loop import CoreRun
 from tests.support import train_in_process

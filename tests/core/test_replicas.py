@@ -24,10 +24,10 @@ import torch
 from core import models
 from core.config_io import load_config
 from core.engine import SamplingParams
-from core.engine.process import ReplicaLost, weights_of
+from core.engine.process import ReplicaLost
 from core.engine.replicas import ReplicaBehind, ReplicaEngine, make_model_engine
 from core.engine.routing import EPISODE
-from core.engine.weight_sync import weights_digest
+from core.engine.weight_sync import weights_digest, weights_of
 
 RESTART_WAIT_S = 180.0  # a restart spawns a process that imports torch: ~5 s quiet, far more on a loaded 2-core box
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)

@@ -16,8 +16,16 @@ import pytest
 import torch
 
 from core.engine.groups import free_port, process_group
-from core.engine.weight_sync import WeightLayoutError, apply_weights, buckets, check_layout, layout_of, \
-    receive_weights, send_weights, weights_digest
+from core.engine.weight_sync import (
+    WeightLayoutError,
+    apply_weights,
+    buckets,
+    check_layout,
+    layout_of,
+    receive_weights,
+    send_weights,
+    weights_digest,
+)
 
 TIMEOUT_S = 60.0  # a collective on loopback takes milliseconds; a failure must not hang the test
 
