@@ -52,12 +52,20 @@ class ModelTrainer(Strict):
     world_size: int = Field(1, ge=1)
     # One device per rank; None: every rank on cpu for a cpu model, else cuda:0..world_size-1.
     devices: list[str] | None = None
+    # How the ranks hold the model. replicate: each rank a full copy of weights, gradients and AdamW
+    # state (core.train.distributed). fsdp2: FSDP2 `fully_shard`, each rank 1/world_size of them
+    # (core.train.sharded; full fine-tunes only). auto: fsdp2 when the memory arithmetic
+    # (core.train.memory) says one rank's full state does not fit its GPU, else replicate (always
+    # replicate on CPU, whose memory is not counted).
+    sharding: Literal["replicate", "fsdp2", "auto"] = "auto"
 
     @model_validator(mode="after")
     def _one_device_per_rank(self) -> ModelTrainer:
         if self.devices is not None and len(self.devices) != self.world_size:
             raise ValueError(f"devices lists {len(self.devices)} devices for world_size {self.world_size}; "
                              "give one per rank")
+        if self.sharding == "fsdp2" and self.world_size < 2:
+            raise ValueError(f"sharding fsdp2 shards over the ranks and needs world_size >= 2, got {self.world_size}")
         return self
 
 

@@ -20,7 +20,7 @@ import torch
 
 from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
 from core.config_io import ConfigError
-from core.run.memory import device_memory_gb, footprint
+from core.train.memory import device_memory_gb, footprint
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REPLICA_ENGINES = ("hf", "vllm")  # the engine kinds a replica process builds (`core.engine.process.build_replica`)

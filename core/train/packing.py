@@ -187,6 +187,11 @@ def pack(samples: Sequence[Sample], token_budget: int) -> list[MicroBatch]:
     return [_collate(samples, group) for group in groups]
 
 
+def micro_batch_count(samples: Sequence[Sample], token_budget: int) -> int:
+    """How many micro-batches `pack` makes of `samples`, without building them."""
+    return len(_first_fit_decreasing([len(s.input_ids) for s in samples], token_budget)) if samples else 0
+
+
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 

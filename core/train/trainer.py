@@ -129,7 +129,7 @@ class Trainer:
         # With LoRA the reference is the same module with adapters off, so nothing is copied.
         self.reference: torch.nn.Module | None = None
         if cfg.kl_coef > 0 and not lora:
-            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+            self.reference = self._make_reference(policy)
 
     # -- the update ------------------------------------------------------------------------------
     def step(self, groups: list[list[Episode]]) -> dict[str, float]:
@@ -238,38 +238,54 @@ class Trainer:
             return sums
         device = next(self.policy.parameters()).device
         for mb in pack(samples, self.cfg.micro_batch_tokens):
-            mb = mb.to(device)
-            logp, entropy = token_logprobs(self.policy, mb, positions=mb.loss_mask)
-            ref_logp = self._reference_logprobs(mb) if self.cfg.kl_coef > 0 else None
-            terms = policy_loss(
-                logp,
-                mb.old_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                mb.weights,
-                clip_low=self.cfg.clip_low,
-                clip_high=self.cfg.clip_high,
-                normalizer=normalizer,
-                ref_logp=ref_logp,
-                kl_coef=self.cfg.kl_coef,
-                tis_cap=self.cfg.tis_cap,
-            )
-            # The micro-batch's scalars in one host sync: each float() would be a device round trip.
-            read = torch.cat([torch.stack([terms.loss.detach(), entropy[mb.loss_mask].sum().to(terms.stats.dtype)]),
-                              terms.stats]).tolist()
-            loss, entropy_sum, stats = read[0], read[1], dict(zip(STAT_NAMES, read[2:]))
-            sums["loss"] += loss
-            sums["kl"] += stats["kl_sum"]
-            sums["clipped"] += stats["clipped"]
-            sums["masked"] += stats["tokens"]
-            sums["tokens"] += mb.num_tokens
-            sums["entropy"] += entropy_sum
-            sums["behaviour_diff"] += stats["behaviour_diff_sum"]
-            sums["behaviour_diff_max"] = max(sums["behaviour_diff_max"], stats["behaviour_diff_max"])
+            loss = self._micro_batch(mb.to(device), normalizer, sums)
             if not math.isfinite(sums["loss"]):
                 break  # the step will be skipped; more backward passes would only cost time
-            terms.loss.backward()
+            loss.backward()
         return sums
+
+    def _micro_batch(self, mb: Any, normalizer: float, sums: dict[str, float]) -> torch.Tensor:
+        """One micro-batch's forward pass: adds its detached sums to `sums`, returns its loss to backward."""
+        logp, entropy = self._logprobs(mb)
+        ref_logp = self._reference_logprobs(mb) if self.cfg.kl_coef > 0 else None
+        terms = policy_loss(
+            logp,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.loss_mask,
+            mb.weights,
+            clip_low=self.cfg.clip_low,
+            clip_high=self.cfg.clip_high,
+            normalizer=normalizer,
+            ref_logp=ref_logp,
+            kl_coef=self.cfg.kl_coef,
+            tis_cap=self.cfg.tis_cap,
+        )
+        # The micro-batch's scalars in one host sync: each float() would be a device round trip.
+        read = torch.cat([torch.stack([terms.loss.detach(), entropy[mb.loss_mask].sum().to(terms.stats.dtype)]),
+                          terms.stats]).tolist()
+        loss, entropy_sum, stats = read[0], read[1], dict(zip(STAT_NAMES, read[2:]))
+        sums["loss"] += loss
+        sums["kl"] += stats["kl_sum"]
+        sums["clipped"] += stats["clipped"]
+        sums["masked"] += stats["tokens"]
+        sums["tokens"] += mb.num_tokens
+        sums["entropy"] += entropy_sum
+        sums["behaviour_diff"] += stats["behaviour_diff_sum"]
+        sums["behaviour_diff_max"] = max(sums["behaviour_diff_max"], stats["behaviour_diff_max"])
+        return terms.loss
+
+    def _logprobs(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's logprobs (with grad) and entropy of a micro-batch's trained tokens."""
+        return token_logprobs(self.policy, mb, positions=mb.loss_mask)
+
+    def _make_reference(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The frozen KL reference of a full fine-tune: a copy of the initial weights."""
+        return copy.deepcopy(policy).eval().requires_grad_(False)
+
+    def _clip(self, params: list[torch.nn.Parameter]) -> float:
+        """Clip the gradients to `grad_clip` by their global norm; returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
 
     def _reference_logprobs(self, mb: Any) -> torch.Tensor:
         with torch.no_grad(), self._reference() as ref:
@@ -296,7 +312,7 @@ class Trainer:
         have_grads = any(p.grad is not None for p in self.master.params)
         if not have_grads and math.isfinite(loss):
             return 0.0, False, False  # nothing in the batch could move the weights
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.master.params, self.cfg.grad_clip)) if have_grads else 0.0
+        grad_norm = self._clip(self.master.params) if have_grads else 0.0
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             log.warning(
                 "model %s step %d: non-finite loss (%s) or grad norm (%s); optimizer step skipped",

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from core.config import model_devices
 from core.config_io import ConfigError, load_config
 from core.run.cli import app
-from core.run.memory import footprint
+from core.train.memory import footprint
 from core.run.plan import plan
 
 

@@ -1,7 +1,8 @@
 """The memory arithmetic of one model's placement: what a trainer rank and a rollout replica hold.
 
 `swarm run --dry-run` prints it and `core.run.plan` refuses a placement whose arithmetic exceeds a
-GPU this machine has. Counted, per parameter: the weights in their dtype; for a full fine-tune
+GPU this machine has; `sharding_of` uses it to pick replicated or FSDP2 ranks for `trainer.sharding:
+auto` (it lives in core.train so the trainer can ask it). Counted, per parameter: the weights in their dtype; for a full fine-tune
 the gradients (same dtype), fp32 master copies of low-precision weights (`trainer.master_weights`),
 AdamW's two fp32 moments and, with `kl_coef` > 0, a frozen reference copy; for LoRA only the
 frozen weights (adapters are a rounding error at r <= 64). A replica holds the weights alone.
@@ -34,7 +35,7 @@ class Footprint:
     parameters: int
     weight_bytes: int  # bytes a parameter takes in the model's dtype
     rank_gb: float  # one data-parallel (DDP) trainer rank: everything replicated
-    fsdp_rank_gb: float  # the same state sharded over the ranks (FSDP2 arithmetic; not built here)
+    fsdp_rank_gb: float  # one FSDP2 rank (core.train.sharded): the same state / world_size, the KL reference whole
     replica_gb: float  # one rollout replica: the weights
 
 
@@ -64,6 +65,26 @@ def footprint(cfg: RunConfig, mc: ModelConfig, on_gpu: bool) -> Footprint:
     reference = n * w if mc.lora is None and cfg.trainer.kl_coef > 0 else 0  # not sharded: each rank scores with it
     sharded = (rank - reference) / mc.trainer.world_size + reference
     return Footprint(n, w, rank / GB, sharded / GB, n * w / GB)
+
+
+def rank_gb(fp: Footprint, sharding: str) -> float:
+    """What one trainer rank holds under `sharding` (replicate or fsdp2). An fsdp2 rank 0 also keeps
+    the full weights the engines read (`core.train.sharded`); `core.run.plan` adds those to its device."""
+    return fp.fsdp_rank_gb if sharding == "fsdp2" else fp.rank_gb
+
+
+def sharding_of(cfg: RunConfig, mc: ModelConfig, devices: list[str]) -> str:
+    """`mc.trainer.sharding` with `auto` decided: fsdp2 when one replicated rank's state exceeds the
+    smallest of its ranks' GPUs, else replicate (also on CPU or when a GPU's memory is unknown here)."""
+    if mc.trainer.sharding != "auto":
+        return mc.trainer.sharding
+    if mc.trainer.world_size < 2 or mc.lora is not None:
+        return "replicate"  # nothing to shard over; LoRA trains small adapters (fsdp2 is full fine-tunes)
+    have = [device_memory_gb(d) for d in devices]
+    if any(gb is None for gb in have):
+        return "replicate"
+    need = footprint(cfg, mc, on_gpu=True).rank_gb
+    return "fsdp2" if need > min(gb for gb in have if gb is not None) else "replicate"
 
 
 def device_memory_gb(device: str) -> float | None:

@@ -1,0 +1,341 @@
+"""A sharded data-parallel trainer: FSDP2 (`torch.distributed.fsdp.fully_shard`) over `trainer.world_size` ranks.
+
+`models[].trainer.sharding: fsdp2` (or `auto` when one rank's full state would not fit its GPU,
+`core.train.memory.sharding_of`). Each rank holds 1/M of the trained weights, their gradients and
+AdamW's moments, as DTensors; FSDP2 all-gathers a layer's weights for its forward and backward and
+reduce-scatters its gradients after. Rank 0 is the run's own process, as under
+`core.train.distributed`; ranks 1..M-1 are processes of this machine (`core.train.ranks`).
+
+What rank 0 keeps for engines: `ShardedTrainer.policy` stays the run's full, unsharded module (what
+engines generate with, replicas sync from and checkpoints write). Rank 0 trains on a sharded deep
+copy of it; after every step that changed the weights, every rank joins one all-gather per
+parameter (`DTensor.full_tensor`) and rank 0 copies the result into the full module. So rank 0
+holds one full copy of the weights besides its shard (an engine on its device needs them anyway);
+ranks 1..M-1 hold their shard only, beyond the moment of the gather.
+
+A step (rank 0 prepares as one trainer does; the normaliser is the WHOLE batch's):
+
+1. the samples that run are split over the ranks, balanced by tokens (`balance`). FSDP2
+   communicates inside every forward and backward, so every rank must run the same number of
+   passes: a rank with fewer micro-batches runs extra passes on a sample whose loss is multiplied by
+   zero (gradient 0, nothing added to the sums), and no rank stops early on a non-finite loss;
+2. the gradient reduction SUMS over the ranks: FSDP2 averages by default, so every FSDP module gets
+   `set_gradient_divide_factor(1.0)` and `set_force_sum_reduction_for_comms(True)` (in torch 2.13,
+   `_fsdp_collectives._get_gradient_divide_factors` then reduces with plain SUM and divides by 1,
+   which gloo supports). Each rank's share is already divided by the global normaliser, so the sum
+   is the gradient one rank would compute on the whole batch;
+3. clipping uses the global norm of the sharded gradient (`get_total_norm`, made whole with
+   `full_tensor`), then every rank steps AdamW on its shard.
+
+Checkpoints are the single-trainer format: rank 0's full module holds the weights; `state_dict`
+gathers the optimizer moments (and fp32 master copies) into full tensors on every rank together,
+and `load_state_dict` gives every rank the full state, from which each takes its own shard. So a
+checkpoint resumes at any world size and under either sharding.
+
+Units: one FSDP unit per decoder layer (`model.get_decoder().layers`) and a root unit holding the
+rest (embeddings, final norm, the tied head). The root is a small wrapper whose forward is the
+trainer's scoring pass, because FSDP2 hooks a module's `forward` and `token_logprobs` calls the
+decoder and the head, not the causal LM's forward.
+
+The group is torch.distributed's default process group (gloo on CPU, NCCL on GPU), which FSDP2's
+device mesh is built on: so one process holds at most one fsdp2 trainer, and not beside anything
+else that takes the default group (an in-process vLLM engine). Deliberately not here: LoRA (its
+trainable state is its small adapters: replicate), CPU offload, mixed-precision policies (the
+shards are in the model's dtype; bf16 trains on fp32 master copies of the shards as one trainer
+does), and ranks on other machines.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from core import models
+from core.config import ModelConfig, TrainerConfig
+from core.train.packing import micro_batch_count, pack, token_logprobs
+from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
+                              serve, tcp_store)
+from core.train.timelines import Sample
+from core.train.trainer import PreparedStep, Trainer, seed_everything
+
+
+class _Scorer(torch.nn.Module):
+    """The causal LM behind a module whose forward is the trainer's scoring pass (FSDP2's root hooks it)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, mb: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(self.model, mb, positions=positions)
+
+
+def shard(model: torch.nn.Module, mesh: DeviceMesh) -> _Scorer:
+    """`model` sharded in place over `mesh`, one unit a decoder layer, gradients summed over ranks."""
+    scorer = _Scorer(model)
+    for layer in getattr(model.get_decoder(), "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(scorer, mesh=mesh)
+    for module in scorer.modules():
+        if isinstance(module, FSDPModule):  # each unit's reduction is its own: set on every one
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return scorer
+
+
+def full(x: Any) -> Any:
+    """`x` with every DTensor in it made whole (a collective: every rank calls it on the same structure)."""
+    if isinstance(x, DTensor):
+        return x.full_tensor()
+    if isinstance(x, dict):
+        return {k: full(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [full(v) for v in x]
+    return x
+
+
+def _local_shard(value: Any, like: torch.Tensor, what: str) -> Any:
+    """A full tensor saved for parameter `like` as `like`'s shard (no communication: each rank has it all)."""
+    if not (isinstance(like, DTensor) and torch.is_tensor(value) and value.dim() > 0):
+        return value  # AdamW's step count, or anything a parameter that is not sharded holds
+    if tuple(value.shape) != tuple(like.shape):
+        raise ValueError(f"{what}: saved shape {tuple(value.shape)} does not fit the parameter's {tuple(like.shape)} "
+                         "(model changed?)")
+    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+class _Shard(Trainer):
+    """One rank's trainer over its shard: the same loss and step as `Trainer`, on DTensor parameters."""
+
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, name: str, mesh: DeviceMesh):
+        self.model = model  # the causal LM, sharded in place below
+        self._frozen = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.scorer = shard(model, mesh)
+        super().__init__(self.scorer, cfg, name, lora=False)
+
+    def _make_reference(self, policy: torch.nn.Module) -> torch.nn.Module:
+        assert self._frozen is not None  # made whenever kl_coef > 0, before sharding: each rank scores with all of it
+        return self._frozen
+
+    def _logprobs(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scorer(mb, mb.loss_mask)
+
+    def _clip(self, params: list[torch.nn.Parameter]) -> float:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # every rank's shards in one norm
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, norm)
+        return float(norm)
+
+    def accumulate(self, share: list[Sample], normalizer: float, passes: int, pad: Sample | None) -> dict[str, float]:
+        """This rank's share through `passes` forward/backward passes, the last ones zero-weighted on `pad`."""
+        sums: dict[str, float] = defaultdict(float)
+        if passes == 0:
+            return sums
+        device = next(self.scorer.parameters()).device
+        batches = pack(share, self.cfg.micro_batch_tokens) if share else []
+        self.scorer.train()
+        for mb in batches:  # no early stop on a non-finite loss: the other ranks wait in each pass
+            self._micro_batch(mb.to(device), normalizer, sums).backward()
+        for _ in range(passes - len(batches)):
+            assert pad is not None  # rank 0 sends one whenever a rank runs fewer micro-batches than passes
+            logp, _ = self._logprobs(pack([pad], self.cfg.micro_batch_tokens)[0].to(device))
+            (torch.where(torch.isfinite(logp), logp, 0.0).sum() * 0.0).backward()
+        return sums
+
+    def step_and_gather(self, loss: float, into: torch.nn.Module | None) -> tuple[float, bool, bool]:
+        """Clip and step the shard; when the weights changed, every rank gathers them and rank 0 (`into`) keeps them."""
+        out = self._apply(loss)
+        self.step_count += 1
+        if out[2]:
+            self.gather_weights(into)
+        return out
+
+    @torch.no_grad()
+    def gather_weights(self, into: torch.nn.Module | None) -> None:
+        targets = list(into.parameters()) if into is not None else None
+        for i, p in enumerate(self.model.parameters()):
+            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            if targets is not None:
+                targets[i].copy_(whole)
+
+    @torch.no_grad()
+    def take_weights(self, source: torch.nn.Module | None) -> None:
+        """Every rank's shard from rank 0's full module (`source`; None on the other ranks)."""
+        sources = list(source.parameters()) if source is not None else None
+        for i, p in enumerate(self.model.parameters()):
+            if not isinstance(p, DTensor):
+                continue
+            whole = sources[i].detach() if sources is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            p.copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=0))
+
+    def full_state(self) -> dict[str, Any]:
+        """The single-trainer checkpoint state, gathered (every rank calls it; all get the whole)."""
+        return full(self.state_dict())
+
+    def sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A single-trainer state with each full tensor replaced by this rank's shard of it."""
+        self.check_state(state)
+        params = self.master.params
+        opt = state["optimizer"]
+        per_param = {}
+        for index, values in opt["state"].items():
+            if not 0 <= int(index) < len(params):
+                raise ValueError(f"optimizer state for parameter {index}, but the policy has {len(params)}")
+            per_param[index] = {k: _local_shard(v, params[int(index)], f"optimizer state {index}.{k}")
+                                for k, v in values.items()}
+        copies = [m for _, m in self.master.pairs]
+        master = state.get("master") or []
+        if master and len(master) == len(copies):
+            master = [_local_shard(s, m, f"master weight {i}") for i, (s, m) in enumerate(zip(master, copies))]
+        return {**state, "optimizer": {**opt, "state": per_param}, "master": master}
+
+
+def _join(backend: str, port: int, rank: int, world: int, device: str) -> DeviceMesh:
+    """Join the trainer's default process group and its 1-D device mesh."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend, store=tcp_store(port, rank, world), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
+    return init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
+
+
+def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: int, port: int, backend: str,
+               devices: list[str]) -> None:
+    """A rank process: join the group, build and shard the model, take rank 0's weights, obey rank 0."""
+    mc, cfg = ModelConfig.model_validate(mc_data), TrainerConfig.model_validate(trainer_data)
+    seed_everything(cfg.seed)
+    mesh = _join(backend, port, rank, world, devices[rank])
+    model, _ = models.load(mc.model_copy(update={"device": devices[rank]}))
+    trainer = _Shard(model, cfg, mc.name, mesh)
+    trainer.take_weights(None)
+
+    def backward(share: list[Sample], normalizer: float, passes: int, pad: Sample | None) -> None:
+        reduce_sums(trainer.accumulate(share, normalizer, passes, pad), _device(trainer), _all_reduce)
+
+    def load(state: dict[str, Any]) -> None:
+        trainer.take_weights(None)
+        trainer.load_state_dict(trainer.sharded_state(state))
+
+    def state() -> None:
+        trainer.full_state()  # this rank's part of the gathers; rank 0 keeps the result
+
+    def gradients() -> None:
+        for p in trainer.model.parameters():
+            if p.grad is not None:
+                full(p.grad)
+
+    try:
+        serve(conn, rank, {"backward": backward, "apply": lambda loss: trainer.step_and_gather(loss, None),
+                           "discard": trainer.discard, "load": load, "state": state,
+                           "gradients": gradients})
+    finally:
+        dist.destroy_process_group()
+
+
+def _device(trainer: _Shard) -> torch.device:
+    return next(trainer.scorer.parameters()).device
+
+
+def _all_reduce(t: torch.Tensor, op: Any) -> None:
+    dist.all_reduce(t, op=op)
+
+
+class ShardedTrainer(Trainer):
+    """Rank 0 of an FSDP2 trainer: the run's full module for engines and checkpoints, a shard to train
+    (see the module doc). It does not call `Trainer.__init__`, which would build an optimizer (and
+    fp32 master copies, and a KL reference) over the full module; it takes those of its shard."""
+
+    def __init__(self, policy: torch.nn.Module, cfg: TrainerConfig, mc: ModelConfig, devices: list[str]):
+        self.world = len(devices)
+        if self.world < 2:
+            raise ValueError(f"fsdp2 sharding needs world_size >= 2, got {self.world}")
+        if mc.lora is not None:
+            raise ValueError(f"model {mc.name!r}: fsdp2 shards a full fine-tune; a LoRA run trains small adapters "
+                             "(trainer.sharding: replicate)")
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds torch.distributed's default process group (another fsdp2 "
+                               "trainer or an in-process vLLM engine); fsdp2 needs it: one fsdp2 model a process")
+        backend, port = backend_of(devices[0]), free_port()
+        self.workers = RankProcesses(mc.name, self.world, _rank_main,
+                                     (mc.model_dump(), cfg.model_dump(), self.world, port, backend, devices))
+        self.procs = self.workers.procs
+        try:
+            mesh = _join(backend, port, 0, self.world, devices[0])
+            self.shard = _Shard(copy.deepcopy(policy), cfg, mc.name, mesh)
+            self.shard.take_weights(policy)  # rank 0's weights are the run's: a resumed module's included
+            self.workers.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        # What the loop, checkpoints and metrics read of a Trainer: the full module, and the shard's optimizer.
+        self.policy, self.cfg, self.model_name, self.lora, self.step_count = policy, cfg, mc.name, False, 0
+        self.master, self.optimizer, self.reference = self.shard.master, self.shard.optimizer, self.shard.reference
+
+    def backward(self, prepared: PreparedStep) -> None:
+        """Each rank's token-balanced share, in as many passes as the longest share needs (module doc)."""
+        runs = prepared.normalizer > 0 and bool(prepared.active)
+        shares = balance(prepared.active, self.world) if runs else [[] for _ in range(self.world)]
+        budget = self.cfg.micro_batch_tokens
+        passes = max(micro_batch_count(s, budget) for s in shares)
+        pad = min(prepared.active, key=lambda s: len(s.input_ids)) if runs else None
+        self.workers.send_all([("backward", share, prepared.normalizer, passes, pad) for share in shares[1:]])
+        with self.workers.blamed():
+            prepared.sums = reduce_sums(self.shard.accumulate(shares[0], prepared.normalizer, passes, pad),
+                                        _device(self.shard), _all_reduce)
+        self.workers.gather()
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The summed gradients as one trainer would hold them, by parameter name (every rank joins the
+        gather); between `backward` and `apply`, for checks."""
+        self.workers.send_all([("gradients",)] * (self.world - 1))
+        with self.workers.blamed():
+            out = {n: full(p.grad) for n, p in self.shard.model.named_parameters() if p.grad is not None}
+        self.workers.gather()
+        return out
+
+    def _apply(self, loss: float) -> tuple[float, bool, bool]:
+        self.workers.send_all([("apply", loss)] * (self.world - 1))
+        with self.workers.blamed():
+            out = self.shard.step_and_gather(loss, self.policy)
+        answers = self.workers.gather()
+        if any(tuple(a) != out for a in answers):  # one global norm and loss must give the same outcome
+            raise RankError(f"ranks disagree on the step: rank 0 {out}, others {answers}")
+        return out
+
+    def discard(self) -> None:
+        self.shard.discard()
+        self.workers.command("discard")
+
+    def state_dict(self) -> dict[str, Any]:
+        self.workers.send_all([("state",)] * (self.world - 1))
+        with self.workers.blamed():
+            state = self.shard.full_state()
+        self.workers.gather()
+        return {**state, "step": self.step_count}
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        self.shard.sharded_state(state)  # raises ValueError before anything is changed
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The checkpoint code put the weights in the full module; every rank takes its shard of them and
+        of the optimizer state, so the checkpoint's world size and sharding do not matter."""
+        local = self.shard.sharded_state(state)
+        self.workers.send_all([("load", state)] * (self.world - 1))
+        with self.workers.blamed():
+            self.shard.take_weights(self.policy)
+        self.shard.load_state_dict(local)
+        self.workers.gather()
+        self.step_count = int(state["step"])
+
+    def close(self) -> None:
+        self.workers.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,197 @@
+"""The FSDP2 trainer (core/train/sharded.py) with 2 real rank processes on gloo and the tiny model.
+
+One step's summed gradient, gathered from the shards, equals a single trainer's on the same batch;
+the weights after the step agree; a checkpoint written by fsdp2 at world size 2 resumes at world
+size 1 and the other way; ranks whose shares need different numbers of micro-batches still finish
+the step (each test has a timeout: a mismatch would hang in a collective); a killed rank fails the
+step naming it.
+
+Tolerance, as in tests/core/test_distributed_trainer.py: float32 on CPU, the ranks pack the samples
+into different micro-batches and the reduce-scatter adds in another order, so gradients agree to
+rtol 1e-4, atol 1e-6. Weights after an AdamW step are compared with that file's `assert_steps_agree`
+(all within 2·lr, all but 0.1 % within 1e-5), since AdamW may flip an element whose gradient lies
+within the reordering noise of zero: no assertion depends on one CPU's rounding.
+
+One fsdp2 trainer at a time per process (it holds torch.distributed's default group), so each test
+closes the one it built.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from core.config import ModelConfig, TrainerConfig
+from core.models import build_tiny
+from core.run import checkpoint
+from core.train.packing import micro_batch_count
+from core.train.ranks import RankError, balance
+from core.train.sharded import ShardedTrainer
+from core.train.trainer import Trainer, seed_everything
+from tests.core.test_distributed_trainer import CFG, GRAD_ATOL, GRAD_RTOL, assert_steps_agree, groups_for, grads
+from tests.core.test_trainer import MODEL, make_episode
+
+# Each test spawns a rank (imports torch and transformers: ~20 s on a loaded 2-core box) and trains a
+# step or two of the tiny model; a hang in a collective would otherwise wait RANK_TIMEOUT_S (600 s).
+pytestmark = pytest.mark.timeout(300)
+
+MC = ModelConfig(name=MODEL, device="cpu")
+
+
+def sharded(model: torch.nn.Module, cfg: TrainerConfig = CFG) -> ShardedTrainer:
+    return ShardedTrainer(model, cfg, MC, ["cpu", "cpu"])
+
+
+def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys() and want
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=name)
+
+
+def assert_weights_agree(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, p1), p2 in zip(a.named_parameters(), b.parameters()):
+        assert_steps_agree(p2, p1, name)
+
+
+def test_two_shards_sum_to_the_single_rank_gradient_and_step():
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
+    fsdp = sharded(copy.deepcopy(base))
+    try:
+        batch = groups_for(base)
+        one, two = single.prepare(batch), fsdp.prepare(batch)
+        assert one.normalizer == two.normalizer  # one normaliser over the whole batch, not per rank
+        single.backward(one)
+        fsdp.backward(two)
+        # The gradients gathered from the shards are named as the model's own parameters.
+        assert_grads_match({n: g for n, g in fsdp.gradients().items()}, grads(single))
+        assert two.sums["masked"] == one.sums["masked"] and two.sums["tokens"] == one.sums["tokens"]
+        assert two.sums["loss"] == pytest.approx(one.sums["loss"], rel=1e-5)
+        assert single.apply(one) and fsdp.apply(two)
+        assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)  # the global norm, not a shard's
+        # Rank 0's full module (what engines read) holds the stepped weights, gathered from the shards.
+        assert_weights_agree(single.policy, fsdp.policy)
+        assert any(not torch.equal(p, q) for p, q in zip(fsdp.policy.parameters(), base.parameters()))
+    finally:
+        fsdp.close()
+
+
+def test_a_checkpoint_written_by_fsdp2_at_two_ranks_resumes_at_one_and_the_runs_agree(tmp_path):
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
+    fsdp = sharded(copy.deepcopy(base))
+    try:
+        batch = groups_for(base)
+        for t in (single, fsdp):
+            t.step(batch)
+        path = checkpoint.save(tmp_path, fsdp.step_count, {MODEL: fsdp}, [], {MODEL: 1}, {})
+    finally:
+        fsdp.close()
+    saved = torch.load(path / "models" / MODEL / checkpoint.TRAINER_STATE, weights_only=True)
+    moments = saved["optimizer"]["state"][0]["exp_avg"]
+    assert type(moments) is torch.Tensor and moments.shape == next(base.parameters()).shape  # whole, not a shard
+    resumed = Trainer(build_tiny(0)[0], CFG, MODEL, lora=False)
+    checkpoint.restore(checkpoint.load(path), {MODEL: resumed})
+    assert resumed.step_count == 1
+    m1, m2 = single.step(batch), resumed.step(batch)  # both continue: same weights, same optimizer state
+    assert m2["train/updated"] == 1.0 and m1["train/loss"] == pytest.approx(m2["train/loss"], rel=1e-4)
+    assert_weights_agree(single.policy, resumed.policy)
+
+
+def test_a_one_rank_checkpoint_loads_into_fsdp2_and_reaches_every_shard(tmp_path):
+    seed_everything(0)
+    trained = Trainer(build_tiny(0)[0], CFG, MODEL, lora=False)
+    trained.step(groups_for(trained.policy))
+    path = checkpoint.save(tmp_path, 1, {MODEL: trained}, [], {MODEL: 1}, {})
+    fsdp = sharded(build_tiny(0)[0])
+    try:
+        checkpoint.restore(checkpoint.load(path), {MODEL: fsdp})
+        assert fsdp.step_count == 1
+        batch = groups_for(trained.policy)
+        one, two = trained.prepare(batch), fsdp.prepare(batch)
+        trained.backward(one)
+        fsdp.backward(two)
+        # Rank 1 computed its share on its shard of the checkpoint's weights: had it kept the initial
+        # ones, the summed gradient would differ.
+        assert_grads_match(fsdp.gradients(), grads(trained))
+        assert trained.apply(one) and fsdp.apply(two)
+        # The AdamW moments reached the shards too: a fresh optimizer's first step differs by ~lr.
+        assert_weights_agree(trained.policy, fsdp.policy)
+    finally:
+        fsdp.close()
+
+
+def test_shares_needing_different_micro_batch_counts_finish_the_step():
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    cfg = CFG.model_copy(update={"micro_batch_tokens": 16})
+    single = Trainer(copy.deepcopy(base), cfg, MODEL, lora=False)
+    # One long episode and several short ones: the token balance gives one rank the long sample alone
+    # (one micro-batch) and the other the short ones (several at a 16-token budget).
+    long_turns = ["xxab" * 3] * 3
+    groups = [[make_episode(base, "long", long_turns, 1.0, task_id="t"),
+               make_episode(base, "short0", ["ab"], 0.0, task_id="t"),
+               make_episode(base, "short1", ["xa"], 2.0, task_id="t"),
+               make_episode(base, "short2", ["ba"], 0.5, task_id="t")]]
+    fsdp = sharded(copy.deepcopy(base), cfg)
+    try:
+        prepared = fsdp.prepare(groups)
+        counts = [micro_batch_count(s, cfg.micro_batch_tokens) for s in balance(prepared.active, 2)]
+        assert counts[0] != counts[1], counts  # the case under test: the short rank pads its passes
+        one = single.prepare(groups)
+        single.backward(one)
+        fsdp.backward(prepared)
+        assert_grads_match(fsdp.gradients(), grads(single))
+        assert prepared.sums["masked"] == one.sums["masked"]  # the padding passes add nothing
+        assert single.apply(one) and fsdp.apply(prepared)
+        assert_weights_agree(single.policy, fsdp.policy)
+    finally:
+        fsdp.close()
+
+
+def test_a_rank_with_no_samples_still_joins_the_step():
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
+    fsdp = sharded(copy.deepcopy(base))
+    try:
+        batch = groups_for(base)
+        one, prepared = single.prepare(batch), fsdp.prepare(batch)
+        # One sample runs through the model (the others only count in the normaliser), fewer than ranks.
+        one.active, prepared.active = one.active[:1], prepared.active[:1]
+        assert [len(s) for s in balance(prepared.active, 2)] == [1, 0]
+        single.backward(one)
+        fsdp.backward(prepared)
+        assert_grads_match(fsdp.gradients(), grads(single))
+        assert single.apply(one) and fsdp.apply(prepared)
+        assert_weights_agree(single.policy, fsdp.policy)
+    finally:
+        fsdp.close()
+
+
+def test_a_killed_rank_fails_the_step_with_its_name():
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    fsdp = sharded(copy.deepcopy(base))
+    try:
+        fsdp.procs[0].kill()
+        fsdp.procs[0].join()
+        prepared = fsdp.prepare(groups_for(base))
+        with pytest.raises(RankError, match="rank 1"):
+            fsdp.backward(prepared)
+    finally:
+        fsdp.close()
+
+
+def test_fsdp2_refuses_one_rank_and_lora():
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        ShardedTrainer(build_tiny(0)[0], CFG, MC, ["cpu"])
+    with pytest.raises(ValueError, match="world_size >= 2"):
+        ModelConfig(name=MODEL, trainer={"world_size": 1, "sharding": "fsdp2"})
+    lora = ModelConfig(name=MODEL, device="cpu", lora={"r": 4})
+    with pytest.raises(ValueError, match="LoRA"):
+        ShardedTrainer(build_tiny(0)[0], CFG, lora, ["cpu", "cpu"])
