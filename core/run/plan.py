@@ -20,7 +20,7 @@ import torch
 
 from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
 from core.config_io import ConfigError
-from core.train.memory import device_memory_gb, footprint
+from core.train.memory import device_memory_gb, footprint, rank_gb, sharding_of
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 REPLICA_ENGINES = ("hf", "vllm")  # the engine kinds a replica process builds (`core.engine.process.build_replica`)
@@ -120,24 +120,33 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
     shared = sorted(set(ranks) & set(replicas) - {"cpu"})
     if shared and m.layout == "split":
         warnings.append(f"{key}: layout split, yet {shared} hold both a trainer rank and a replica")
+    if m.trainer.sharding == "fsdp2" and m.lora is not None:
+        raise ConfigError(f"{key}.trainer.sharding: fsdp2 shards a full fine-tune; a LoRA model trains small "
+                          "adapters (use replicate)")
     fp = footprint(cfg, m, on_gpu)
+    sharding = sharding_of(cfg, m, ranks) if m.trainer.world_size > 1 else "replicate"
+    per_rank = rank_gb(fp, sharding)
     per_device: dict[str, float] = {}
-    for d in ranks:
-        per_device[d] = per_device.get(d, 0.0) + fp.rank_gb
+    for i, d in enumerate(ranks):
+        # An fsdp2 rank 0 also keeps the full weights the engines read (core.train.sharded).
+        extra = fp.replica_gb if sharding == "fsdp2" and i == 0 else 0.0
+        per_device[d] = per_device.get(d, 0.0) + per_rank + extra
     for d in replicas:
         per_device[d] = per_device.get(d, 0.0) + fp.replica_gb
     for d, need in per_device.items():
         have = device_memory_gb(d)
         if have is not None and need > have:
             raise ConfigError(f"{key}: {d} would hold {need:.1f} GB of weights and optimizer state (before "
-                              f"activations and KV cache) but has {have:.1f} GB; use LoRA, fewer replicas on it, "
-                              "or more devices")
+                              f"activations and KV cache) but has {have:.1f} GB; use LoRA, trainer.sharding fsdp2, "
+                              "fewer replicas on it, or more devices")
     lora = f", LoRA r={m.lora.r}" if m.lora is not None else ""
-    memory = (f"{fp.parameters / 1e6:.1f}M params x {fp.weight_bytes} B; rank {_size(fp.rank_gb)} "
-              f"(DDP; FSDP2 would be {_size(fp.fsdp_rank_gb)}), replica {_size(fp.replica_gb)}")
+    chosen = f"{sharding} (auto)" if m.trainer.sharding == "auto" else sharding
+    other = f"replicated {_size(fp.rank_gb)}" if sharding == "fsdp2" else f"fsdp2 would be {_size(fp.fsdp_rank_gb)}"
+    memory = (f"{fp.parameters / 1e6:.1f}M params x {fp.weight_bytes} B; rank {_size(per_rank)} "
+              f"({sharding}; {other}), replica {_size(fp.replica_gb)}")
     where_rank = "the model's Ray actor + its rank processes" if ray else "rank 0 here, the rest processes here"
     rows = [Placed(f"model {m.name} ({m.source}{lora}): trainer x{m.trainer.world_size} "
-                   f"({'nccl' if on_gpu else 'gloo'} data-parallel)", where_rank,
+                   f"({'nccl' if on_gpu else 'gloo'} data-parallel, sharding {chosen})", where_rank,
                    m.ray.num_cpus if ray else 0.0, m.ray.num_gpus if ray else 0.0,
                    f"devices {','.join(ranks)}; {memory}")]
     if m.replicas > 1:

@@ -74,17 +74,21 @@ def rank_gb(fp: Footprint, sharding: str) -> float:
 
 
 def sharding_of(cfg: RunConfig, mc: ModelConfig, devices: list[str]) -> str:
-    """`mc.trainer.sharding` with `auto` decided: fsdp2 when one replicated rank's state exceeds the
-    smallest of its ranks' GPUs, else replicate (also on CPU or when a GPU's memory is unknown here)."""
+    """`mc.trainer.sharding` with `auto` decided for the rank devices of this machine (`choose_sharding`)."""
     if mc.trainer.sharding != "auto":
         return mc.trainer.sharding
     if mc.trainer.world_size < 2 or mc.lora is not None:
         return "replicate"  # nothing to shard over; LoRA trains small adapters (fsdp2 is full fine-tunes)
-    have = [device_memory_gb(d) for d in devices]
-    if any(gb is None for gb in have):
+    need = footprint(cfg, mc, on_gpu=True).rank_gb if any(d.startswith("cuda") for d in devices) else 0.0
+    return choose_sharding(need, [device_memory_gb(d) for d in devices])
+
+
+def choose_sharding(rank_gb: float, device_gbs: list[float | None]) -> str:
+    """fsdp2 when one replicated rank's state (`rank_gb`) exceeds the smallest rank device, else
+    replicate; replicate too when a device's memory is unknown here (CPU, or a GPU of another machine)."""
+    if not device_gbs or any(gb is None for gb in device_gbs):
         return "replicate"
-    need = footprint(cfg, mc, on_gpu=True).rank_gb
-    return "fsdp2" if need > min(gb for gb in have if gb is not None) else "replicate"
+    return "fsdp2" if rank_gb > min(gb for gb in device_gbs if gb is not None) else "replicate"
 
 
 def device_memory_gb(device: str) -> float | None:

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 from core.config import model_devices
 from core.config_io import ConfigError, load_config
 from core.run.cli import app
-from core.train.memory import footprint
-from core.run.plan import plan
+from core.train.memory import choose_sharding, footprint
+from core.run.plan import describe, plan
 
 
 def test_dry_run_prints_the_ranks_and_replicas_with_their_devices_and_memory(tmp_path):
@@ -18,7 +18,7 @@ def test_dry_run_prints_the_ranks_and_replicas_with_their_devices_and_memory(tmp
     path.write_text(yaml.safe_dump({"models": [{"device": "cpu", "replicas": 2, "trainer": {"world_size": 2}}]}))
     result = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert "trainer x2 (gloo data-parallel)" in result.output
+    assert "trainer x2 (gloo data-parallel, sharding replicate (auto))" in result.output
     assert "2 hf replicas (split)" in result.output and "2 processes here" in result.output
     assert "devices cpu,cpu" in result.output and "weights synced after each step" in result.output
 
@@ -66,3 +66,35 @@ def test_the_memory_arithmetic_of_a_bf16_full_fine_tune():
     assert fp.parameters == 134_515_008 and fp.weight_bytes == 2
     assert fp.rank_gb == pytest.approx(134_515_008 * 16 / 1e9)
     assert fp.fsdp_rank_gb == pytest.approx(fp.rank_gb / 4) and fp.replica_gb == pytest.approx(134_515_008 * 2 / 1e9)
+
+
+def test_dry_run_prints_the_sharding_and_an_fsdp2_rank_holds_a_share_of_the_state(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"source": "smollm2-135m", "device": "cpu",
+                                                "trainer": {"world_size": 2, "sharding": "fsdp2"}}]}))
+    result = CliRunner().invoke(app, ["run", str(path), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "trainer x2 (gloo data-parallel, sharding fsdp2)" in result.output
+    # fp32 on CPU: 4 B weights + 4 B grads + 8 B AdamW = 16 B a parameter, half of it on each rank.
+    half = 134_515_008 * 16 / 2 / 1e9
+    assert f"rank {half:.2f} GB (fsdp2; replicated {2 * half:.2f} GB)" in result.output
+    auto = load_config({"models": [{"device": "cpu", "trainer": {"world_size": 2}}]})
+    assert "sharding replicate (auto)" in describe(auto)  # CPU memory is not counted: auto replicates
+
+
+def test_auto_shards_a_7b_full_fine_tune_that_one_80gb_gpu_cannot_hold():
+    # Qwen2.5-7B in bf16 with fp32 master weights: 7.6e9 x 16 B = 122 GB a replicated rank.
+    assert choose_sharding(7.6e9 * 16 / 1e9, [80.0] * 8) == "fsdp2"
+    assert choose_sharding(134_515_008 * 16 / 1e9, [80.0] * 8) == "replicate"  # SmolLM2: 2.2 GB fits
+    assert choose_sharding(122.0, [None, 80.0]) == "replicate"  # a device's memory unknown here: no guess
+    assert choose_sharding(122.0, [141.0, 80.0]) == "fsdp2"  # the smallest device decides
+
+
+@pytest.mark.parametrize("model, match", [
+    ({"device": "cpu", "trainer": {"world_size": 1, "sharding": "fsdp2"}}, "needs world_size >= 2"),
+    ({"device": "cpu", "lora": {"r": 8}, "trainer": {"world_size": 2, "sharding": "fsdp2"}},
+     "models.0.trainer.sharding: fsdp2 shards a full fine-tune"),
+])
+def test_fsdp2_that_cannot_work_is_refused_naming_the_key(model, match):
+    with pytest.raises(ConfigError, match=match):
+        plan(load_config({"models": [model]}))
