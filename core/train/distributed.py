@@ -25,11 +25,13 @@ DDP does, without its overlap of communication with backward.
 
 Collectives run on a process group of their own (gloo on CPU, NCCL when the ranks are on GPUs),
 built from a TCP store rather than the process-wide default group, so tests and runs can hold more
-than one. Commands and samples travel to the ranks over a pipe each.
+than one. Commands and samples travel to the ranks over a pipe each (`core.train.ranks`, which also
+starts the rank processes and names a dead one).
 
-Deliberately not here: FSDP2 sharding (not built: docs/scaling.md says where it stands), a rank
-on another machine (ranks are processes of this one; under Ray placement they live in the model's
-actor the same way), and engines (rank 0's module is what engines read weights from).
+`build_trainer` picks this trainer or the FSDP2 one (`core.train.sharded`) by
+`models[].trainer.sharding`. Deliberately not here: sharding itself, a rank on another machine
+(ranks are processes of this one; under Ray placement they live in the model's actor the same way),
+and engines (rank 0's module is what engines read weights from).
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ class DistributedTrainer(Trainer):
 
 
 def build_trainer(policy: torch.nn.Module, cfg: RunConfig, name: str) -> Trainer:
-    """The trainer `models[name]` asks for: one process, or `trainer.world_size` data-parallel ranks."""
+    """The trainer `models[name]` asks for: one process, or `trainer.world_size` data-parallel ranks,
+    replicated or FSDP2-sharded (`trainer.sharding`, auto decided by `core.train.memory.sharding_of`)."""
     mc = next(m for m in cfg.models if m.name == name)
     if mc.trainer.world_size == 1:
         return Trainer(policy, cfg.trainer, name, lora=mc.lora is not None)
