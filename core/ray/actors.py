@@ -30,6 +30,7 @@ from core.clients.sandbox import load_agent
 from core.serve.server import load_policies
 from core.engine.weight_sync import weights_of
 from core.train.distributed import DistributedTrainer, build_trainer
+from core.train.sharded import ShardedTrainer
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
 
@@ -124,7 +125,7 @@ class ModelActor:
 
     async def close(self) -> None:
         self.engine.close()
-        if isinstance(self.trainer, DistributedTrainer):
+        if isinstance(self.trainer, DistributedTrainer | ShardedTrainer):  # their rank processes
             self.trainer.close()
 
     def _serving(self) -> None:
