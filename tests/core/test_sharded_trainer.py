@@ -3,8 +3,8 @@
 One step's summed gradient, gathered from the shards, equals a single trainer's on the same batch;
 the weights after the step agree; a checkpoint written by fsdp2 at world size 2 resumes at world
 size 1 and the other way; ranks whose shares need different numbers of micro-batches still finish
-the step (each test has a timeout: a mismatch would hang in a collective); a killed rank fails the
-step naming it.
+the step (each test has a timeout: a mismatch would hang in a collective); an fsdp2 checkpoint
+resumes on replicated ranks too; a killed rank fails the step naming it.
 
 Tolerance, as in tests/core/test_distributed_trainer.py: float32 on CPU, the ranks pack the samples
 into different micro-batches and the reduce-scatter adds in another order, so gradients agree to
@@ -26,6 +26,7 @@ import torch
 from core.config import ModelConfig, TrainerConfig
 from core.models import build_tiny
 from core.run import checkpoint
+from core.train.distributed import DistributedTrainer
 from core.train.packing import micro_batch_count
 from core.train.ranks import RankError, balance
 from core.train.sharded import ShardedTrainer
@@ -79,7 +80,9 @@ def test_two_shards_sum_to_the_single_rank_gradient_and_step():
         fsdp.close()
 
 
-def test_a_checkpoint_written_by_fsdp2_at_two_ranks_resumes_at_one_and_the_runs_agree(tmp_path):
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """After the same step from the same weights: a single trainer's checkpoint and an fsdp2 one's."""
     seed_everything(0)
     base, _ = build_tiny(0)
     single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
@@ -88,18 +91,41 @@ def test_a_checkpoint_written_by_fsdp2_at_two_ranks_resumes_at_one_and_the_runs_
         batch = groups_for(base)
         for t in (single, fsdp):
             t.step(batch)
-        path = checkpoint.save(tmp_path, fsdp.step_count, {MODEL: fsdp}, [], {MODEL: 1}, {})
+        fsdp_path = checkpoint.save(tmp_path_factory.mktemp("fsdp2"), 1, {MODEL: fsdp}, [], {MODEL: 1}, {})
     finally:
         fsdp.close()
-    saved = torch.load(path / "models" / MODEL / checkpoint.TRAINER_STATE, weights_only=True)
+    single_path = checkpoint.save(tmp_path_factory.mktemp("single"), 1, {MODEL: single}, [], {MODEL: 1}, {})
+    return single_path, fsdp_path, batch
+
+
+def continued(path, trainer: Trainer, batch) -> dict[str, float]:
+    """`trainer` restored from the checkpoint at `path`, then one more step on `batch`."""
+    checkpoint.restore(checkpoint.load(path), {MODEL: trainer})
+    assert trainer.step_count == 1
+    return trainer.step(batch)
+
+
+def test_a_checkpoint_written_by_fsdp2_at_two_ranks_resumes_at_one_and_the_runs_agree(checkpoints):
+    single_path, fsdp_path, batch = checkpoints
+    saved = torch.load(fsdp_path / "models" / MODEL / checkpoint.TRAINER_STATE, weights_only=True)
     moments = saved["optimizer"]["state"][0]["exp_avg"]
-    assert type(moments) is torch.Tensor and moments.shape == next(base.parameters()).shape  # whole, not a shard
-    resumed = Trainer(build_tiny(0)[0], CFG, MODEL, lora=False)
-    checkpoint.restore(checkpoint.load(path), {MODEL: resumed})
-    assert resumed.step_count == 1
-    m1, m2 = single.step(batch), resumed.step(batch)  # both continue: same weights, same optimizer state
+    assert type(moments) is torch.Tensor and moments.shape == next(build_tiny(0)[0].parameters()).shape  # whole
+    reference, resumed = (Trainer(build_tiny(0)[0], CFG, MODEL, lora=False) for _ in range(2))
+    m1, m2 = continued(single_path, reference, batch), continued(fsdp_path, resumed, batch)
     assert m2["train/updated"] == 1.0 and m1["train/loss"] == pytest.approx(m2["train/loss"], rel=1e-4)
-    assert_weights_agree(single.policy, resumed.policy)
+    assert_weights_agree(reference.policy, resumed.policy)  # same weights and AdamW state were saved
+
+
+def test_an_fsdp2_checkpoint_resumes_on_replicated_ranks(checkpoints):
+    single_path, fsdp_path, batch = checkpoints
+    reference = Trainer(build_tiny(0)[0], CFG, MODEL, lora=False)
+    replicated = DistributedTrainer(build_tiny(0)[0], CFG, MC, ["cpu", "cpu"])
+    try:
+        m1, m2 = continued(single_path, reference, batch), continued(fsdp_path, replicated, batch)
+        assert m2["train/updated"] == 1.0 and m1["train/loss"] == pytest.approx(m2["train/loss"], rel=1e-4)
+        assert_weights_agree(reference.policy, replicated.policy)
+    finally:
+        replicated.close()
 
 
 def test_a_one_rank_checkpoint_loads_into_fsdp2_and_reaches_every_shard(tmp_path):
