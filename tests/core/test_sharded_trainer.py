@@ -151,6 +151,26 @@ def test_a_one_rank_checkpoint_loads_into_fsdp2_and_reaches_every_shard(tmp_path
         fsdp.close()
 
 
+def test_a_bf16_model_steps_fp32_master_shards_and_checkpoints_them_whole(tmp_path):
+    seed_everything(0)
+    bf16 = ModelConfig(name=MODEL, device="cpu", dtype="bfloat16")  # the ranks load the model in it too
+    fsdp = ShardedTrainer(build_tiny(0)[0].to(torch.bfloat16), CFG, bf16, ["cpu", "cpu"])
+    try:
+        assert fsdp.step(groups_for(fsdp.policy))["train/updated"] == 1.0
+        path = checkpoint.save(tmp_path, 1, {MODEL: fsdp}, [], {MODEL: 1}, {})
+    finally:
+        fsdp.close()
+    saved = torch.load(path / "models" / MODEL / checkpoint.TRAINER_STATE, weights_only=True)["master"]
+    params = list(build_tiny(0)[0].parameters())
+    assert [m.shape for m in saved] == [p.shape for p in params] and all(m.dtype == torch.float32 for m in saved)
+    one = Trainer(build_tiny(0)[0].to(torch.bfloat16), CFG, MODEL, lora=False)
+    checkpoint.restore(checkpoint.load(path), {MODEL: one})
+    for (_, m), s in zip(one.master.pairs, saved):  # the fp32 bits the bf16 weights lost came back
+        assert torch.equal(m, s)
+    for p, (_, m) in zip(one.policy.parameters(), one.master.pairs):
+        assert torch.equal(p, m.to(torch.bfloat16))  # and the gathered weights are their rounding
+
+
 def test_shares_needing_different_micro_batch_counts_finish_the_step():
     seed_everything(0)
     base, _ = build_tiny(0)
