@@ -10,7 +10,8 @@
 #
 # It prints one table per part (engine decode, trainer step and memory, 1.5B MFU) and the line
 # `gpu_check: decode_tok_s_b32=<x> train_step_s=<y> mfu=<z> peak_gib=<w>` (bench/gpu_check.py), then
-# the replicas figures (bench/replicas.py) on a device with 2 or more GPUs.
+# the replicas figures (bench/replicas.py) and an FSDP2 step (bench/sharded_step.py) on a device
+# with 2 or more GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -28,6 +29,10 @@ fi
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$GPUS" -ge 2 ]; then
   "$PY" bench/replicas.py --device cuda --completions 256 --concurrency 32 --max-tokens 128  # tiny: no download there
+  # FSDP2 on NCCL (core/train/sharded.py): the gradient gathered from 2 shards vs one rank's, step times
+  # at 1 rank, 2 fsdp2 and 2 replicated ranks; last line `sharded: grad_rel_diff=.. step_s_fsdp2_2=..`.
+  "$PY" bench/sharded_step.py --device cuda
 else
   echo "replicas: skipped (needs 2 GPUs, this device has $GPUS)"
+  echo "sharded: skipped (FSDP2 on NCCL needs 2 GPUs, this device has $GPUS)"
 fi
