@@ -85,8 +85,8 @@ $(VLLM_STAMP): pyproject.toml $(STAMP)
 # The `swarm run` module trains in a process of its own; each uses one core (the tests pin torch
 # to one thread), so it runs beside the others: 208 s against 348-385 s one after the other
 # (docs/benchmarks.md, "CI time"). Its output follows theirs; either failing fails the target.
-# The replica modules start two vLLM engines each, in replica processes (~125-155 s a module on a
-# loaded 2-core box): after the session engine is gone, in processes of their own, so their KV
+# The replica modules start two vLLM engines each, in replica processes (80-155 s a module on the
+# busy 2-core box): after the session engine is gone, in processes of their own, so their KV
 # caches never sit beside the session engine's.
 VLLM_OWN_ENGINE := tests/vllm/test_lora_sync.py tests/vllm/test_replicas.py tests/vllm/test_replica_lora.py
 VLLM_BESIDE     := tests/vllm/test_swarm_run.py
