@@ -80,7 +80,7 @@ def test_a_colocated_replica_sleeps_through_the_step_and_serves_the_new_weights_
     assert [r["asleep"] for r in engine.status()] == [False, False]
     assert [r["version"] for r in engine.status()] == [1, 1]
     assert after.version == 1 and before.version == 0
-    assert after.token_ids != before.token_ids or after.logprobs != pytest.approx(before.logprobs, abs=1e-3)
+    assert after.logprobs != pytest.approx(before.logprobs, abs=1e-3)  # generated from the new weights
 
 
 def test_a_replica_that_still_generates_refuses_to_sleep(colocated):
