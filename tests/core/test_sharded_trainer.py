@@ -56,6 +56,16 @@ def assert_weights_agree(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert_steps_agree(p2, p1, name)
 
 
+def assert_same_step(single: Trainer, one, fsdp: ShardedTrainer, two) -> None:
+    """Both run the backward of their prepared step: the gradient gathered from the shards equals the
+    single trainer's; both step: rank 0's full module (what engines read) agrees with the single one."""
+    single.backward(one)
+    fsdp.backward(two)
+    assert_grads_match(fsdp.gradients(), grads(single))
+    assert single.apply(one) and fsdp.apply(two)
+    assert_weights_agree(single.policy, fsdp.policy)
+
+
 def test_two_shards_sum_to_the_single_rank_gradient_and_step():
     seed_everything(0)
     base, _ = build_tiny(0)
@@ -65,17 +75,11 @@ def test_two_shards_sum_to_the_single_rank_gradient_and_step():
         batch = groups_for(base)
         one, two = single.prepare(batch), fsdp.prepare(batch)
         assert one.normalizer == two.normalizer  # one normaliser over the whole batch, not per rank
-        single.backward(one)
-        fsdp.backward(two)
-        # The gradients gathered from the shards are named as the model's own parameters.
-        assert_grads_match({n: g for n, g in fsdp.gradients().items()}, grads(single))
+        assert_same_step(single, one, fsdp, two)
         assert two.sums["masked"] == one.sums["masked"] and two.sums["tokens"] == one.sums["tokens"]
         assert two.sums["loss"] == pytest.approx(one.sums["loss"], rel=1e-5)
-        assert single.apply(one) and fsdp.apply(two)
         assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)  # the global norm, not a shard's
-        # Rank 0's full module (what engines read) holds the stepped weights, gathered from the shards.
-        assert_weights_agree(single.policy, fsdp.policy)
-        assert any(not torch.equal(p, q) for p, q in zip(fsdp.policy.parameters(), base.parameters()))
+        assert any(not torch.equal(p, q) for p, q in zip(fsdp.policy.parameters(), base.parameters()))  # gathered
     finally:
         fsdp.close()
 
@@ -138,15 +142,10 @@ def test_a_one_rank_checkpoint_loads_into_fsdp2_and_reaches_every_shard(tmp_path
         checkpoint.restore(checkpoint.load(path), {MODEL: fsdp})
         assert fsdp.step_count == 1
         batch = groups_for(trained.policy)
-        one, two = trained.prepare(batch), fsdp.prepare(batch)
-        trained.backward(one)
-        fsdp.backward(two)
-        # Rank 1 computed its share on its shard of the checkpoint's weights: had it kept the initial
-        # ones, the summed gradient would differ.
-        assert_grads_match(fsdp.gradients(), grads(trained))
-        assert trained.apply(one) and fsdp.apply(two)
-        # The AdamW moments reached the shards too: a fresh optimizer's first step differs by ~lr.
-        assert_weights_agree(trained.policy, fsdp.policy)
+        # Rank 1 computes its share on its shard of the checkpoint's weights (had it kept the initial
+        # ones, the summed gradient would differ), and the AdamW moments reached the shards too (a
+        # fresh optimizer's first step differs by ~lr).
+        assert_same_step(trained, trained.prepare(batch), fsdp, fsdp.prepare(batch))
     finally:
         fsdp.close()
 
@@ -189,12 +188,8 @@ def test_shares_needing_different_micro_batch_counts_finish_the_step():
         counts = [micro_batch_count(s, cfg.micro_batch_tokens) for s in balance(prepared.active, 2)]
         assert counts[0] != counts[1], counts  # the case under test: the short rank pads its passes
         one = single.prepare(groups)
-        single.backward(one)
-        fsdp.backward(prepared)
-        assert_grads_match(fsdp.gradients(), grads(single))
+        assert_same_step(single, one, fsdp, prepared)
         assert prepared.sums["masked"] == one.sums["masked"]  # the padding passes add nothing
-        assert single.apply(one) and fsdp.apply(prepared)
-        assert_weights_agree(single.policy, fsdp.policy)
     finally:
         fsdp.close()
 
@@ -210,11 +205,7 @@ def test_a_rank_with_no_samples_still_joins_the_step():
         # One sample runs through the model (the others only count in the normaliser), fewer than ranks.
         one.active, prepared.active = one.active[:1], prepared.active[:1]
         assert [len(s) for s in balance(prepared.active, 2)] == [1, 0]
-        single.backward(one)
-        fsdp.backward(prepared)
-        assert_grads_match(fsdp.gradients(), grads(single))
-        assert single.apply(one) and fsdp.apply(prepared)
-        assert_weights_agree(single.policy, fsdp.policy)
+        assert_same_step(single, one, fsdp, prepared)
     finally:
         fsdp.close()
 
