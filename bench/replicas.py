@@ -4,12 +4,15 @@ ranks, and the time a weight sync takes, side by side in one invocation.
     .venv/bin/python bench/replicas.py                       (the tiny model on CPU: ~2 min quiet, 15+ loaded)
     .venv/bin/python bench/replicas.py --model smollm2-135m  (a real model's shapes)
     python bench/replicas.py --device cuda                   (replicas on cuda:0/1, ranks on NCCL; >= 2 GPUs)
+    .venv/bin/python bench/replicas.py --model smollm2-135m --sync-only [--lora]   (the sync alone)
 
 Rollout: the same number of concurrent single-call episodes (each its own pin) against a
 `ReplicaEngine` of 1 replica process and of 2, alternating (`--repeats` rounds, medians),
 completions per second over the same count of completions. Train: the same batch of merged episodes stepped by one `Trainer` and by a
 2-rank `DistributedTrainer` (gloo on CPU, NCCL on GPUs), seconds per step, median of the steps
-after a warm-up. Sync: the router's `last_sync_s` over a few pushes of changed weights to 2 replicas.
+after a warm-up. Sync: the router's `last_sync_s` over a few pushes of changed weights to 2 replicas
+(the broadcast over each replica's group, core.engine.weight_sync: gloo on CPU), and the bytes a push
+sends to each replica (every weight, or with `--lora` the adapters alone).
 
 On a 2-core CPU, 2 replicas and 2 ranks share the 2 cores with each other (and with the router
 and the data the ranks exchange), so the scaling is bounded by the cores, not by the design: read
@@ -38,6 +41,7 @@ from core.config_io import load_config
 from core.engine import SamplingParams  # noqa: E402
 from core.engine.replicas import process_replicas  # noqa: E402
 from core.engine.routing import EPISODE  # noqa: E402
+from core.engine.weight_sync import weights_of  # noqa: E402
 from core.records import Call, Episode  # noqa: E402
 from core.train.distributed import DistributedTrainer  # noqa: E402
 from core.train.trainer import Trainer, seed_everything  # noqa: E402
@@ -77,17 +81,18 @@ def rollout_rate(cfg, mc, model, tok, replicas: int, completions: int, concurren
         engine.close()
 
 
-def sync_seconds(cfg, mc, model, tok) -> float:
+def sync_seconds(cfg, mc, model) -> tuple[float, int]:
+    """Median seconds of a sync to 2 replicas, and the bytes each replica receives in one."""
     engine = process_replicas(cfg, mc.model_copy(update={"replicas": 2}), model, 512)
     try:
         times = []
         for v in range(1, SYNCS + 1):
             with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1e-4)
+                for t in weights_of(model).values():
+                    t.add_(1e-4)
             engine.resume(v)
             times.append(engine.last_sync_s)
-        return statistics.median(times)
+        return statistics.median(times), sum(t.numel() * t.element_size() for t in weights_of(model).values())
     finally:
         engine.close()
 
@@ -140,15 +145,30 @@ def main() -> None:
     # replica, "one device each". On an oversubscribed machine a replica with 2 OpenMP threads is ~30x
     # slower than with 1 (its threads wait for each other at every op), which is what 0 shows there.
     ap.add_argument("--threads", type=int, default=0, help="torch threads per CPU replica (0: split the cores)")
+    ap.add_argument("--sync-only", action="store_true", help="time the weight sync alone (a real model's size "
+                    "in minutes on a 2-core CPU, where the rollout and train parts take far longer)")
+    ap.add_argument("--lora", action="store_true", help="LoRA r=16 on the model: the sync sends the adapters")
     args = ap.parse_args()
+    if args.lora and not args.sync_only:
+        ap.error("--lora goes with --sync-only (the rollout and train parts compare full fine-tunes)")
     seed_everything(0)
-    cfg = load_config({"models": [{"source": args.model, "device": args.device}],
+    lora = {"lora": {"r": 16, "alpha": 32}} if args.lora else {}
+    cfg = load_config({"models": [{"source": args.model, "device": args.device, **lora}],
                        "trainer": {"max_staleness": 0, "micro_batch_tokens": 1024, "lr": 1e-5}})
     mc: ModelConfig = cfg.models[0]
     model, tok = models.load(mc)
+    if mc.lora is not None:
+        model = models.prepare_policy(model, mc.lora)
     print(f"# bench/replicas.py: model {args.model} on {args.device}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads here, replica threads {args.threads or 'split'}", flush=True)
 
+    if args.sync_only:
+        sync_s, size = sync_seconds(cfg, mc, model)
+        print("| what | 2 replicas |")
+        print("| --- | --- |")
+        print(f"| weight sync, s (median of {SYNCS}; {size / 1e6:.1f} MB to each replica) | {sync_s:.4f} |")
+        print(f"replicas: sync_s={sync_s:.4f} sync_mb={size / 1e6:.1f}")
+        return
     runs: dict[int, list[float]] = {1: [], 2: []}
     for _ in range(args.repeats):  # 1 and 2 alternate, so a change in the machine's load hits both alike
         for n in (1, 2):
@@ -156,8 +176,8 @@ def main() -> None:
                                         args.threads or None))
             print(f"# rollout, {n} replica(s): {runs[n][-1]:.1f} completions/s", flush=True)
     rates = {n: statistics.median(r) for n, r in runs.items()}
-    sync_s = sync_seconds(cfg, mc, model, tok)
-    print(f"# sync to 2 replicas: {sync_s:.4f} s", flush=True)
+    sync_s, size = sync_seconds(cfg, mc, model)
+    print(f"# sync to 2 replicas: {sync_s:.4f} s, {size / 1e6:.1f} MB to each", flush=True)
     groups = batch(model, tok, args.groups, 4, 3)
     single = Trainer(copy.deepcopy(model), cfg.trainer, "policy", lora=False)
     t1 = step_time(single, groups)
@@ -174,7 +194,7 @@ def main() -> None:
     print(f"| rollout completions/s (replicas; median of {args.repeats}) | {rates[1]:.1f} | {rates[2]:.1f} | "
           f"{rates[2] / rates[1]:.2f}x |")
     print(f"| trainer step s (ranks) | {t1:.3f} | {t2:.3f} | {t1 / t2:.2f}x |")
-    print(f"| weight sync to 2 replicas, s (median of {SYNCS}) | | {sync_s:.4f} | |")
+    print(f"| weight sync to 2 replicas, s (median of {SYNCS}; {size / 1e6:.1f} MB to each) | | {sync_s:.4f} | |")
     print(f"replicas: rollout_scaling_2={rates[2] / rates[1]:.2f} train_scaling_2={t1 / t2:.2f} sync_s={sync_s:.4f}")
 
 
