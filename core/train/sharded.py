@@ -28,8 +28,9 @@ A step (rank 0 prepares as one trainer does; the normaliser is the WHOLE batch's
    `full_tensor`), then every rank steps AdamW on its shard.
 
 Checkpoints are the single-trainer format: rank 0's full module holds the weights; `state_dict`
-gathers the optimizer moments (and fp32 master copies) into full tensors on every rank together,
-and `load_state_dict` gives every rank the full state, from which each takes its own shard. So a
+gathers the optimizer moments (and fp32 master copies) tensor by tensor, every rank together, into
+rank 0's host memory (the other ranks drop each once gathered), and `load_state_dict` scatters each
+rank its shard of them from rank 0 over the group (the pipes carry only their shapes). So a
 checkpoint resumes at any world size and under either sharding.
 
 Units: one FSDP unit per decoder layer (`model.get_decoder().layers`) and a root unit holding the
@@ -50,6 +51,7 @@ from __future__ import annotations
 import copy
 import datetime
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,25 +93,52 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh) -> _Scorer:
     return scorer
 
 
-def full(x: Any) -> Any:
-    """`x` with every DTensor in it made whole (a collective: every rank calls it on the same structure)."""
+@dataclass(frozen=True)
+class Shape:
+    """A full tensor's shape and dtype, standing in for it in the state rank 0 sends the other ranks
+    (`skeleton`): the values follow over the group, each rank receiving its shard alone."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def full(x: Any, keep: bool = True) -> Any:
+    """`x` with every DTensor in it made whole, on the CPU. A collective: every rank calls it on the same
+    structure, one tensor at a time; `keep=False` (ranks 1..M-1) drops each one once gathered."""
     if isinstance(x, DTensor):
-        return x.full_tensor()
+        whole = x.full_tensor()
+        return whole.cpu() if keep else None
     if isinstance(x, dict):
-        return {k: full(v) for k, v in x.items()}
+        return {k: full(v, keep) for k, v in x.items()}
     if isinstance(x, list):
-        return [full(v) for v in x]
+        return [full(v, keep) for v in x]
     return x
 
 
-def _local_shard(value: Any, like: torch.Tensor, what: str) -> Any:
-    """A full tensor saved for parameter `like` as `like`'s shard (no communication: each rank has it all)."""
-    if not (isinstance(like, DTensor) and torch.is_tensor(value) and value.dim() > 0):
-        return value  # AdamW's step count, or anything a parameter that is not sharded holds
-    if tuple(value.shape) != tuple(like.shape):
-        raise ValueError(f"{what}: saved shape {tuple(value.shape)} does not fit the parameter's {tuple(like.shape)} "
-                         "(model changed?)")
-    return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+def skeleton(state: dict[str, Any]) -> dict[str, Any]:
+    """A single-trainer state with each tensor a shard is cut from replaced by its `Shape` (what goes
+    over the pipes: a 7B model's moments to every rank would be 60 GB each)."""
+    def shape(v: Any) -> Any:
+        return Shape(tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() > 0 else v
+
+    opt = state["optimizer"]
+    return {**state, "optimizer": {**opt, "state": {i: {k: shape(v) for k, v in values.items()}
+                                                    for i, values in opt["state"].items()}},
+            "master": [shape(m) for m in state.get("master") or []]}
+
+
+def _sharded(value: Any, like: torch.Tensor) -> bool:
+    """Whether `like`'s shard is cut from `value` (a moment or master copy), not taken whole (a step count)."""
+    return isinstance(like, DTensor) and (isinstance(value, Shape) or torch.is_tensor(value) and value.dim() > 0)
+
+
+def _scatter(value: Any, like: torch.Tensor) -> Any:
+    """`like`'s shard of a full tensor that rank 0 holds (`value`) and the others know by `Shape`: a collective."""
+    if not _sharded(value, like):
+        return value
+    whole = (torch.empty(value.shape, dtype=value.dtype, device=like.device) if isinstance(value, Shape)
+             else value.to(like.device))
+    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=0)
 
 
 class _Shard(Trainer):
@@ -176,26 +205,41 @@ class _Shard(Trainer):
             whole = sources[i].detach() if sources is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
             p.copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=0))
 
-    def full_state(self) -> dict[str, Any]:
-        """The single-trainer checkpoint state, gathered (every rank calls it; all get the whole)."""
-        return full(self.state_dict())
+    def full_state(self, keep: bool = True) -> dict[str, Any]:
+        """The single-trainer checkpoint state, gathered on the CPU (every rank calls it; see `full`)."""
+        return full(self.state_dict(), keep)
 
-    def sharded_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A single-trainer state with each full tensor replaced by this rank's shard of it."""
+    def check_fits(self, state: dict[str, Any]) -> list[tuple[tuple[Any, Any], Any, torch.Tensor]]:
+        """Raise ValueError unless `state` (or its skeleton) fits this trainer; no communication. Returns
+        ((where, key), value, parameter) for each tensor a parameter's shard takes, in order."""
         self.check_state(state)
         params = self.master.params
-        opt = state["optimizer"]
-        per_param = {}
-        for index, values in opt["state"].items():
+        slots = []
+        for index, values in state["optimizer"]["state"].items():
             if not 0 <= int(index) < len(params):
                 raise ValueError(f"optimizer state for parameter {index}, but the policy has {len(params)}")
-            per_param[index] = {k: _local_shard(v, params[int(index)], f"optimizer state {index}.{k}")
-                                for k, v in values.items()}
+            slots += [((index, k), v, params[int(index)]) for k, v in values.items()]
         copies = [m for _, m in self.master.pairs]
         master = state.get("master") or []
-        if master and len(master) == len(copies):
-            master = [_local_shard(s, m, f"master weight {i}") for i, (s, m) in enumerate(zip(master, copies))]
-        return {**state, "optimizer": {**opt, "state": per_param}, "master": master}
+        if len(master) == len(copies):  # otherwise master.check passed a state this policy ignores
+            slots += [(("master", i), v, m) for i, (v, m) in enumerate(zip(master, copies))]
+        for (where, key), value, like in slots:
+            if _sharded(value, like) and tuple(value.shape) != tuple(like.shape):
+                raise ValueError(f"{where}.{key}: saved shape {tuple(value.shape)} does not fit the parameter's "
+                                 f"{tuple(like.shape)} (model changed?)")
+        return slots
+
+    def scatter_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's shard of a single-trainer state: rank 0 passes the state, the others its
+        `skeleton`; every rank scatters in the same order (`_scatter`)."""
+        per_param = {i: dict(values) for i, values in state["optimizer"]["state"].items()}
+        master = list(state.get("master") or [])
+        for (where, key), value, like in self.check_fits(state):
+            if where == "master":
+                master[key] = _scatter(value, like)
+            else:
+                per_param[where][key] = _scatter(value, like)
+        return {**state, "optimizer": {**state["optimizer"], "state": per_param}, "master": master}
 
 
 def _join(backend: str, port: int, rank: int, world: int, device: str) -> DeviceMesh:
@@ -220,17 +264,15 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     def backward(share: list[Sample], normalizer: float, passes: int, pad: Sample | None) -> None:
         reduce_sums(trainer.accumulate(share, normalizer, passes, pad), _device(trainer), _all_reduce)
 
-    def load(state: dict[str, Any]) -> None:
+    def load(shapes: dict[str, Any]) -> None:
         trainer.take_weights(None)
-        trainer.load_state_dict(trainer.sharded_state(state))
+        trainer.load_state_dict(trainer.scatter_state(shapes))
 
     def state() -> None:
-        trainer.full_state()  # this rank's part of the gathers; rank 0 keeps the result
+        trainer.full_state(keep=False)  # this rank's part of the gathers; rank 0 keeps the result
 
     def gradients() -> None:
-        for p in trainer.model.parameters():
-            if p.grad is not None:
-                full(p.grad)
+        full([p.grad for p in trainer.model.parameters() if p.grad is not None], keep=False)
 
     try:
         serve(conn, rank, {"backward": backward, "apply": lambda loss: trainer.step_and_gather(loss, None),
@@ -297,7 +339,8 @@ class ShardedTrainer(Trainer):
         gather); between `backward` and `apply`, for checks."""
         self.workers.send_all([("gradients",)] * (self.world - 1))
         with self.workers.blamed():
-            out = {n: full(p.grad) for n, p in self.shard.model.named_parameters() if p.grad is not None}
+            named = [(n, p.grad) for n, p in self.shard.model.named_parameters() if p.grad is not None]
+            out = dict(zip([n for n, _ in named], full([g for _, g in named])))
         self.workers.gather()
         return out
 
@@ -322,15 +365,17 @@ class ShardedTrainer(Trainer):
         return {**state, "step": self.step_count}
 
     def check_state(self, state: dict[str, Any]) -> None:
-        self.shard.sharded_state(state)  # raises ValueError before anything is changed
+        self.shard.check_fits(state)  # raises ValueError before anything is changed
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The checkpoint code put the weights in the full module; every rank takes its shard of them and
-        of the optimizer state, so the checkpoint's world size and sharding do not matter."""
-        local = self.shard.sharded_state(state)
-        self.workers.send_all([("load", state)] * (self.world - 1))
+        of the optimizer state (scattered from rank 0: the pipes carry the shapes alone), so the
+        checkpoint's world size and sharding do not matter."""
+        self.shard.check_fits(state)
+        self.workers.send_all([("load", skeleton(state))] * (self.world - 1))
         with self.workers.blamed():
             self.shard.take_weights(self.policy)
+            local = self.shard.scatter_state(state)
         self.shard.load_state_dict(local)
         self.workers.gather()
         self.step_count = int(state["step"])

@@ -4,7 +4,8 @@ One step's summed gradient, gathered from the shards, equals a single trainer's 
 the weights after the step agree; a checkpoint written by fsdp2 at world size 2 resumes at world
 size 1 and the other way; ranks whose shares need different numbers of micro-batches still finish
 the step (each test has a timeout: a mismatch would hang in a collective); an fsdp2 checkpoint
-resumes on replicated ranks too; a killed rank fails the step naming it.
+resumes on replicated ranks too; a state that does not fit is refused before any rank changes; a
+killed rank fails the step naming it.
 
 Tolerance, as in tests/core/test_distributed_trainer.py: float32 on CPU, the ranks pack the samples
 into different micro-batches and the reduce-scatter adds in another order, so gradients agree to
@@ -206,6 +207,23 @@ def test_a_rank_with_no_samples_still_joins_the_step():
         one.active, prepared.active = one.active[:1], prepared.active[:1]
         assert [len(s) for s in balance(prepared.active, 2)] == [1, 0]
         assert_same_step(single, one, fsdp, prepared)
+    finally:
+        fsdp.close()
+
+
+def test_a_state_that_does_not_fit_is_refused_before_any_rank_changes():
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    one = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
+    one.step(groups_for(base))
+    state = one.state_dict()
+    state["optimizer"]["state"][3]["exp_avg"] = torch.zeros(7, 7)
+    fsdp = sharded(copy.deepcopy(base))
+    try:
+        with pytest.raises(ValueError, match=r"3.exp_avg: saved shape \(7, 7\) does not fit"):
+            fsdp.load_state_dict(state)
+        assert fsdp.step_count == 0
+        assert fsdp.step(groups_for(base))["train/updated"] == 1.0  # no rank was left inside a collective
     finally:
         fsdp.close()
 
