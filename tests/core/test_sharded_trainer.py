@@ -20,6 +20,7 @@ closes the one it built.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -40,6 +41,8 @@ from tests.core.test_trainer import MODEL, make_episode
 pytestmark = pytest.mark.timeout(300)
 
 MC = ModelConfig(name=MODEL, device="cpu")
+KILL_AFTER_S = 2.0  # a step of the tiny model takes ~0.5-1 s here, most of it in FSDP's collectives
+MAX_STEPS_BEFORE_KILL = 1000  # far more than 2 s of steps: the loop ends by the kill's RankError
 
 
 def sharded(model: torch.nn.Module, cfg: TrainerConfig = CFG) -> ShardedTrainer:
@@ -239,6 +242,21 @@ def test_a_killed_rank_fails_the_step_with_its_name():
         with pytest.raises(RankError, match="rank 1"):
             fsdp.backward(prepared)
     finally:
+        fsdp.close()
+
+
+def test_a_rank_killed_mid_step_fails_the_step_with_its_name_instead_of_hanging():
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    fsdp = sharded(copy.deepcopy(base))
+    killer = threading.Timer(KILL_AFTER_S, fsdp.procs[0].kill)
+    try:
+        killer.start()
+        with pytest.raises(RankError, match="rank 1 of 'policy'"):
+            for _ in range(MAX_STEPS_BEFORE_KILL):  # steps until the kill lands, most likely inside a collective
+                fsdp.step(groups_for(base))
+    finally:
+        killer.cancel()
         fsdp.close()
 
 
