@@ -341,6 +341,7 @@ class ProcessEngine:
         log.error("replica %d (%s, pid %s) lost: %s", self.spec.index, self.device, self.pid, why)
         if self.proc.is_alive():
             self.proc.kill()
+        self._sender.close()
         error = ReplicaLost(f"replica {self.spec.index} was lost: {why}")
         for fut, loop, _ in list(self._pending.values()):
             loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_exception(error))
@@ -360,6 +361,7 @@ class ProcessEngine:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+        self._sender.close()
 
     # -- the pipe ----------------------------------------------------------------------------------
     def _send(self, *msg: Any) -> None:

@@ -195,6 +195,14 @@ class WeightSender:
             raise RuntimeError("no weights group, or no layout the replica accepted")
         send_weights(self.group, weights, self.layout, self.buffers)
 
+    def close(self) -> None:
+        """Drop the group once its replica is gone. It is aborted: an NCCL group's watchdog would
+        otherwise take the whole run process down when a transfer the dead replica left pending
+        times out (gloo fails a pending transfer by itself once the peer's socket closes)."""
+        group, self.group, self.layout = self.group, None, None
+        if group is not None:
+            group.abort()
+
 
 class WeightReceiver:
     """The replica's end: its group, the layout it accepted and the parameters that layout names."""
