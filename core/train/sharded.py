@@ -196,6 +196,14 @@ class _Shard(Trainer):
                 targets[i].copy_(whole)
 
     @torch.no_grad()
+    def take_reference(self) -> None:
+        """Every rank's KL reference from rank 0's (a collective): the other ranks built theirs from the
+        model they loaded, which need not be the module rank 0 was handed."""
+        if self.reference is not None:
+            for t in self.reference.parameters():
+                dist.broadcast(t.data, src=0)
+
+    @torch.no_grad()
     def take_weights(self, source: torch.nn.Module | None) -> None:
         """Every rank's shard from rank 0's full module (`source`; None on the other ranks)."""
         sources = list(source.parameters()) if source is not None else None
@@ -260,6 +268,7 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     model, _ = models.load(mc.model_copy(update={"device": devices[rank]}))
     trainer = _Shard(model, cfg, mc.name, mesh)
     trainer.take_weights(None)
+    trainer.take_reference()
 
     def backward(share: list[Sample], normalizer: float, passes: int, pad: Sample | None) -> None:
         reduce_sums(trainer.accumulate(share, normalizer, passes, pad), _device(trainer), _all_reduce)
@@ -313,6 +322,7 @@ class ShardedTrainer(Trainer):
             mesh = _join(backend, port, 0, self.world, devices[0])
             self.shard = _Shard(copy.deepcopy(policy), cfg, mc.name, mesh)
             self.shard.take_weights(policy)  # rank 0's weights are the run's: a resumed module's included
+            self.shard.take_reference()
             self.workers.wait_ready()
         except BaseException:
             self.close()

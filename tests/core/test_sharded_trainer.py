@@ -42,6 +42,7 @@ pytestmark = pytest.mark.timeout(300)
 
 MC = ModelConfig(name=MODEL, device="cpu")
 KILL_AFTER_S = 2.0  # a step of the tiny model takes ~0.5-1 s here, most of it in FSDP's collectives
+KL_SEED = 7  # a tiny model other than the one the rank processes load (the preset's seed 0)
 MAX_STEPS_BEFORE_KILL = 1000  # far more than 2 s of steps: the loop ends by the kill's RankError
 
 
@@ -84,6 +85,23 @@ def test_two_shards_sum_to_the_single_rank_gradient_and_step():
         assert two.sums["loss"] == pytest.approx(one.sums["loss"], rel=1e-5)
         assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)  # the global norm, not a shard's
         assert any(not torch.equal(p, q) for p, q in zip(fsdp.policy.parameters(), base.parameters()))  # gathered
+    finally:
+        fsdp.close()
+
+
+def test_the_kl_term_scores_against_rank_0s_reference_on_every_rank():
+    seed_everything(0)
+    base, _ = build_tiny(KL_SEED)  # rank 1 loads the preset's seed 0: its own model is not this one
+    cfg = CFG.model_copy(update={"kl_coef": 0.1})
+    single = Trainer(copy.deepcopy(base), cfg, MODEL, lora=False)
+    fsdp = sharded(copy.deepcopy(base), cfg)
+    try:
+        batch = groups_for(base)
+        for t in (single, fsdp):  # a first step moves the policy off the reference: the KL term then pulls
+            t.step(batch)
+        one, two = single.prepare(batch), fsdp.prepare(batch)
+        assert_same_step(single, one, fsdp, two)  # rank 1's KL gradient is against rank 0's reference
+        assert one.sums["kl"] > 0 and two.sums["kl"] == pytest.approx(one.sums["kl"], rel=1e-4)
     finally:
         fsdp.close()
 
