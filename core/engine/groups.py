@@ -25,11 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def tcp_store(port: int, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous of a group's `world` members on this machine (rank 0 hosts it on `port`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+
+
 def process_group(backend: str, port: int, rank: int, world: int, timeout_s: float) -> Any:
     """A group of `world` over a TCP store on `port` (rank 0 hosts the store), gloo or NCCL; its
     collectives fail after `timeout_s` instead of waiting for ever on a dead member."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    store = tcp_store(port, rank, world, timeout_s)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -44,9 +44,10 @@ import torch.distributed as dist
 
 from core import models
 from core.config import ModelConfig, RunConfig, TrainerConfig, model_devices
+from core.engine.groups import process_group
 from core.models import prepare_policy
 from core.train.memory import sharding_of
-from core.train.ranks import RankError, RankProcesses, backend_of, balance, free_port, reduce_sums, serve, tcp_store
+from core.train.ranks import RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums, serve
 from core.train.sharded import ShardedTrainer
 from core.train.timelines import Sample
 from core.train.trainer import PreparedStep, Trainer, seed_everything
@@ -54,14 +55,6 @@ from core.train.trainer import PreparedStep, Trainer, seed_everything
 log = logging.getLogger(__name__)
 
 __all__ = ["DistributedTrainer", "RankError", "balance", "build_trainer"]
-
-
-def _group(backend: str, port: int, rank: int, world: int) -> Any:
-    """A process group of its own over a TCP store on this machine (rank 0 hosts the store)."""
-    store = tcp_store(port, rank, world)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world)
-    return dist.ProcessGroupGloo(store, rank, world, store.timeout)
 
 
 class _Collectives:
@@ -126,7 +119,7 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     trainer = Trainer(_build_policy(mc, device), cfg, mc.name, lora=mc.lora is not None)
-    ranks = _Collectives(trainer, _group(backend, port, rank, world))
+    ranks = _Collectives(trainer, process_group(backend, port, rank, world, RANK_TIMEOUT_S))
     ranks.broadcast_weights()
 
     def backward(share: list[Sample], normalizer: float) -> None:
@@ -155,7 +148,7 @@ class DistributedTrainer(Trainer):
         self.workers = RankProcesses(mc.name, self.world, _rank_main,
                                      (mc.model_dump(), cfg.model_dump(), self.world, port, backend, devices))
         self.procs = self.workers.procs
-        self.ranks = _Collectives(self, _group(backend, port, 0, self.world))
+        self.ranks = _Collectives(self, process_group(backend, port, 0, self.world, RANK_TIMEOUT_S))
         self.ranks.broadcast_weights()  # rank 0's weights are the run's: a resumed module's included
         self.workers.wait_ready()
 

@@ -14,11 +14,9 @@ module says), or ranks on other machines.
 
 from __future__ import annotations
 
-import datetime
 import multiprocessing
 import os
 import pickle
-import socket
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from core.engine import groups
 from core.train.timelines import Sample
 
 # How long a collective (and rank 0 waiting for a rank's answer) may take before it fails: far
@@ -68,16 +67,12 @@ def reduce_sums(sums: dict[str, float], device: torch.device,
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = groups.free_port  # one helper for every group's store port (the replicas' weights groups too)
 
 
 def tcp_store(port: int, rank: int, world: int) -> dist.TCPStore:
     """The rendezvous of one trainer's ranks on this machine (rank 0 hosts it)."""
-    timeout = datetime.timedelta(seconds=RANK_TIMEOUT_S)
-    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    return groups.tcp_store(port, rank, world, RANK_TIMEOUT_S)
 
 
 def backend_of(device: str) -> str:
