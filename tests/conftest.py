@@ -65,25 +65,36 @@ def live_server():
 
 
 # The modules holding the longest tests, longest first (`pytest --durations`, 3 workers on a 2-core machine,
-# 2026-12-04 21:26 UTC, the study tests' runs forked from `swarm warm`: 195, 178, 150, 135, 101 s, ...).
+# the study tests' runs forked from `swarm warm`; the new modules of 2026-12-05 timed on 2 workers, busy).
 # xdist hands tests out in collection order, so starting these first lets the short ones fill in at the
 # end; collected last, one worker once ran the final study test alone.
-LONGEST_FIRST = (
+LONGEST_FIRST = (  # each module's wall time in the suite (3 workers), longest first; --durations, 2026-12-05
     "tests/researcher/test_soak.py",  # the 3-minute soak (bench/soak.py --minutes 3)
     "tests/test_readme.py",  # 178 s: the README's commands, cold as a user runs them
-    "tests/researcher/test_study.py",  # kill -9 in every node 150 s
+    "tests/researcher/test_live_ab_real.py",  # two real A/B swaps into a live tiny run: 8 min under load
     "tests/researcher/test_decision_study.py",  # five study tests, ~260 s in all
+    "tests/researcher/test_hostile_proposals.py",  # one module fixture: ~200 s on one worker
+    "tests/researcher/test_hostile_yardstick_study.py",  # 172 s: twelve study runs
+    "tests/researcher/test_study.py",  # kill -9 in every node 150 s
+    "tests/core/test_agent_apis.py",  # 117 s: trains the tool-calling tiny model when first to ask
     "tests/core/test_chaos.py",
     "tests/researcher/test_code_study.py",
     "tests/researcher/test_planted_code_study.py",
+    "tests/core/test_replicas.py",  # ~100 s: replica processes per test
+    "tests/core/test_ray_replicas.py",  # 82 s: a local Ray cluster with replica actors
+    "tests/core/test_replica_run.py",  # ~80 s: a whole run on 2 replicas and 2 ranks
+    "tests/core/test_sharded_trainer.py",  # 2-rank FSDP2 processes, and a whole run on them
     "tests/researcher/test_live_swap.py",
-    "tests/researcher/test_live_ab_real.py",  # two real A/B swaps into a live tiny run: 8 min under load
     "tests/researcher/test_review_ui.py",  # a study beside a real mlflow server and chromium
     "tests/researcher/test_ray_jobs.py",
+    "tests/core/test_seeds_runs.py",  # 58 s: two runs with 16 episodes in flight
+    "tests/core/test_distributed_trainer.py",
+    "tests/researcher/test_study_warm.py",  # 44 s
     "tests/core/test_resume_mlflow.py",
     "tests/core/test_gateway.py",
     "tests/core/test_ray.py",
     "tests/core/test_warm.py",
+    "tests/researcher/test_study_failed.py",  # 33 s
     "tests/researcher/test_review_rest.py",
 )
 
