@@ -141,7 +141,8 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
                               "fewer replicas on it, or more devices")
     lora = f", LoRA r={m.lora.r}" if m.lora is not None else ""
     chosen = f"{sharding} (auto)" if m.trainer.sharding == "auto" else sharding
-    other = f"replicated {_size(fp.rank_gb)}" if sharding == "fsdp2" else f"fsdp2 would be {_size(fp.fsdp_rank_gb)}"
+    other = (f"rank 0 + {_size(fp.replica_gb)} of full weights for engines; replicated {_size(fp.rank_gb)}"
+             if sharding == "fsdp2" else f"fsdp2 would be {_size(fp.fsdp_rank_gb)}")
     memory = (f"{fp.parameters / 1e6:.1f}M params x {fp.weight_bytes} B; rank {_size(per_rank)} "
               f"({sharding}; {other}), replica {_size(fp.replica_gb)}")
     where_rank = "the model's Ray actor + its rank processes" if ray else "rank 0 here, the rest processes here"

@@ -77,7 +77,9 @@ def test_dry_run_prints_the_sharding_and_an_fsdp2_rank_holds_a_share_of_the_stat
     assert "trainer x2 (gloo data-parallel, sharding fsdp2)" in result.output
     # fp32 on CPU: 4 B weights + 4 B grads + 8 B AdamW = 16 B a parameter, half of it on each rank.
     half = 134_515_008 * 16 / 2 / 1e9
-    assert f"rank {half:.2f} GB (fsdp2; replicated {2 * half:.2f} GB)" in result.output
+    weights = 134_515_008 * 4 / 1e9  # rank 0 also keeps the full fp32 weights engines read
+    assert f"rank {half:.2f} GB (fsdp2; rank 0 + {weights:.2f} GB of full weights for engines; " \
+           f"replicated {2 * half:.2f} GB)" in result.output
     auto = load_config({"models": [{"device": "cpu", "trainer": {"world_size": 2}}]})
     assert "sharding replicate (auto)" in describe(auto)  # CPU memory is not counted: auto replicates
 
