@@ -5,8 +5,8 @@
 around it (`core.engine.factory.make_engine`) and serves it over a pipe. The parent side offers
 `generate`, admission (`hold`, `pause_blocking`, `resume`) and `sync(weights, version)`: the
 trainer's trainable parameters (all of them for a full fine-tune, the adapters for LoRA), applied
-by the child between two decode steps (the engine's own `swap_weights`), after which it serves
-`version`. The child reports its version, load and liveness in a heartbeat. `sleep`/`wake` (a
+by the child between two decode steps (`WorkerEngine.replace_weights`), after which it serves
+`version`; `weights_digest` says what it holds. The child reports its version, load and liveness in a heartbeat. `sleep`/`wake` (a
 drained replica colocated on a trainer rank's GPU, during the step) are the engine's own, and the
 child answers with its state. The engine is the run's kind, `hf` or `vllm`.
 

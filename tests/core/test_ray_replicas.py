@@ -1,16 +1,19 @@
 """Replicas under Ray placement (core/ray/replicas.py): the replica run's config on a local Ray cluster.
 
 One model with 2 replica actors and 2 trainer ranks (in the model actor), multi-turn client actors:
-the run trains to the end, both replica actors serve every new version after each step, both get
+the run trains to the end, both replica actors serve every new version after each step and hold the
+model actor's weights bit for bit (they arrive as one object in Ray's store a sync), both get
 episodes, and what trained is whole. The cluster is a throwaway `ray start --head` (tests/ray_cluster.py).
 """
 
 from __future__ import annotations
 
 import pytest
+import ray
 
 from core.config_io import load_config
 from core.engine.replicas import ReplicaEngine
+from core.engine.weight_sync import weights_digest
 from core.ray.replicas import RayReplica
 from tests.core.turns_agent import TURNS
 from tests.ray_cluster import local_ray_cluster
@@ -36,6 +39,7 @@ def test_a_ray_run_serves_rollouts_from_replica_actors_synced_after_every_step(t
         engine = core.server.policies["policy"].engine
         assert isinstance(engine, ReplicaEngine) and all(isinstance(r, RayReplica) for r in engine.replicas)
         seen: list[tuple[int, list[int | None]]] = []
+        digests: list[tuple[str, list[str]]] = []
         trained = []
         train_batch = core._train_batch
 
@@ -49,6 +53,8 @@ def test_a_ray_run_serves_rollouts_from_replica_actors_synced_after_every_step(t
         def on_step(step, metrics):
             rows = engine.status()
             seen.append((core.server.versions()["policy"], [r["version"] for r in rows]))
+            trainer = weights_digest(ray.get(engine.weights()).items())  # the model actor's, as the sync puts them
+            digests.append((trainer, [r.weights_digest() for r in engine.replicas]))
             last[:] = rows
 
         try:
@@ -60,6 +66,7 @@ def test_a_ray_run_serves_rollouts_from_replica_actors_synced_after_every_step(t
             core.server.close()
         assert core.failure is None and core.step == STEPS
         assert all(replicas == [version, version] for version, replicas in seen), seen
+        assert len(digests) == STEPS and all(replicas == [trainer] * 2 for trainer, replicas in digests)
         assert seen[-1][0] >= 1
         assert all(r["episodes_total"] > 0 and r["healthy"] for r in last)
         assert trained and all(e.state == "finished" and len(e.calls_of("policy")) == TURNS for e in trained)
