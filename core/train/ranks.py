@@ -8,7 +8,8 @@ answer with a timeout and checks the process is alive, so a dead or stuck rank f
 a `RankError` naming it instead of hanging the run.
 
 Also here: `balance` (the token-balanced split of a step's samples), the telemetry sums a step adds
-over ranks, and the TCP store's free port. Deliberately not here: what a rank computes (each trainer
+over ranks, and the ranks' TCP store (built by `core.engine.groups`, which the replicas' weights
+groups use too, with the ranks' timeout). Deliberately not here: what a rank computes (each trainer
 module says), or ranks on other machines.
 """
 
