@@ -69,6 +69,7 @@ def weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What a trainer step changes: the trainable parameters (every weight, or the LoRA adapters)."""
     return {n: p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
+
 def layout_of(weights: dict[str, torch.Tensor]) -> Layout:
     return [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in weights.items()]
 
@@ -104,7 +105,7 @@ def check_layout(module: torch.nn.Module, layout: Layout) -> list[torch.nn.Param
     out = []
     for entry in layout:
         if not (isinstance(entry, (tuple, list)) and len(entry) == 3 and isinstance(entry[0], str)
-                and all(isinstance(d, int) and d >= 0 for d in entry[1])):
+                and isinstance(entry[1], (tuple, list)) and all(isinstance(d, int) and d >= 0 for d in entry[1])):
             raise WeightLayoutError(f"malformed weights layout entry {entry!r}: want (name, shape, dtype)")
         name, shape, dtype = entry
         _dtype(dtype)

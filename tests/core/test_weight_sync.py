@@ -50,6 +50,7 @@ def test_buckets_hold_one_dtype_and_at_most_the_cap_and_a_larger_tensor_is_a_buc
     ([("b", (6,), "float32")], r"parameter 'b' has shape \[6\] in the trainer's weights but \[5\]"),
     ([("a", (4, 3), "complexity")], "'complexity' is not a torch dtype"),
     ([("a", (4, 3))], "malformed weights layout entry"),
+    ([("a", 12, "float32")], "malformed weights layout entry"),
     ("a", "a weights layout is a list"),
 ])
 def test_a_layout_that_does_not_fit_the_module_is_refused_naming_what_is_wrong(layout, message):
