@@ -6,9 +6,9 @@ around it (`core.engine.factory.make_engine`) and serves it over a pipe. The par
 `generate`, admission (`hold`, `pause_blocking`, `resume`) and `sync(weights, version)`: the
 trainer's trainable parameters (all of them for a full fine-tune, the adapters for LoRA), applied
 by the child between two decode steps (`WorkerEngine.replace_weights`), after which it serves
-`version`; `weights_digest` says what it holds. The child reports its version, load and liveness in a heartbeat. `sleep`/`wake` (a
-drained replica colocated on a trainer rank's GPU, during the step) are the engine's own, and the
-child answers with its state. The engine is the run's kind, `hf` or `vllm`.
+`version`; `weights_digest` says what it holds. The child reports its version, load and liveness
+in a heartbeat. `sleep`/`wake` (a drained replica colocated on a trainer rank's GPU, during the
+step) are the engine's own, and the child answers with its state. The engine is the run's kind, `hf` or `vllm`.
 
 Health: the replica is `healthy` while its process lives, its heartbeat is recent and no request
 has waited longer than `hang_s`. A replica found dead or hung is killed (SIGKILL) and every
@@ -164,7 +164,7 @@ def _replica_main(conn: Any, spec: ReplicaSpec) -> None:
                              daemon=True).start()
         elif kind == "layout":
             answer(msg[1], lambda layout=msg[2]: receiver.expect(layout))
-        elif kind == "sync":  # the parent broadcasts meanwhile; decode goes on until the swap
+        elif kind == "sync":  # received inside the swap: decode waits out the transfer
             _, seq, version = msg
             threading.Thread(target=answer, args=(seq, lambda v=version: sync_replica(engine, receiver.receive, v)),
                              daemon=True).start()
