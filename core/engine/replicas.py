@@ -18,7 +18,8 @@ When the version moves, the trainer's trainable parameters are sent to every rep
 a broadcast over each replica process's own group, `core.engine.weight_sync`, or one object in
 Ray's store for every replica actor), which then reports the new version; a replica that does not
 is a `ReplicaBehind` error, raised to the loop: the run fails loudly instead of training on while
-inference serves old weights. Every generation carries the version the replica that made it served, so every recorded call (and so episode) names it.
+inference serves old weights. Every generation carries the version the replica that made it
+served, so every recorded call (and so episode) names it.
 
 Sleep. With `layout: colocated`, the replicas on a GPU that holds a trainer rank (`sleepers`) give
 their memory back during an on-policy step: the run loop calls `sleep` after draining and `wake`
