@@ -91,7 +91,7 @@ class VLLMEngine(WorkerEngine):
         self._live: dict[str, _Live] = {}  # vLLM request id -> request, while vLLM runs it
         self._vllm_asleep = False  # vLLM's memory is released (its sleep mode), by `sleep` or on draining
         # In this process the engine shares the trainer's device: it sleeps whenever it drains for a
-        # step. A replica process (`core.engine.process.build_replica`) turns this off and sleeps only
+        # step. A replica process (`core.engine.replica_child.build_replica`) turns this off and sleeps only
         # when the run says (`sleep`): colocated on a trainer rank's GPU, not split onto its own.
         self.sleep_when_drained = True
         self._syncs = 0  # weight syncs so far: salts the prefix cache, so no request reuses stale KV

@@ -1,7 +1,7 @@
 """Rollout replicas as Ray actors: `models[].replicas` engines of one model spread over a Ray cluster.
 
 `ReplicaActor` is one replica's engine inside a Ray actor (built as a replica process builds it,
-`core.engine.process.build_replica`), with its own `models[].ray` reservation (`num_gpus` each).
+`core.engine.replica_child.build_replica`), with its own `models[].ray` reservation (`num_gpus` each).
 `RayReplica` is the driver's handle on it, with the replica interface the router
 (`core.engine.replicas.ReplicaEngine`) routes over: generate, admission, `sync(weights, version)`,
 and health from a heartbeat the handle polls. Weights reach the replicas from the model actor
@@ -33,9 +33,9 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from core.config import ModelConfig, RunConfig
 from core.engine import EngineLoad, Generation, SamplingParams
+from core.engine.process import SILENT_S, START_S, ReplicaLost, hung
+from core.engine.replica_child import HEARTBEAT_S, SYNC_S, ReplicaSpec, build_replica
 from core.engine.replicas import ReplicaEngine
-from core.engine.process import HEARTBEAT_S, SILENT_S, START_S, SYNC_S, ReplicaLost, ReplicaSpec, build_replica, \
-    hung
 from core.engine.weight_sync import apply_weights, sync_replica, weights_digest
 
 log = logging.getLogger(__name__)

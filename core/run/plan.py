@@ -23,7 +23,7 @@ from core.config_io import ConfigError
 from core.train.memory import device_memory_gb, footprint, rank_gb, sharding_of
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-REPLICA_ENGINES = ("hf", "vllm")  # the engine kinds a replica process builds (`core.engine.process.build_replica`)
+REPLICA_ENGINES = ("hf", "vllm")  # the engine kinds a replica process builds (`core.engine.replica_child.build_replica`)
 
 
 class PlacementError(RuntimeError):
