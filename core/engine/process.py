@@ -29,6 +29,7 @@ import logging
 import multiprocessing
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,43 @@ def hung(last_beat: float, load: EngineLoad, hang_s: float) -> str | None:
     return None
 
 
-class ProcessEngine:
+class ReplicaHandle(ABC):
+    """What the router asks of any replica handle (a process here, a Ray actor in `core.ray.replicas`):
+    `healthy`, `load` and `in_service`, from the heartbeat's `_beat`/`_load` and `lost`."""
+
+    spec: ReplicaSpec
+    hang_s: float
+    lost: str | None
+    _beat: float
+    _load: EngineLoad
+
+    @abstractmethod
+    def kill(self, why: str) -> None:
+        """Take the replica out of service for `why` and end its process or actor."""
+
+    def exited(self) -> str | None:
+        """Why the replica is known gone without a heartbeat's help (a process that exited), or None."""
+        return None
+
+    def healthy(self) -> bool:
+        """Alive, heard from lately, and no request older than `hang_s`; a replica found otherwise is killed."""
+        if self.lost:
+            return False
+        why = self.exited() or hung(self._beat, self._load, self.hang_s)
+        if why:
+            self.kill(why)
+        return self.lost is None
+
+    def load(self) -> EngineLoad:
+        return self._load
+
+    def in_service(self) -> None:
+        """Raise `ReplicaLost` for a request to a replica taken out of service."""
+        if self.lost:
+            raise ReplicaLost(f"replica {self.spec.index} is out of service: {self.lost}")
+
+
+class ProcessEngine(ReplicaHandle):
     """The parent's handle on one replica process (see the module doc)."""
 
     def __init__(self, spec: ReplicaSpec, hang_s: float, on_lost: Callable[[ProcessEngine, str], None],
@@ -101,23 +138,12 @@ class ProcessEngine:
     def inflight(self) -> int:
         return len(self._pending)
 
-    def healthy(self) -> bool:
-        """Alive, heard from lately, and no request older than `hang_s`; a replica found otherwise is killed."""
-        if self.lost:
-            return False
-        why = f"its process exited (code {self.proc.exitcode})" if not self.proc.is_alive() else \
-            hung(self._beat, self._load, self.hang_s)
-        if why:
-            self.kill(why)
-        return self.lost is None
-
-    def load(self) -> EngineLoad:
-        return self._load
+    def exited(self) -> str | None:
+        return None if self.proc.is_alive() else f"its process exited (code {self.proc.exitcode})"
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_token: Callable[[int], None] | None = None) -> Generation:
-        if self.lost:
-            raise ReplicaLost(f"replica {self.spec.index} is out of service: {self.lost}")
+        self.in_service()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         rid = next(self._ids)

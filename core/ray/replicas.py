@@ -33,7 +33,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from core.config import ModelConfig, RunConfig
 from core.engine import EngineLoad, Generation, SamplingParams
-from core.engine.process import SILENT_S, START_S, ReplicaLost, hung
+from core.engine.process import SILENT_S, START_S, ReplicaHandle, ReplicaLost
 from core.engine.replica_child import HEARTBEAT_S, SYNC_S, ReplicaSpec, build_replica
 from core.engine.replicas import ReplicaEngine
 from core.engine.weight_sync import apply_weights, sync_replica, weights_digest
@@ -79,7 +79,7 @@ class ReplicaActor:
         self.engine.close()
 
 
-class RayReplica:
+class RayReplica(ReplicaHandle):
     """The driver's handle on one `ReplicaActor` (the replica interface of `core.engine.replicas`)."""
 
     def __init__(self, spec: ReplicaSpec, resources: dict[str, Any], hang_s: float,
@@ -101,21 +101,9 @@ class RayReplica:
         self._beat = time.monotonic()
         threading.Thread(target=self._watch, name=f"ray-replica-{spec.index}", daemon=True).start()
 
-    def healthy(self) -> bool:
-        if self.lost:
-            return False
-        why = hung(self._beat, self._load, self.hang_s)
-        if why:
-            self.kill(why)
-        return self.lost is None
-
-    def load(self) -> EngineLoad:
-        return self._load
-
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
                        on_token: Callable[[int], None] | None = None) -> Generation:
-        if self.lost:
-            raise ReplicaLost(f"replica {self.spec.index} is out of service: {self.lost}")
+        self.in_service()
         self.inflight += 1
         try:
             gen: Generation = await self.actor.generate.remote(list(prompt_ids), params)

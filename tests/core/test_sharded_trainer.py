@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -33,7 +35,14 @@ from core.train.packing import micro_batch_count
 from core.train.ranks import RankError, balance
 from core.train.sharded import ShardedTrainer
 from core.train.trainer import Trainer, seed_everything
-from tests.core.test_distributed_trainer import CFG, GRAD_ATOL, GRAD_RTOL, assert_steps_agree, groups_for, grads
+from tests.core.test_distributed_trainer import (
+    CFG,
+    GRAD_ATOL,
+    GRAD_RTOL,
+    assert_steps_agree,
+    grads,
+    groups_for,
+)
 from tests.core.test_trainer import MODEL, make_episode
 
 # Each test spawns a rank (imports torch and transformers: ~20 s on a loaded 2-core box) and trains a
@@ -46,8 +55,14 @@ KL_SEED = 7  # a tiny model other than the one the rank processes load (the pres
 MAX_STEPS_BEFORE_KILL = 1000  # far more than 2 s of steps: the loop ends by the kill's RankError
 
 
-def sharded(model: torch.nn.Module, cfg: TrainerConfig = CFG) -> ShardedTrainer:
-    return ShardedTrainer(model, cfg, MC, ["cpu", "cpu"])
+@contextmanager
+def sharded(model: torch.nn.Module, cfg: TrainerConfig = CFG) -> Iterator[ShardedTrainer]:
+    """A 2-rank fsdp2 trainer, closed after (one at a time per process: it holds the default group)."""
+    trainer = ShardedTrainer(model, cfg, MC, ["cpu", "cpu"])
+    try:
+        yield trainer
+    finally:
+        trainer.close()
 
 
 def assert_grads_match(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -75,8 +90,7 @@ def test_two_shards_sum_to_the_single_rank_gradient_and_step():
     seed_everything(0)
     base, _ = build_tiny(0)
     single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
-    fsdp = sharded(copy.deepcopy(base))
-    try:
+    with sharded(copy.deepcopy(base)) as fsdp:
         batch = groups_for(base)
         one, two = single.prepare(batch), fsdp.prepare(batch)
         assert one.normalizer == two.normalizer  # one normaliser over the whole batch, not per rank
@@ -85,8 +99,6 @@ def test_two_shards_sum_to_the_single_rank_gradient_and_step():
         assert two.sums["loss"] == pytest.approx(one.sums["loss"], rel=1e-5)
         assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-4)  # the global norm, not a shard's
         assert any(not torch.equal(p, q) for p, q in zip(fsdp.policy.parameters(), base.parameters()))  # gathered
-    finally:
-        fsdp.close()
 
 
 def test_the_kl_term_scores_against_rank_0s_reference_on_every_rank():
@@ -94,16 +106,13 @@ def test_the_kl_term_scores_against_rank_0s_reference_on_every_rank():
     base, _ = build_tiny(KL_SEED)  # rank 1 loads the preset's seed 0: its own model is not this one
     cfg = CFG.model_copy(update={"kl_coef": 0.1})
     single = Trainer(copy.deepcopy(base), cfg, MODEL, lora=False)
-    fsdp = sharded(copy.deepcopy(base), cfg)
-    try:
+    with sharded(copy.deepcopy(base), cfg) as fsdp:
         batch = groups_for(base)
         for t in (single, fsdp):  # a first step moves the policy off the reference: the KL term then pulls
             t.step(batch)
         one, two = single.prepare(batch), fsdp.prepare(batch)
         assert_same_step(single, one, fsdp, two)  # rank 1's KL gradient is against rank 0's reference
         assert one.sums["kl"] > 0 and two.sums["kl"] == pytest.approx(one.sums["kl"], rel=1e-4)
-    finally:
-        fsdp.close()
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +121,11 @@ def checkpoints(tmp_path_factory):
     seed_everything(0)
     base, _ = build_tiny(0)
     single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
-    fsdp = sharded(copy.deepcopy(base))
-    try:
+    with sharded(copy.deepcopy(base)) as fsdp:
         batch = groups_for(base)
         for t in (single, fsdp):
             t.step(batch)
         fsdp_path = checkpoint.save(tmp_path_factory.mktemp("fsdp2"), 1, {MODEL: fsdp}, [], {MODEL: 1}, {})
-    finally:
-        fsdp.close()
     single_path = checkpoint.save(tmp_path_factory.mktemp("single"), 1, {MODEL: single}, [], {MODEL: 1}, {})
     return single_path, fsdp_path, batch
 
@@ -159,8 +165,7 @@ def test_a_one_rank_checkpoint_loads_into_fsdp2_and_reaches_every_shard(tmp_path
     trained = Trainer(build_tiny(0)[0], CFG, MODEL, lora=False)
     trained.step(groups_for(trained.policy))
     path = checkpoint.save(tmp_path, 1, {MODEL: trained}, [], {MODEL: 1}, {})
-    fsdp = sharded(build_tiny(0)[0])
-    try:
+    with sharded(build_tiny(0)[0]) as fsdp:
         checkpoint.restore(checkpoint.load(path), {MODEL: fsdp})
         assert fsdp.step_count == 1
         batch = groups_for(trained.policy)
@@ -168,8 +173,6 @@ def test_a_one_rank_checkpoint_loads_into_fsdp2_and_reaches_every_shard(tmp_path
         # ones, the summed gradient would differ), and the AdamW moments reached the shards too (a
         # fresh optimizer's first step differs by ~lr).
         assert_same_step(trained, trained.prepare(batch), fsdp, fsdp.prepare(batch))
-    finally:
-        fsdp.close()
 
 
 def test_a_bf16_model_steps_fp32_master_shards_and_checkpoints_them_whole(tmp_path):
@@ -204,32 +207,26 @@ def test_shares_needing_different_micro_batch_counts_finish_the_step():
                make_episode(base, "short0", ["ab"], 0.0, task_id="t"),
                make_episode(base, "short1", ["xa"], 2.0, task_id="t"),
                make_episode(base, "short2", ["ba"], 0.5, task_id="t")]]
-    fsdp = sharded(copy.deepcopy(base), cfg)
-    try:
+    with sharded(copy.deepcopy(base), cfg) as fsdp:
         prepared = fsdp.prepare(groups)
         counts = [micro_batch_count(s, cfg.micro_batch_tokens) for s in balance(prepared.active, 2)]
         assert counts[0] != counts[1], counts  # the case under test: the short rank pads its passes
         one = single.prepare(groups)
         assert_same_step(single, one, fsdp, prepared)
         assert prepared.sums["masked"] == one.sums["masked"]  # the padding passes add nothing
-    finally:
-        fsdp.close()
 
 
 def test_a_rank_with_no_samples_still_joins_the_step():
     seed_everything(0)
     base, _ = build_tiny(0)
     single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
-    fsdp = sharded(copy.deepcopy(base))
-    try:
+    with sharded(copy.deepcopy(base)) as fsdp:
         batch = groups_for(base)
         one, prepared = single.prepare(batch), fsdp.prepare(batch)
         # One sample runs through the model (the others only count in the normaliser), fewer than ranks.
         one.active, prepared.active = one.active[:1], prepared.active[:1]
         assert [len(s) for s in balance(prepared.active, 2)] == [1, 0]
         assert_same_step(single, one, fsdp, prepared)
-    finally:
-        fsdp.close()
 
 
 def test_a_state_that_does_not_fit_is_refused_before_any_rank_changes():
@@ -239,43 +236,36 @@ def test_a_state_that_does_not_fit_is_refused_before_any_rank_changes():
     one.step(groups_for(base))
     state = one.state_dict()
     state["optimizer"]["state"][3]["exp_avg"] = torch.zeros(7, 7)
-    fsdp = sharded(copy.deepcopy(base))
-    try:
+    with sharded(copy.deepcopy(base)) as fsdp:
         with pytest.raises(ValueError, match=r"3.exp_avg: saved shape \(7, 7\) does not fit"):
             fsdp.load_state_dict(state)
         assert fsdp.step_count == 0
         assert fsdp.step(groups_for(base))["train/updated"] == 1.0  # no rank was left inside a collective
-    finally:
-        fsdp.close()
 
 
 def test_a_killed_rank_fails_the_step_with_its_name():
     seed_everything(0)
     base, _ = build_tiny(0)
-    fsdp = sharded(copy.deepcopy(base))
-    try:
+    with sharded(copy.deepcopy(base)) as fsdp:
         fsdp.procs[0].kill()
         fsdp.procs[0].join()
         prepared = fsdp.prepare(groups_for(base))
         with pytest.raises(RankError, match="rank 1"):
             fsdp.backward(prepared)
-    finally:
-        fsdp.close()
 
 
 def test_a_rank_killed_mid_step_fails_the_step_with_its_name_instead_of_hanging():
     seed_everything(0)
     base, _ = build_tiny(0)
-    fsdp = sharded(copy.deepcopy(base))
-    killer = threading.Timer(KILL_AFTER_S, fsdp.procs[0].kill)
-    try:
+    with sharded(copy.deepcopy(base)) as fsdp:
+        killer = threading.Timer(KILL_AFTER_S, fsdp.procs[0].kill)
         killer.start()
-        with pytest.raises(RankError, match="rank 1 of 'policy'"):
-            for _ in range(MAX_STEPS_BEFORE_KILL):  # steps until the kill lands, most likely inside a collective
-                fsdp.step(groups_for(base))
-    finally:
-        killer.cancel()
-        fsdp.close()
+        try:
+            with pytest.raises(RankError, match="rank 1 of 'policy'"):
+                for _ in range(MAX_STEPS_BEFORE_KILL):  # steps until the kill lands, most likely inside a collective
+                    fsdp.step(groups_for(base))
+        finally:
+            killer.cancel()
 
 
 def test_fsdp2_refuses_one_rank_and_lora():
