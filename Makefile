@@ -30,14 +30,14 @@ $(STAMP): pyproject.toml
 bench-setup: $(STAMP)
 	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e ".[dev,bench]" torch==2.13.0
 
-# Tests run on one xdist worker per logical CPU and two more (4 in CI), spread one by one so the long
+# Tests run on one xdist worker per logical CPU and one more (3 in CI), spread one by one so the long
 # ones run side by side (`loadgroup`; tests/conftest.py keeps tests sharing a module fixture together).
 # Each worker has its own MLflow store, client state and Ray temp dir (tests/conftest.py). The extra
 # worker fills the suite's waits (leases, polls, a study's review) since the study tests' runs fork from
 # `swarm warm` and the CPU is no longer the limit: 785 s against 870 s with 2 on 2 cores (it was 1266
-# against 1214 s before, CPU-bound), and with the suite at 940 tests 3 workers kept 1.25 of 2 cores busy
-# on average (docs/benchmarks.md, sixteenth and seventeenth runs). TEST_WORKERS=0: serial.
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 2 )))
+# against 1214 s before, CPU-bound). At 940 tests a fourth worker is slower again: 1186 s against 1103 s
+# with 3 (docs/benchmarks.md, sixteenth and seventeenth runs). TEST_WORKERS=0: serial.
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
 TEST_DIST    := -n $(TEST_WORKERS) --dist loadgroup
 
 # bubblewrap contains proposal code the researcher executes (researcher/contain.py, docs/security.md);
