@@ -20,6 +20,7 @@ import hashlib
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,7 +89,7 @@ def resolve(req: Request, result: Generation | None = None, exc: BaseException |
     req.loop.call_soon_threadsafe(settle)
 
 
-class WorkerEngine:
+class WorkerEngine(ABC):
     """The `Engine` API over a worker thread; subclasses write `_run` and may extend the hooks."""
 
     thread_name = "engine"
@@ -276,8 +277,9 @@ class WorkerEngine:
             admit(reqs)
             return True
 
+    @abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """The worker thread's loop: admit, decode, retire (`core.engine.hf`, `core.engine.vllm`)."""
 
     def _after_swap(self, changed: bool) -> None:
         """Called on the worker after a swap's `apply`, before the version moves (vLLM syncs its copy)."""
