@@ -10,16 +10,19 @@ as a real contained process, and is shown to do nothing.
 - A forged approval through MLflow: a contained process cannot even open a connection to MLflow's port
   (its own network namespace), and against `mlflow server --app-name basic-auth` a process without the
   study's credentials gets 401; the pending proposal stays pending.
-- The study's state and MLflow store are masked from the proposal code validation runs.
+- The study's state and MLflow store, another run's admin token and server file, and the `swarm warm` socket
+  are out of reach of the proposal code validation runs.
 
 Real git, real `swarm contain` (bubblewrap), real `mlflow server`; the study runs `--planner manual`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -169,36 +172,71 @@ diff --git a/sandboxes/letters/agent.py b/sandboxes/letters/agent.py
 
 
 @needs_bwrap
-def test_validated_code_cannot_read_the_study_state_or_the_mlflow_store(ws, project, tmp_path) -> None:  # noqa: F811
+def test_validated_code_cannot_read_the_study_state_the_mlflow_store_a_sibling_runs_token_or_reach_warm(
+        ws, project, tmp_path, monkeypatch) -> None:  # noqa: F811
     # Outside /tmp, where a real study lives (bubblewrap's private /tmp would hide files under it anyway).
     home = Path(tempfile.mkdtemp(prefix=".swarmrl-hostile-", dir=Path.home()))
     try:
-        _peek(ws, project, tmp_path, home)
+        _peek(ws, project, tmp_path, home, monkeypatch)
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
 
-def _peek(ws, project: Path, tmp_path: Path, home: Path) -> None:  # noqa: F811
+PEEK = """
+import json, pathlib, socket
+seen = {{}}
+for p in {files!r}:
+    try:
+        seen[p] = pathlib.Path(p).read_text()
+    except OSError as e:
+        seen[p] = type(e).__name__
+try:
+    socket.socket(socket.AF_UNIX).connect({warm!r})
+    seen["warm"] = "connected"
+except OSError as e:
+    seen["warm"] = type(e).__name__
+raise SystemExit("SEEN " + json.dumps(seen))
+"""
+
+
+def _peek(ws, project: Path, tmp_path: Path, home: Path, monkeypatch) -> None:  # noqa: F811
+    """The proposal's own code, as validation imports it (contained), reads what a study and its machine
+    keep: the study's state, the MLflow store, another run's admin token and server file (found through
+    the index `swarm run` keeps in $SWARMRL_STATE), and connects to the `swarm warm` socket."""
     paths = study_paths(home / "studies", "s")
     paths.state.mkdir(parents=True)
     paths.db.write_text("STATE-SECRET")
     store = home / "mlflow.db"
     store.write_text("STORE-SECRET")
+    sibling, state, warm = home / "sibling-run", home / "swarm-state", home / "warm"
+    sibling.mkdir()
+    (sibling / "admin_token").write_text("SIBLING-SECRET")
+    (sibling / "server.json").write_text(json.dumps({"url": "http://127.0.0.1:4242", "token": "SIBLING-SECRET"}))
+    (state / "servers").mkdir(parents=True)
+    (state / "servers" / "4242.json").write_text(json.dumps({
+        "url": "http://127.0.0.1:4242", "admin_token_file": str(state / "servers" / "4242.token"),
+        "run_folder": str(sibling)}))
+    warm.mkdir(mode=0o700)
+    monkeypatch.setenv("SWARMRL_STATE", str(state))
+    monkeypatch.setenv("SWARMRL_WARM", str(warm / "warm.sock"))
     hidden = private_paths(paths, f"sqlite:///{store}")
     assert paths.db in hidden and store in hidden
-    code = (f"import pathlib\nseen = []\nfor p in ({str(paths.db)!r}, {str(store)!r}):\n"
-            "    try:\n        seen.append(pathlib.Path(p).read_text())\n"
-            "    except OSError as e:\n        seen.append(type(e).__name__)\n"
-            "raise SystemExit('SEEN ' + repr(seen))")
+    files = [str(paths.db), str(store), str(sibling / "admin_token"), str(sibling / "server.json")]
+    code = PEEK.format(files=files, warm=str(warm / "warm.sock"))
     edit = [Edit(file=AGENT, search="MAX_TOKENS = 12", replace=f"MAX_TOKENS = 12\n{code}")]
     (tmp_path / "trials").mkdir()
     validator = _validator(ws, project, tmp_path)
     validator.hidden = hidden
-    version = validator.validate(_proposal("peek", edit), ws.base(), lambda *a, **k: None)
-    assert version.failed_step == "import" and "SEEN [" in version.log(), version.log()
+    with socket.socket(socket.AF_UNIX) as listening:  # a live warm socket: reachable from outside the sandbox
+        listening.bind(str(warm / "warm.sock"))
+        listening.listen()
+        version = validator.validate(_proposal("peek", edit), ws.base(), lambda *a, **k: None)
+    assert version.failed_step == "import" and "SEEN {" in version.log(), version.log()
+    seen = json.loads(version.log().split("SEEN ", 1)[1].splitlines()[0])
     # Masked: an empty file, or (a device bound on a nodev mount) one that cannot be opened; never the text.
-    seen = version.log().split("SEEN ", 1)[1].splitlines()[0]
-    assert seen.count("''") + seen.count("PermissionError") == 2 and "SECRET" not in version.log(), seen
+    assert all(seen[f] in ("", "PermissionError") for f in files), seen
+    assert seen["warm"] == "FileNotFoundError", seen  # the warm socket's folder is an empty one inside
+    assert "SECRET" not in version.log()
 
 
 ATTACK = """
