@@ -26,6 +26,11 @@ import sys
 LISTEN_HOST = "127.0.0.1"  # the namespace's loopback: nothing outside the sandbox can connect to it
 CHUNK = 1 << 16  # bytes per read: an SSE token stream or a JSON body passes in a few
 BACKLOG = 128  # pending connections: a client's concurrency times its HTTP pools, with room
+# The forwarder starts beside the command, just after it (`contain.popen_contained`): on a loaded machine its
+# socket can come up seconds after the command's first request. Until the relay has reached it once, a
+# connection waits this long for it rather than being closed (a client would see a broken pipe).
+FORWARDER_START_S = 60.0
+RETRY_S = 0.05
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -40,10 +45,28 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         pass
 
 
+_reached = asyncio.Event()  # the forwarder answered once: from then on a failed connect means it is gone
+
+
+async def _upstream(socket_path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + FORWARDER_START_S
+    while True:
+        try:
+            pair = await asyncio.open_unix_connection(socket_path)
+        except OSError:
+            if _reached.is_set() or loop.time() >= deadline:
+                raise
+            await asyncio.sleep(RETRY_S)
+            continue
+        _reached.set()
+        return pair
+
+
 async def _serve(socket_path: str, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
     try:
-        up_r, up_w = await asyncio.open_unix_connection(socket_path)
-    except OSError:  # the forwarder is gone (or not up yet): the client sees a closed connection and retries
+        up_r, up_w = await _upstream(socket_path)
+    except OSError:  # the forwarder is gone (or never came up): the client sees a closed connection and retries
         client_w.close()
         return
     try:

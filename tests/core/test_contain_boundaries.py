@@ -251,3 +251,36 @@ def test_a_hostile_entry_is_invalid_with_a_clear_error_never_a_crash(tmp_path, e
     if why != "is not a Python file that can be imported":  # refused on reading sandbox.toml, before any import
         with pytest.raises(ValueError, match=why):
             sandbox_meta(folder)
+
+
+LATE_CLIENT = """
+import socket, sys
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=30) as s:
+    s.sendall(b"ping")
+    print(s.recv(16).decode())
+"""
+
+
+def test_the_relay_holds_a_first_request_until_a_forwarder_that_starts_late_is_up(tmp_path):
+    # The forwarder starts just after the contained command; on a loaded machine (CI) the command's first
+    # request once found no socket yet and got a broken pipe. The relay now waits for the forwarder's socket.
+    sock = tmp_path / "forward.sock"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    relay = subprocess.Popen([sys.executable, "-I", str(contain.RELAY), "--socket", str(sock), "--port", str(port),
+                              "--", sys.executable, "-c", LATE_CLIENT, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        threading.Event().wait(1.5)  # the request is in the relay by now, with no forwarder to take it
+        with socket.socket(socket.AF_UNIX) as late:
+            late.bind(str(sock))
+            late.listen()
+            late.settimeout(30)  # an old relay closed the request instead: nothing would ever connect
+            conn, _ = late.accept()
+            with conn:
+                assert conn.recv(16) == b"ping"
+                conn.sendall(b"pong")
+        out, _ = relay.communicate(timeout=60)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0 and out.strip() == "pong", out
