@@ -4,7 +4,7 @@ A run config names the policies to host, how the engine and server behave, how t
 optimises, which local clients to start, how their processes are contained and where telemetry
 goes. Unknown keys are errors that name the key. This module is the schema and validates; reading
 YAML and overrides in, what counts as a credential and writing a config down are `core.config_io`'s
-job, and it does not start anything (containing a process is `core.clients.contain`'s job).
+job, and it does not start anything (containing a process is `core.contain.contained`'s job).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ class ClientConfig(Strict):
 
 
 class ContainLimits(Strict):
-    """Resource limits of one contained process (`core.clients.contain`), set between fork and exec."""
+    """Resource limits of one contained process (`core.contain.contained`), set between fork and exec."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -270,7 +270,7 @@ class ContainmentConfig(Strict):
     """How `swarm run` starts its isolated client processes, which run sandbox code (docs/security.md).
 
     clients: off       as the run's own children: its environment, no limits (a person's own code).
-             auto      each through `core.clients.contain`: an environment allowlist (no credential of the
+             auto      each through `core.contain.contained`: an environment allowlist (no credential of the
                        run's), the limits below, its own process group signalled whole on stop, bubblewrap
                        when `bwrap` is on PATH (only its working folder writable); without bwrap a warning.
              required  as auto, but without bwrap the run refuses to start.

@@ -5,7 +5,7 @@ and every way it can fail is a `ConfigError` naming the offending key. It is als
 what counts as a credential (`is_secret` for environment names, `SECRET_FIELDS` for config fields),
 read by everything that keeps secrets from agent code or writes a config down (`redacted`, `flatten`).
 It is deliberately not the schema: the models and every default live in `core.config`, which this
-module only reads; it starts and contains nothing (`core.clients.contain` does).
+module only reads; it starts and contains nothing (`core.contain.contained` does).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _plain(data: dict[str, Any]) -> dict[str, Any]:
 
 
 # Environment variable names that hold credentials: never passed to agent or proposal code
-# (`core.clients.contain`), and stripped from the environment of a core run of proposal code.
+# (`core.contain.contained`), and stripped from the environment of a core run of proposal code.
 _SECRET_NAME = re.compile(r"(_API_KEY|_TOKEN|_SECRET|_PASSWORD|_CREDENTIALS?)$|_SECRET_|^(AWS|GOOGLE|AZURE|GCP)_|"
                           r"^MLFLOW_TRACKING_(USERNAME|PASSWORD|TOKEN|CLIENT_CERT_PATH|SERVER_CERT_PATH|INSECURE_TLS)$|"
                           r"^SWARMRL_ADMIN_TOKEN$", re.IGNORECASE)

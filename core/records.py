@@ -52,7 +52,7 @@ class Episode(BaseModel):
     ended_at: float | None = None  # when it finished, aborted or expired
     calls: list[Call] = Field(default_factory=list)
     reward: dict[str, float] | None = None  # model -> reward, set by finish
-    # A judged sandbox's score from its judge (core.clients.judge), which is also the reward of every model
+    # A judged sandbox's score from its judge (core.sandbox.judge), which is also the reward of every model
     # that acted; FAILURE when it raised, timed out or expired. None for unjudged sandboxes.
     score: float | None = None
     metrics: dict[str, float] = Field(default_factory=dict)

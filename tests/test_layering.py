@@ -2,7 +2,7 @@
 
 The layering (core/__init__.py, docs/architecture.md), top to bottom; a module may import its own
 package, the packages below it and the foundation, never one above:
-    run > ray > serve > clients > episodes > train > engine > foundation
+    run > ray > serve > clients > contain > episodes > sandbox > train > engine > foundation
 Imports inside functions count (moving an import into a function does not change who depends on
 whom); imports under `if TYPE_CHECKING:` do not. The checker is ast-only: nothing is imported.
 """
@@ -13,8 +13,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["run", "ray", "serve", "clients", "episodes", "train", "engine"]
-FOUNDATION = {"core", "core.config", "core.config_io", "core.models", "core.records", "core.auth", "core.mlflow_history"}
+LAYERS = ["run", "ray", "serve", "clients", "contain", "episodes", "sandbox", "train", "engine"]
+FOUNDATION = {"core", "core.config", "core.config_io", "core.models", "core.records", "core.local_state", "core.mlflow_history"}
 # Ray's driver builds its run on the loop and raises the plan's error; the modules above it in run/
 # (placement, the processes, the command) are the ones that must not be reached from ray/.
 RAY_MAY_USE = {"core.run.loop", "core.run.plan", "core.run.checkpoint"}

@@ -1,5 +1,6 @@
-"""What runs agent code: the `SwarmClient` SDK, client runners, sandboxes and their venvs, deadlines, hot swap of client code, the server's client table, and containment of the processes that run agent code.
+"""The agent side: the `SwarmClient` SDK, the client runner, loading a sandbox's agent code, episode deadlines, a client's failures and pid file.
 
-It may import episodes/ (the swarm routes' wire types) and the foundation. It never imports serve/:
-a client reaches a server over HTTP only, so it can run in another process, venv or machine.
+It runs in a client process, which may live in another venv or machine. It may import `contain/`,
+`episodes/` (the swarm routes' wire types), `sandbox/` (the folder format) and the foundation. It
+never imports `serve/`: a client reaches a server over HTTP only.
 """

@@ -35,10 +35,11 @@ from typing import Any
 from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, SwarmClient, SwarmError
 from core.clients.deadline import EPISODE_TIMEOUT_S, rollout_source, within_limit
 from core.clients.failures import ClientGaveUp, FailureGate, describe, likely_fix, sleep_unless
-from core.clients.sandbox import Agent, Outcome, load_agent, task_order
+from core.clients.sandbox import Agent, Outcome, load_agent
+from core.sandbox.folder import task_order
 from core.clients.task_index import TaskIndex
-from core.clients.contain import host_pid
-from core.clients.server_files import PidFile
+from core.contain.contained import host_pid
+from core.clients.pid_file import PidFile
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ async def _acquire(slots: asyncio.Semaphore, stop: asyncio.Event) -> bool:
 
 
 class Registration:
-    """This client process in the server's client table (`core.clients.table`): registered at start, renewed
+    """This client process in the server's client table (`core.episodes.client_table`): registered at start, renewed
     by a heartbeat whose answer may order a drain (a hot swap), removed on exit."""
 
     def __init__(self, url: str, info: dict, stats: RunnerStats):

@@ -7,11 +7,8 @@ sandbox is such an agent in a folder `sandboxes/<name>/` with `agent.py` and `sa
 episode records the folder's code version. Loading wraps the agent's `tasks` and `rollout` so that
 bad agent code (an exception, a reward that is not a finite number) surfaces as a `SandboxError`
 naming the file, line and function, while errors of the server or the SDK pass through unchanged.
-Names are confined: `sandbox:NAME` and a sandbox.toml `name` must be plain names (no separator, no
-`..`), and `safe_name` is what file names built from a name use.
-`task_order` is the order a client draws a split's tasks in: shuffled by the run's seed (through a
-window, so an endless `tasks()` still streams), so two seeds see different task sequences.
-Running agents is `core.clients.runner`'s job, replacing a running client is `core.clients.hotswap`'s; this module
+Finding a sandbox folder and reading its `sandbox.toml` is `core.sandbox.folder`'s job.
+Running agents is `core.clients.runner`'s job, replacing a running client is `core.run.hotswap`'s; this module
 only loads.
 """
 
@@ -22,18 +19,16 @@ import functools
 import hashlib
 import math
 import numbers
-import re
-import random
 import importlib
 import importlib.util
 import subprocess
 import sys
-import tomllib
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from core.sandbox.folder import JUDGE_KEY, entry_path, locate, sandbox_meta
 
 
 @dataclass
@@ -62,66 +57,6 @@ class SandboxError(RuntimeError):
 # their types (retry hints, `ClientStopping`).
 PASS_THROUGH = ("openai", "httpx", "httpcore", "core")
 
-TASK_WINDOW = 1024  # tasks held at once while shuffling: a whole sandbox split, or a window of an endless one
-
-SANDBOXES_DIR = "sandboxes"  # a project's sandbox folders live under <project>/sandboxes/<name>/
-JUDGE_KEY = "judge"  # the sandbox.toml key naming a judged sandbox's judge file (core.clients.judge)
-
-
-class SandboxNotFound(ValueError):
-    """`sandbox:NAME` names no folder in any place looked; the message lists them, on one line."""
-
-
-def sandbox_roots(config_file: str | Path | None = None) -> list[Path]:
-    """Where `sandbox:NAME` is looked up, in order: the `sandboxes/` folder of the config file's project
-    (the nearest parent folder of the config that holds one), then the current folder's. So
-    `swarm run path/to/project/configs/x.yaml` works from any folder."""
-    roots: list[Path] = []
-    if config_file is not None:
-        for parent in Path(config_file).resolve().parents:
-            if (parent / SANDBOXES_DIR).is_dir():
-                roots.append(parent / SANDBOXES_DIR)
-                break
-    here = (Path.cwd() / SANDBOXES_DIR).resolve()
-    if here not in roots:
-        roots.append(here)
-    return roots
-
-
-def is_plain_name(name: str) -> bool:
-    """A name that stays one folder or file name wherever it is joined: no separator, no `..`, not absolute."""
-    return bool(name) and name not in (".", "..") and not any(c in name for c in ("/", "\\", "\0"))
-
-
-def safe_name(name: str) -> str:
-    """`name` made safe for a file name (pid, log and state files): anything but letters, digits, `.`, `_`
-    and `-` becomes `_`, and it never starts with a dot."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name).lstrip(".") or "_"
-
-
-def locate(spec: str, roots: Sequence[Path] | None = None) -> str:
-    """The folder a `sandbox:NAME` spec names (an absolute path), looked up in `roots` (default: the
-    current folder's `sandboxes/`); a bare NAME too when such a folder exists. Any other spec (a folder
-    path, a module) comes back unchanged. NAME must be a plain folder name (`is_plain_name`): code from
-    anywhere else is loaded only when the config names its folder as a path."""
-    name = spec.removeprefix("sandbox:")
-    if not spec.startswith("sandbox:") and (Path(spec).is_dir() or "/" in spec):
-        return spec
-    if not is_plain_name(name):
-        if not spec.startswith("sandbox:"):
-            return spec  # no sandbox name: a module
-        raise SandboxNotFound(f"sandbox name {name!r} is refused: `sandbox:NAME` names a folder directly under "
-                              "sandboxes/ (no '/', '..' or absolute path); give a folder path as the agent to run "
-                              "code from elsewhere")
-    roots = list(roots) if roots is not None else sandbox_roots()
-    for root in roots:
-        if (root / name / "agent.py").is_file():
-            return str((root / name).resolve())
-    if not spec.startswith("sandbox:"):
-        return spec  # a bare name that is no sandbox folder: a module
-    looked = ", ".join(str(r / name) for r in roots)
-    raise SandboxNotFound(f"sandbox {name!r} not found: no agent.py in {looked}")
-
 
 def load_agent(spec: str, roots: Sequence[Path] | Path | None = None) -> Agent:
     """`sandbox:NAME` (looked up in `roots`, see `locate`), a folder holding agent.py, or an importable
@@ -144,53 +79,6 @@ def load_agent(spec: str, roots: Sequence[Path] | Path | None = None) -> Agent:
     src = Path(module.__file__ or spec)
     version = hashlib.sha1(src.read_bytes()).hexdigest()[:12] if src.is_file() else "unknown"
     return _agent_from(module, spec.rsplit(".", 1)[-1], version, None)
-
-
-def sandbox_meta(folder: Path) -> dict[str, Any]:
-    path = folder / "sandbox.toml"
-    if not path.is_file():
-        return {"name": folder.name}
-    try:
-        meta = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{path}: {e}") from None
-    name = meta.get("name", folder.name)
-    if not isinstance(name, str) or not is_plain_name(name):
-        raise ValueError(f"{path}: name {name!r} is refused; a sandbox's name must be a plain name (no '/', '\\', "
-                         "'..'): it keys groups and names the client's pid and state files")
-    entry_path(folder, meta)  # a bad `entry` is refused when the file is read, before anything imports it
-    return meta
-
-
-def sandbox_requirements(folder: Path, meta: dict[str, Any]) -> list[str]:
-    """The sandbox's own dependencies (`requirements = ["pkg==1.0", ...]` in sandbox.toml), which an
-    isolated client installs into a venv of its own (`core.clients.venvs`); [] when it declares none."""
-    reqs = meta.get("requirements", [])
-    if not isinstance(reqs, list) or not all(isinstance(r, str) and r.strip() for r in reqs):
-        raise ValueError(f"{folder / 'sandbox.toml'}: requirements must be a list of requirement strings, "
-                         f"got {reqs!r}")
-    return [r.strip() for r in reqs]
-
-
-def entry_path(folder: Path, meta: dict[str, Any]) -> Path:
-    """The sandbox's entry file (`entry` in sandbox.toml, default agent.py), checked without reading it: a
-    relative path of plain names that stays inside the folder once links are followed. The folder is what
-    gets versioned, copied, reviewed and swapped, so code outside it would run unversioned and unreviewed
-    (`../x.py`, `/etc/passwd`, a link out). Anything else is a ValueError naming sandbox.toml."""
-    toml = folder / "sandbox.toml"
-    entry = meta.get("entry", "agent.py")
-    if not isinstance(entry, str) or not entry.strip() or "\0" in entry:
-        raise ValueError(f"{toml}: entry {entry!r} is invalid; it must be a relative path to a .py file inside "
-                         "the sandbox folder")
-    rel = Path(entry)
-    if rel.is_absolute() or ".." in rel.parts or "\\" in entry:
-        raise ValueError(f"{toml}: entry {entry!r} leads outside the sandbox folder {folder}: it must be a relative "
-                         "path inside the sandbox folder (no absolute path, no '..')")
-    path = (folder / rel).resolve()
-    if not path.is_relative_to(folder.resolve()):
-        raise ValueError(f"{toml}: entry {entry!r} resolves to {path}, outside the sandbox folder {folder} (a "
-                         "link out of it); it must name a file inside it")
-    return path
 
 
 def _import_file(path: Path, module_name: str):
@@ -292,19 +180,3 @@ def _folder_version(folder: Path) -> str:
     return "sha1-" + digest.hexdigest()[:12]
 
 
-def task_order(tasks: Iterable[Any], seed: int | str | None) -> Iterable[tuple[int, Any]]:
-    """(position in `tasks()`, task) in the order a client draws them: as yielded when `seed` is None,
-    else shuffled by `seed` within windows of `TASK_WINDOW` tasks (the same seed, the same order)."""
-    if seed is None:
-        yield from enumerate(tasks)
-        return
-    rng = random.Random(str(seed))  # a str seed is hashed the same way in every process
-    window: list[tuple[int, Any]] = []
-    for pair in enumerate(tasks):
-        window.append(pair)
-        if len(window) >= TASK_WINDOW:
-            rng.shuffle(window)
-            yield from window
-            window = []
-    rng.shuffle(window)
-    yield from window

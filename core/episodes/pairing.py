@@ -1,7 +1,7 @@
 """An A/B's books: the same tasks for both code versions, and their scores compared only on the same weights.
 
 While `swarm swap --ab` keeps two code versions of a sandbox serving side by side (the client table,
-`core.clients.table`, says which clients lead and which one follows), two things make their comparison
+`core.episodes.client_table`, says which clients lead and which one follows), two things make their comparison
 one of code alone:
 
 - `TaskPairing`: every train episode a leader (an old-version client) opens leaves a debt, its task, and

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from core.auth import path_secret, same_secret
+from core.episodes.auth import path_secret, same_secret
 from core.engine.routing import EPISODE
 from core.episodes.admission import Admission, Refusal
 from core.episodes.batching import Batch, assemble

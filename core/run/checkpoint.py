@@ -83,7 +83,7 @@ class Manifest(BaseModel):
     models: dict[str, ModelEntry] = Field(default_factory=dict)  # trained models whose weights are saved
     # None in checkpoints of runs without telemetry, and in those written before runs were recorded.
     mlflow: MlflowRun | None = None
-    # Where each judged sandbox's deck stood (`core.clients.dealer`): a resume deals on from there.
+    # Where each judged sandbox's deck stood (`core.sandbox.dealer`): a resume deals on from there.
     dealer: dict[str, dict[str, int]] = Field(default_factory=dict)
 
 

@@ -7,7 +7,7 @@
     swarm contain --writable tree --timeout 60 -- python -c 'print(1)'   # one command, contained
 
 Commands parse arguments and print; the work happens in `core.serve.server`, `core.run.processes` (run, serve), `core.clients.runner`,
-`core.clients.hotswap` and `core.clients.contain`. Start-up stays light: torch and the server load only
+`core.run.hotswap` and `core.contain.contained`. Start-up stays light: torch and the server load only
 inside the commands that need them.
 """
 
@@ -30,8 +30,8 @@ from rich.table import Table
 
 from core.config import CONTAIN_MODES, ContainLimits, RunConfig
 from core.config_io import ConfigError, load_config
-from core.clients.contain import bwrap, require_bwrap, run_contained
-from core.clients.sandbox import SandboxNotFound, locate, sandbox_roots
+from core.contain.contained import bwrap, require_bwrap, run_contained
+from core.sandbox.folder import SandboxNotFound, locate, sandbox_roots
 from core.run import warm
 
 app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
@@ -244,7 +244,7 @@ def swap(
     admin_token: str = typer.Option(None, "--admin-token", help="the server's admin token (default: $SWARMRL_ADMIN_TOKEN, "
                                     "the server file, or this machine's record of the server)"),
     timeout: float = typer.Option(180.0, help="seconds the new client gets to register and finish its first episode "
-                                  "(180: core.clients.hotswap.REGISTER_TIMEOUT_S); past them it is stopped and the old one keeps serving"),
+                                  "(180: core.run.hotswap.REGISTER_TIMEOUT_S); past them it is stopped and the old one keeps serving"),
     ab: bool = typer.Option(False, "--ab", help="A/B: the old clients keep serving beside the new one (which gets their "
                             "summed concurrency: a 50/50 split); the swap is recorded, nobody drains"),
     drain_version: str = typer.Option(None, "--drain-version", help="end an A/B: drain SANDBOX's (a name or folder) "
@@ -256,7 +256,7 @@ def swap(
     """Hot-swap a sandbox's clients through the server: start the new code with the old one's kind and group size,
     wait until it has registered, then have the server drain the old clients (they may run anywhere)."""
     _setup_logging(False)
-    from core.clients.hotswap import drain_version as drain_clients, swap as swap_client
+    from core.run.hotswap import drain_version as drain_clients, swap as swap_client
 
     if drain_version is not None:
         sys.exit(drain_clients(sandbox, server, drain_version, admin_token=admin_token))

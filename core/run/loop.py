@@ -34,19 +34,20 @@ from pathlib import Path
 
 from core.run import checkpoint
 from core.config import RunConfig
-from core.clients.contain import require_bwrap
-from core.clients.server_files import token_files
+from core.contain.contained import require_bwrap
+from core.local_state import token_files
 from core.engine.replicas import ReplicaBehind, ReplicaEngine
 from core.episodes.registry import EpisodeError
 from core.episodes.batching import Batch
 from core.records import Episode
 from core.clients.runner import run_agent
-from core.clients.sandbox import load_agent, locate, sandbox_roots
+from core.clients.sandbox import load_agent
+from core.sandbox.folder import locate, sandbox_roots
 from core.serve.server import Server
 from core.run.supervisor import Supervisor
 from core.run.rollout_metrics import RolloutMeter
 from core.run.telemetry import Telemetry
-from core.clients.venvs import client_python
+from core.contain.venvs import client_python
 from core.episodes.wire import SwapRecord
 from core.train.distributed import build_trainer
 from core.train.trainer import Trainer, seed_everything

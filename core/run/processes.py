@@ -9,7 +9,7 @@ token: they print the path of the 0600 file holding it (stdout and logs are kept
 run logs; see `announce_admin_token`).
 `run` also writes `<run folder>/server.json` (the folder holding `trainer.checkpoint_dir`): the URL
 and the path of a 0600 admin-token file, for `swarm swap --server <run folder>` and the researcher;
-removed when the run ends (`core.clients.server_files.write_server_files`).
+removed when the run ends (`core.run.server_files.write_server_files`).
 
 The RL loop itself lives in `core.run.loop`; this module adds no training logic.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from core.run import checkpoint
-from core.auth import masked
+from core.episodes.auth import masked
 from core.config import RunConfig
 from core.config_io import flatten
 from core.run.loop import CoreRun
@@ -33,7 +33,7 @@ from core.run.placement import core_run
 from core.run.plan import PlacementError
 from core.run.signals import on_signals
 from core.serve.server import Server
-from core.clients.server_files import remove_server_files, write_server_files, write_token_file
+from core.run.server_files import remove_server_files, write_server_files, write_token_file
 from core.run.telemetry import ResumePoint, RunStatus, Telemetry, TelemetryError
 from core.run.watchdog import run_folder
 

@@ -11,7 +11,7 @@ up) ends the run with a clear error after MAX_DEATHS such deaths in a row, namin
 died and its last lines of output. A client that exits 0 is done (its episode budget is spent) and
 is not restarted.
 
-With `containment.clients` auto or required each client starts through `core.clients.contain`:
+With `containment.clients` auto or required each client starts through `core.contain.contained`:
 an environment allowlist (the run's credentials never reach agent code), resource limits, its own
 process group (SIGTERM to drain and the final SIGKILL reach the whole group), bubblewrap with only
 its working folder writable. That is one wrapper process per client start, nothing per episode.
@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.clients.contain import CLIENT_ENV, Contained, die_with_parent, popen_contained
+from core.contain.contained import CLIENT_ENV, Contained, die_with_parent, popen_contained
 from core.clients.sdk import backoff_delay
 from core.config import ContainmentConfig
 

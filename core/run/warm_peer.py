@@ -36,7 +36,7 @@ from pathlib import Path
 
 import setproctitle
 
-from core.clients.server_files import runtime_dir
+from core.local_state import runtime_dir
 
 # The rlimits a launcher passes on: those a Slurm or systemd allocation, or a person's `ulimit`, sets.
 RLIMITS = {name: getattr(resource, name) for name in (

@@ -3,7 +3,7 @@ Messages), swarm routes, and OpenAI-shaped errors.
 
 A request belongs to an episode through its bearer key (or the path form
 `/episodes/{secret}/v1/...`, the secret derived from the key, for clients that cannot set one;
-never the bare episode id, see `core.auth`); its tokens are then recorded on that
+never the bare episode id, see `core.episodes.auth`); its tokens are then recorded on that
 episode. Requests without a key are served, unrecorded, only when the server allows anonymous use.
 No input a client can send reaches a bare 500: validation, template, context and episode errors all
 map to OpenAI-style JSON. Every API converts to one chat turn (`prepare_chat`, `run_chat`; the
@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.auth import bearer
+from core.episodes.auth import bearer
 from core.serve.body_limit import BodyLimit
 from core.serve.bodies import BodyParser, body_schema, openapi_bodies
 from core.serve.chat import PromptTooLong, TemplateError

@@ -1,21 +1,21 @@
 """Scoring a judged sandbox's finished episode in the server: its judge over the server's record.
 
 `judged_finish` is what the finish route does for a judged sandbox (DESIGN §3.7): the judge
-(`core.clients.judge`, loaded from the sandbox folder the run config names) scores the task the
+(`core.sandbox.judge`, loaded from the sandbox folder the run config names) scores the task the
 server dealt and what the server recorded of the episode's calls, plus the answer `rollout`
 returned. That score is the reward of every model that acted and the number `reward/*` and `eval/*`
 report; the reward the agent sent is kept only as the metric `agent_reward`. A judge that raises
 or returns no finite number scores its failure value, logged with the reason.
 
 It deliberately does not decide what happens to an episode that never finishes (the registry finishes
-a judged one with the failure value, `core.episodes.registry`) nor deal tasks (`core.clients.dealer`).
+a judged one with the failure value, `core.episodes.registry`) nor deal tasks (`core.sandbox.dealer`).
 """
 
 from __future__ import annotations
 
 import logging
 
-from core.clients.judge import judge_episode
+from core.sandbox.judge import judge_episode
 from core.episodes.wire import FinishEpisode
 from core.records import Call, Episode
 from core.serve.state import ServerState

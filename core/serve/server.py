@@ -22,10 +22,10 @@ import uvicorn
 
 from core import models
 from core.serve.chat import ChatRenderer
-from core.auth import masked
-from core.clients.dealer import Dealer
-from core.clients.judge import load_judges
-from core.clients.table import ClientTable
+from core.episodes.auth import masked
+from core.sandbox.dealer import Dealer
+from core.sandbox.judge import load_judges
+from core.episodes.client_table import ClientTable
 from core.config import RunConfig
 from core.engine.replicas import ReplicaEngine, make_model_engine
 from core.episodes.registry import Registry
@@ -51,7 +51,7 @@ class Server:
         )
         self.clients = ClientTable()  # registered client processes: `swarm swap` drains through it
         # Judged sandboxes score and deal tasks by the judges in the folders this config names, never by code
-        # a client brings (a hot-swapped client's checkout included): core.clients.judge, DESIGN §3.7.
+        # a client brings (a hot-swapped client's checkout included): core.sandbox.judge, DESIGN §3.7.
         self.judges = load_judges(cfg)
         self.dealer = Dealer(self.judges, cfg.trainer.seed)
         self.registry.failure_scores = {name: judge.failure for name, judge in self.judges.items()}

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from core.serve.chat import ChatRenderer
-from core.clients.dealer import Dealer
-from core.clients.judge import Judge
-from core.clients.table import ClientTable
+from core.sandbox.dealer import Dealer
+from core.sandbox.judge import Judge
+from core.episodes.client_table import ClientTable
 from core.config import RunConfig
 from core.engine import Engine
 from core.episodes.registry import Registry

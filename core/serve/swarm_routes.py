@@ -5,10 +5,10 @@ Heartbeat, finish and abort need the episode's key as bearer (401 otherwise, and
 admin routes need the server's admin token. An open refused by admission control waits here for
 room (the trainer taking its batch) for up to `ADMISSION_HOLD_S` before it is answered 503 +
 Retry-After, so a client is not left asleep for a whole second after room opened. While an A/B is open
-(`core.clients.table.ClientTable.ab_role`) each train episode an old-version client opens is owed to
+(`core.episodes.client_table.ClientTable.ab_role`) each train episode an old-version client opens is owed to
 the new version's client, whose opens take those tasks (held like admission until one is owed). These handlers
 translate HTTP into registry calls and back; the rules themselves live in `core.episodes.registry` (and, for
-client registration and `/admin/drain`, the hot-swap path, in `core.clients.table`).
+client registration and `/admin/drain`, the hot-swap path, in `core.episodes.client_table`).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import logging
 
 from fastapi import APIRouter, Request
 
-from core.auth import bearer, same_secret
-from core.clients.dealer import Dealt
-from core.clients.judge import JudgeError
+from core.episodes.auth import bearer, same_secret
+from core.sandbox.dealer import Dealt
+from core.sandbox.judge import JudgeError
 from core.episodes.registry import EpisodeError
 from core.serve.judging import judged_finish
 from core.serve.state import ServerState
-from core.clients.table import ClientError
+from core.episodes.client_table import ClientError
 from core.episodes.wire import AbortEpisode, ClientOrders, DrainClients, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode, RegisterClient, SwapRecord
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A judged sandbox's judge as files, read statically: which paths no study proposal may change.
 
 A study that edits code decides only on the scores a sandbox's judge computes in the server (DESIGN
-§3.7: `judge = "judge.py"` in sandbox.toml, loaded by the core's `core.clients.judge`). The judge is
+§3.7: `judge = "judge.py"` in sandbox.toml, loaded by the core's `core.sandbox.judge`). The judge is
 only a yardstick if no proposal can move it, so `judge_paths` names, relative to the sandbox folder,
 everything it is made of: `sandbox.toml` (which names it), the judge file, and every module its
 imports reach inside the folder, followed file to file with `ast` (nothing is imported or run). A

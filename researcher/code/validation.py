@@ -18,7 +18,7 @@ Executing (they run the proposal's code):
 approve code (`approval.code_change: human`, unless the brief sets `code.execute_before_review`),
 nothing of a proposal runs before approval, and `execute` runs its pending steps afterwards; a
 failure there drops its commit. Each process of an executing step runs contained, through the
-core's `swarm contain --required` (core/clients/contain.py): an environment allowlist without the study's
+core's `swarm contain --required` (core/contain/contained.py): an environment allowlist without the study's
 secrets, resource limits, its own process group killed at the timeout, and bubblewrap (only the
 trial worktree writable, the study's state and MLflow store masked, no network but the smoke server's
 episode routes); without bubblewrap the step fails, unless the brief sets `containment: auto`. The `swarm serve` of the smoke run is the core's

@@ -56,7 +56,7 @@ _STOP_POLL_S = 0.2
 
 Emit = Callable[..., None]
 WARM_ENV = "SWARMRL_WARM"  # the `swarm warm` socket a `swarm run` forks from (core.run.warm.ENV)
-# Paths (":"-separated) the core masks in every client it contains (core.clients.contain.HIDE_ENV).
+# Paths (":"-separated) the core masks in every client it contains (core.contain.contained.HIDE_ENV).
 CONTAIN_HIDE_ENV = "SWARMRL_CONTAIN_HIDE"
 
 

@@ -209,7 +209,7 @@ def private_paths(paths: StudyPaths, tracking_uri: str) -> list[Path]:
     state (its sqlite files), its record, inbox and launch intents, the local artifact store, and MLflow's
     store when it is a local file (an sqlite database with its journal files, or a file store's folder).
     A tracking server is out of reach another way: a contained process has no network but its swarm server's
-    episode routes (core.clients.forwarder)."""
+    episode routes (core.contain.forwarder)."""
     found = [paths.db, paths.db.with_name(paths.db.name + "-wal"), paths.db.with_name(paths.db.name + "-shm"),
              paths.meta, paths.inbox, paths.state / "launches", paths.state / "artifacts"]
     if tracking_uri.startswith("sqlite:///"):

@@ -2,7 +2,7 @@
 
 It exists to show a sandbox with dependencies of its own: the reward parses the reply with the
 `roman` package, which `sandbox.toml` lists under `requirements` and which the project does not
-install. An isolated client of this sandbox runs in a cached venv holding it (`core.clients.venvs`).
+install. An isolated client of this sandbox runs in a cached venv holding it (`core.contain.venvs`).
 Reward: 1 for the right numeral, 0.25 for a valid numeral of another number, 0 otherwise. The sandbox is
 judged (sandbox.toml `judge`): the server deals `judge.py`'s tasks and scores the reply it recorded with
 `numerals.py` (pure Python, as the server has no `roman`); the reward this file returns is only logged.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from core.clients.hotswap import inherited
+from core.run.hotswap import inherited
 from core.clients.sdk import SwarmClient, SwarmError
-from core.clients.table import ClientTable
+from core.episodes.client_table import ClientTable
 from core.config import ab_metric
 from core.episodes.pairing import DEBT_MAX_VERSIONS, Pairs, TaskPairing
 from core.episodes.registry import Registry

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from core.clients import contain, forwarder
-from core.clients.sandbox import load_agent, sandbox_meta
+from core.contain import contained as contain, forwarder
+from core.clients.sandbox import load_agent
+from core.sandbox.folder import sandbox_meta
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_bwrap = pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")

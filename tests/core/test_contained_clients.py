@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.clients import contain
+from core.contain import contained as contain
 from core.config_io import ConfigError, load_config
 from core.run.loop import CoreRun
 from core.run.plan import describe

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.clients.dealer import Dealer
-from core.clients.judge import JudgeError, load_judge
+from core.sandbox.dealer import Dealer
+from core.sandbox.judge import JudgeError, load_judge
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.episodes.books import unbalanced

@@ -198,7 +198,7 @@ def test_swarm_serve_after_its_last_step_serves_on_and_refuses_train_episodes_wi
     url = read_until(serve, r"serving .* at (http://\S+)")[0].group(1)
     feeder = start(swarm("client", "sandbox:letters", "--server", url))
     read_until(serve, r"trainer done after 2 steps")
-    # letters is judged: its episodes open without a task_id and the server deals the task (core.clients.dealer)
+    # letters is judged: its episodes open without a task_id and the server deals the task (core.sandbox.dealer)
     refused = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters"}, timeout=30)
     assert refused.status_code == 409, refused.text  # at once: no back-pressure wait that could never end
     assert "takes no more train episodes" in refused.json()["error"]["message"]

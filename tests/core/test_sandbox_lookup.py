@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.clients.sandbox import load_agent, locate, sandbox_roots
+from core.clients.sandbox import load_agent
+from core.sandbox.folder import locate, sandbox_roots
 
 AGENT = "def tasks(split):\n    yield {{'id': 't'}}\n\nasync def rollout(task, llm):\n    return {reward}\n"
 

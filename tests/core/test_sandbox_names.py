@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from core.clients.server_files import PidFile, client_stem
-from core.clients.sandbox import SandboxNotFound, load_agent, locate, safe_name
+from core.clients.pid_file import PidFile, client_stem
+from core.sandbox.folder import SandboxNotFound, locate, safe_name
+from core.clients.sandbox import load_agent
 
 AGENT = "def tasks(split):\n    yield {'id': 't'}\n\nasync def rollout(task, llm):\n    return 1.0\n"
 

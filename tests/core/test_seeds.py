@@ -13,7 +13,7 @@ from core.config import EngineConfig
 from core.engine import SamplingParams
 from core.engine.factory import make_engine
 from core.engine.hf import HFEngine
-from core.clients.sandbox import TASK_WINDOW, task_order
+from core.sandbox.folder import TASK_WINDOW, task_order
 from core.config import RunConfig
 from core.episodes.registry import Registry
 from core.episodes.wire import OpenEpisode

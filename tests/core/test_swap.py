@@ -26,7 +26,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from core.clients.table import CLIENT_TTL_S, ClientError, ClientTable
+from core.episodes.client_table import CLIENT_TTL_S, ClientError, ClientTable
 from core.clients.sandbox import load_agent
 from core.episodes.wire import DrainClients, RegisterClient
 

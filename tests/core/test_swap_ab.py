@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from core.clients import hotswap
-from core.clients.table import ClientError, ClientTable
+from core.run import hotswap
+from core.episodes.client_table import ClientError, ClientTable
 from core.episodes.wire import DrainClients, RegisterClient
 
 

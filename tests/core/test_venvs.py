@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from core.clients import venvs
+from core.contain import venvs
 from core.config_io import load_config
 from core.run.loop import CoreRun
-from core.clients.sandbox import sandbox_meta, sandbox_requirements
-from core.clients.venvs import VenvError, client_python, ensure_venv
+from core.sandbox.folder import sandbox_meta, sandbox_requirements
+from core.contain.venvs import VenvError, client_python, ensure_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 ROMAN = ROOT / "sandboxes" / "roman"

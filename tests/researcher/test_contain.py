@@ -1,4 +1,4 @@
-"""Contained proposal code (core/clients/contain.py, which validation reaches through `swarm contain`): it
+"""Contained proposal code (core/contain/contained.py, which validation reaches through `swarm contain`): it
 sees no secret, writes only its worktree (under bwrap), and a fork bomb, a memory hog or a hang is stopped
 by the limits. Real processes; bwrap from Debian's `bubblewrap` (the Makefile's test set-up installs it;
 the filesystem test skips only where it is absent)."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from core.clients import contain
-from core.clients.contain import contained_env, run_contained
+from core.contain import contained as contain
+from core.contain.contained import contained_env, run_contained
 from core.config import ContainLimits as Limits
 from researcher.runs.launcher import run_env
 from researcher.study.store import private_paths, study_paths

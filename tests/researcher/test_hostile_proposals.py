@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from core.clients import contain
+from core.contain import contained as contain
 from researcher.code.lineage import Lineage
 from researcher.records import CodeVersion, Edit, StepResult
 from researcher.review.mlflow_review import ReviewBoard

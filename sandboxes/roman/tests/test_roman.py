@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from core.clients.venvs import client_python
+from core.contain.venvs import client_python
 
 FOLDER = Path(__file__).resolve().parents[1]
 

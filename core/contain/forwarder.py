@@ -1,9 +1,9 @@
 """The forwarder: the one way out of a contained client's network namespace, to its swarm server's episode routes.
 
-A contained client under bubblewrap has a network namespace of its own (`core.clients.contain`): no
+A contained client under bubblewrap has a network namespace of its own (`core.contain.contained`): no
 interface but loopback, so no MLflow, no Ray, no other port of this machine or any other. Its swarm
 traffic crosses a Unix socket that this forwarder serves outside the sandbox (bound into it read-only,
-reached through `core.clients.relay` on a loopback port inside). Each HTTP request is read here, its
+reached through `core.contain.relay` on a loopback port inside). Each HTTP request is read here, its
 method and path checked against ROUTES, and only then sent on to the server, as a fresh connection that
 closes after the response; the response streams back unchanged (an SSE stream passes token by token).
 

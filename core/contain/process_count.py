@@ -1,6 +1,6 @@
 """How many processes a contained process may have: the user's count for RLIMIT_NPROC, and pids cgroups.
 
-RLIMIT_NPROC counts every process and thread of the user, so `core.clients.contain` sets it to
+RLIMIT_NPROC counts every process and thread of the user, so `core.contain.contained` sets it to
 `user_processes()` plus the process's own allowance. As root the kernel ignores that limit, so a
 contained process then joins a fresh pids cgroup (`pids_cgroup`, cgroup v1 or v2, when this process
 may make one), removed when it ends (`remove_cgroup`); those a detached process left are swept on

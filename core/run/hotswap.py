@@ -1,6 +1,6 @@
 """`swarm swap`: replace the running clients of a sandbox with new code, through the server.
 
-Hot swap (DESIGN §3.7), all through the server's client table (`core.clients.table`), so the old client
+Hot swap (DESIGN §3.7), all through the server's client table (`core.episodes.client_table`), so the old client
 may run on another machine and nothing local about it is needed:
 
     read /status: the sandbox's serving clients, their kind, group size and concurrency
@@ -23,12 +23,12 @@ serving client of another version named as their successor (nothing of V left: n
 `swap` signals only the client it started itself, and only when the swap fails after starting it.
 
 `contain` (`swarm swap --contain auto|required`) starts the new client as `swarm run` starts its contained
-ones (`core.clients.contain`, docs/security.md): no credential in its environment, resource limits, under
+ones (`core.contain.contained`, docs/security.md): no credential in its environment, resource limits, under
 bubblewrap only `$SWARMRL_STATE/<client id>/` (its working folder and HOME) writable. It is detached:
 the server's drain ends it, not this command's exit. A study swaps proposal code in this way.
 
 The server and pid files through which tools find a server and local clients are
-`core.clients.server_files`. This module does not run episodes.
+`core.run.server_files`. This module does not run episodes.
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.clients.contain import CLIENT_ENV, Contained, popen_contained, require_bwrap
+from core.contain.contained import CLIENT_ENV, Contained, popen_contained, require_bwrap
 from core.clients.sdk import SwarmClient, SwarmError
-from core.clients.sandbox import load_agent, locate, safe_name
-from core.clients.server_files import pid_dir, resolve_server, token_files
-from core.clients.venvs import client_python
+from core.clients.sandbox import load_agent
+from core.sandbox.folder import locate, safe_name
+from core.local_state import pid_dir, token_files
+from core.run.server_files import resolve_server
+from core.contain.venvs import client_python
 from core.config import ContainMode, ContainmentConfig
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ The server (`swarm run`, `swarm serve`) loads each judge in its own process, nev
 a private module name, and with the judge's sibling modules taken out of `sys.modules` once it has
 loaded, so an in-process agent that imports the same file names gets copies of its own, and whatever
 it rebinds in them never reaches the judge. What a judge is fed comes from the server's record, not
-from a number the agent sends. The judge's tasks are dealt by `core.clients.dealer`.
+from a number the agent sends. The judge's tasks are dealt by `core.sandbox.dealer`.
 
-Deliberately not here: dealing tasks (`core.clients.dealer`), the routes that call the judge
+Deliberately not here: dealing tasks (`core.sandbox.dealer`), the routes that call the judge
 (`core.serve.swarm_routes`), and which files a study may not edit (the researcher works that out
 statically from the same `sandbox.toml`).
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.clients.sandbox import JUDGE_KEY, is_plain_name, locate, sandbox_meta, sandbox_roots
+from core.sandbox.folder import JUDGE_KEY, is_plain_name, locate, sandbox_meta, sandbox_roots
 from core.config import RunConfig
 from core.records import Call, Episode
 

@@ -14,7 +14,7 @@ resumed run deals on from there rather than from the first task again; `restore`
 that place. The task being dealt when the checkpoint was written is dealt again from its first slot:
 its open episodes did not survive the restart, and a group needs all of its slots.
 
-Deliberately not here: scoring (`core.clients.judge`), the open route (`core.serve.swarm_routes`).
+Deliberately not here: scoring (`core.sandbox.judge`), the open route (`core.serve.swarm_routes`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from core.clients.judge import Judge, JudgeError, task_json
-from core.clients.sandbox import task_order
+from core.sandbox.judge import Judge, JudgeError, task_json
+from core.sandbox.folder import task_order
 
 SHUFFLED_SPLIT = "train"  # only this split is dealt shuffled, as clients draw their own tasks
 # Dealt tasks remembered per open episode until it is judged; an episode that expires is never judged, so

@@ -1,9 +1,9 @@
 """The relay inside a contained client's network namespace: loopback TCP in, the forwarder's Unix socket out.
 
-Under bubblewrap a contained process gets a network namespace of its own (`core.clients.contain`), where
+Under bubblewrap a contained process gets a network namespace of its own (`core.contain.contained`), where
 only the loopback interface exists. Its swarm server URL then names `127.0.0.1:<port>` inside it, and this
 relay, started by the sandbox before the command itself, listens there and passes every connection's bytes
-to the forwarder's Unix socket (`core.clients.forwarder`), bound into the sandbox. The relay then runs the
+to the forwarder's Unix socket (`core.contain.forwarder`), bound into the sandbox. The relay then runs the
 command as its child and ends with its exit status (or dies of its signal).
 
 It runs inside the sandbox, next to the code it serves, so it is trusted with nothing: it checks no route

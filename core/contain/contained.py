@@ -10,7 +10,7 @@
 - resource limits set between fork and exec (`core.config.ContainLimits`): CPU seconds, address
   space, file size, processes (on top of those the user already runs), open files; when running as
   root, where the kernel does not apply the process limit, a pids cgroup of its own when one can be made
-  (`core.clients.process_count`);
+  (`core.contain.process_count`);
 - its own session and process group, killed whole at the timeout or on `kill()`; it dies with the
   thread that started it (PR_SET_PDEATHSIG), so nothing outlives its starter, unless it is started
   `detached` (a client `swarm swap` starts outlives that command: it ends when the server drains it);
@@ -19,8 +19,8 @@
   (tmpfs of `limits.file_size` bytes each), the admin token and server files of this machine's runs,
   `swarm warm`'s socket folder and what its caller names masked (`masked_paths`), its own pid namespace
   (nothing survives the sandbox) and network namespace, all capabilities dropped. Its one way out is to
-  its swarm server, when its caller names one: the relay inside (`core.clients.relay`) passes loopback
-  connections to the forwarder outside (`core.clients.forwarder`), which sends on only the episode
+  its swarm server, when its caller names one: the relay inside (`core.contain.relay`) passes loopback
+  connections to the forwarder outside (`core.contain.forwarder`), which sends on only the episode
   routes. Without bwrap it runs uncontained by the filesystem and the network (the limits above still
   apply), said once per process (`log.warning`); `require_bwrap` turns that into an error for
   `required` containment.
@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from core.clients.process_count import pids_cgroup, remove_cgroup, user_processes
-from core.clients.server_files import token_files
+from core.contain.process_count import pids_cgroup, remove_cgroup, user_processes
+from core.local_state import token_files
 from core.config import ContainLimits, ContainMode
 from core.config_io import ConfigError, is_secret
 
@@ -223,7 +223,7 @@ class Contained:
     scratch: Path
     group: Path | None
     wrapped: bool = False  # started under bwrap: `proc` is bwrap, the command runs in its pid namespace
-    forwarder: subprocess.Popen | None = None  # its one way to its server (`core.clients.forwarder`)
+    forwarder: subprocess.Popen | None = None  # its one way to its server (`core.contain.forwarder`)
     net: Path | None = None  # the forwarder's socket folder
 
     def signal(self, sig: int) -> None:
@@ -305,7 +305,7 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
 
 
 def _start_forwarder(socket_path: Path, server: str, pid: int, detached: bool, stderr: object) -> subprocess.Popen:
-    """The forwarder for the contained process `pid` (`core.clients.forwarder`): our own code, so uncontained;
+    """The forwarder for the contained process `pid` (`core.contain.forwarder`): our own code, so uncontained;
     it ends with that process, and with its starter unless `detached`. Its refusals go where the process's
     stderr goes when that is a file (a swapped client's log), else to ours."""
     where = stderr if stderr not in (None, subprocess.PIPE, subprocess.STDOUT) else None

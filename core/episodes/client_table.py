@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.auth import same_secret
+from core.episodes.auth import same_secret
 from core.episodes.pairing import TaskPairing
 from core.episodes.wire import ClientOrders, DrainClients, RegisterClient, SwapRecord
 

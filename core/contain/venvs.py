@@ -25,7 +25,7 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from core.clients.sandbox import sandbox_meta, sandbox_requirements
+from core.sandbox.folder import sandbox_meta, sandbox_requirements
 
 log = logging.getLogger(__name__)
 
