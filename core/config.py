@@ -180,6 +180,12 @@ class ServerConfig(Strict):
     # How long a stopping server (SIGTERM, Ctrl-C, /admin/shutdown) waits for requests in flight before
     # it cancels them: a stuck request must not keep the process alive with its port closed.
     shutdown_s: float = Field(10.0, gt=0)
+    # A folder of sealed judges, one sub-folder per sandbox folder name (`<judges_dir>/letters/`: its
+    # sandbox.toml, judge and what it imports). Set, every judge is loaded from there and never from the
+    # folder a client runs: a study seals its judges once (researcher.code.sealed) so that every arm it
+    # compares, whatever code it checks out, is scored by one judge (docs/security.md). None: each
+    # client's own sandbox folder.
+    judges_dir: str | None = None
 
 
 class TrainerConfig(Strict):

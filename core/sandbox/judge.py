@@ -26,7 +26,9 @@ import importlib.util
 import json
 import math
 import numbers
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,11 +170,19 @@ def _import_isolated(path: Path, folder: Path, module_name: str):
         raise JudgeError(f"{path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(folder))
+    # Bytecode off: the judge and its imports compile from their source. A `__pycache__/*.pyc` beside them
+    # (an unchecked-hash pyc is believed whatever the source says) is never read, since the cache is looked
+    # up under an empty folder of our own, and none is written.
+    saved = sys.dont_write_bytecode, sys.pycache_prefix
+    nowhere = tempfile.mkdtemp(prefix="swarmrl-judge-nocache-")
+    sys.dont_write_bytecode, sys.pycache_prefix = True, nowhere
     try:
         spec.loader.exec_module(module)
     except Exception as e:
         raise JudgeError(f"{path} failed to import: {type(e).__name__}: {e}") from e
     finally:
+        sys.dont_write_bytecode, sys.pycache_prefix = saved
+        shutil.rmtree(nowhere, ignore_errors=True)
         sys.path.remove(str(folder))
         for name in from_folder():
             del sys.modules[name]
@@ -200,15 +210,22 @@ def judge_episode(ep: Episode, answer: Any, text_of: Callable[[Call], str]) -> J
 
 def load_judges(cfg: RunConfig) -> dict[str, Judge]:
     """The judges of the sandboxes a run config's clients name, by sandbox name, loaded from those folders
-    (never from anything a client sends). Two clients of one sandbox must name the same judge file."""
+    (never from anything a client sends), or, with `server.judges_dir` set, from the sealed copy of each
+    folder's name there: then whatever the client's folder holds (its judge, its sandbox.toml) is not
+    read. Two clients of one sandbox must name the same judge file."""
     judges: dict[str, Judge] = {}
     roots = sandbox_roots(cfg.source_file)
+    sealed = Path(cfg.server.judges_dir) if cfg.server.judges_dir else None
     for client in cfg.clients:
         try:
             folder = Path(locate(client.agent, roots))
         except ValueError:
             continue  # not a sandbox folder: the client's own start reports it
-        if not (folder / "sandbox.toml").is_file():
+        if sealed is not None:
+            folder = sealed / folder.name
+            if not (folder / "sandbox.toml").is_file():
+                continue  # nothing sealed under that name: an unjudged sandbox (the study sealed every judged one)
+        elif not (folder / "sandbox.toml").is_file():
             continue
         judge = load_judge(folder)
         if judge is None:
