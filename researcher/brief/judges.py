@@ -18,11 +18,14 @@ It reads files only; the brief check (`researcher.brief.loader`) and the workspa
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import tomllib
 from pathlib import Path, PurePosixPath
 
 TOML = "sandbox.toml"
 JUDGE_KEY = "judge"  # the key naming the judge file, as in the core's sandbox contract
+# Every file-name suffix Python imports a module from on this interpreter (extensions, source, bytecode).
+IMPORT_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 
 
 def judge_name(folder: Path) -> str | None:
@@ -95,14 +98,33 @@ def _file_literals(tree: ast.Module, folder: Path) -> list[str]:
     return out
 
 
+def shadows(inner: str, paths: list[str]) -> bool:
+    """Whether a file at `inner` (relative to a judged sandbox folder) is, or could be imported as, part of the
+    judge whose `judge_paths` are `paths`. The rule goes by import resolution, not by file name: Python imports
+    `reward` from `reward.py`, but first from `reward.cpython-311-x86_64-linux-gnu.so` or `reward.so`, and also
+    from `reward.pyc` or a `reward/` folder, and trusts an unchecked `__pycache__/reward.*.pyc` over the source;
+    a `.pth` file runs code wherever the folder is a site directory. So: a listed path or anything under it, a
+    listed name with any suffix of `importlib.machinery.all_suffixes()`, anything under `__pycache__/`, any
+    `.pth`."""
+    parts = PurePosixPath(inner).parts
+    if not parts or "__pycache__" in parts or inner.endswith(".pth"):
+        return bool(parts)
+    for path in paths:
+        if inner == path or inner.startswith(path + "/"):
+            return True
+        stem = path.removesuffix(".py")
+        if len(parts) == 1 and any(inner == stem + suffix for suffix in IMPORT_SUFFIXES):
+            return True
+    return False
+
+
 def protected_by_judge(rel: str, judged: dict[str, list[str]]) -> str | None:
-    """The sandbox folder whose judge `rel` (a path relative to the project or workspace) is part of, else None.
-    `judged`: sandbox folder (relative) -> its `judge_paths`."""
+    """The sandbox folder whose judge `rel` (a path relative to the project or workspace) is part of, or
+    could be imported as part of (`shadows`), else None. `judged`: sandbox folder (relative) -> its
+    `judge_paths`."""
     for folder, paths in judged.items():
-        for path in paths:
-            full = f"{folder}/{path}"
-            if rel == full or rel.startswith(full + "/"):
-                return folder
+        if rel.startswith(folder + "/") and shadows(rel[len(folder) + 1:], paths):
+            return folder
     return None
 
 

@@ -184,7 +184,8 @@ class Workspace:
         judged = protected_by_judge(clean, self.judges())
         if judged is not None:
             raise WorkspaceError(f"{clean}: part of the judge of {judged} (its sandbox.toml, its judge file, a file "
-                                 "the judge imports or reads, or a new file of a name it imports); the study decides "
+                                 "the judge imports or reads, or a file Python could import under a name it imports: "
+                                 "any import suffix (.so, .pyc, ...), a package folder, __pycache__/, .pth); the study decides "
                                  "only on that judge's scores, so no proposal may change it (DESIGN §3.7)")
         if action == "delete" and clean in self.entry_files():
             raise WorkspaceError(f"{clean}: deleting a sandbox's entry file is refused")

@@ -4,6 +4,7 @@ the judge: its sandbox.toml, the judge file, what it imports (read with ast), or
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,41 @@ def test_a_patch_that_deletes_the_judge_is_refused(ws: Workspace, tmp_path: Path
     (tree / "sandboxes" / "letters" / "judge.py").unlink()
     with pytest.raises(WorkspaceError, match=r"sandboxes/letters/judge.py: part of the judge"):
         ws.check_changes(tree)
+
+
+def _binary_patch(ws: Workspace, tmp_path: Path, files: dict[str, bytes]) -> str:
+    """A person's `git diff --binary` that adds `files` on the base (what `researcher code propose --patch` takes)."""
+    author = ws.checkout(ws.base(), tmp_path / "author")
+    for rel, data in files.items():
+        (author / rel).parent.mkdir(parents=True, exist_ok=True)
+        (author / rel).write_bytes(data)
+    subprocess.run(["git", "add", "-A", "-f"], cwd=author, check=True)
+    return subprocess.run(["git", "diff", "--cached", "--binary"], cwd=author, check=True, capture_output=True,
+                          text=True).stdout
+
+
+@pytest.mark.parametrize("rel", [
+    "sandboxes/letters/__pycache__/judge.cpython-311.pyc",  # an unchecked-hash pyc is believed over judge.py
+    "sandboxes/letters/__pycache__/agent.cpython-311.pyc",  # any cache: the rule does not guess what it holds
+    "sandboxes/letters/reward.cpython-311-x86_64-linux-gnu.so",  # an extension is imported before reward.py
+    "sandboxes/letters/reward.so",
+    "sandboxes/letters/string.abi3.so",  # shadows the stdlib module reward.py imports
+    "sandboxes/letters/reward.pyc",
+    "sandboxes/letters/evil.pth",
+    "sandboxes/letters/reward/__init__.py",  # a package folder of an imported name
+])
+def test_a_binary_patch_adding_anything_python_could_import_as_the_judge_is_refused_before_review(
+        ws: Workspace, tmp_path: Path, rel: str) -> None:
+    patch = _binary_patch(ws, tmp_path, {rel: b"\x00\x01 not what the source says \xff"})
+    assert "GIT binary patch" in patch or rel.endswith((".py", ".pth"))
+    tree = ws.checkout(ws.base(), tmp_path / "trial")
+    ws.apply_patch(tree, patch)
+    with pytest.raises(WorkspaceError, match=rf"{rel}: part of the judge of sandboxes/letters .*__pycache__/, .pth"):
+        ws.check_changes(tree)
+
+
+def test_a_compiled_file_of_a_name_the_judge_does_not_import_stays_a_normal_edit(ws: Workspace, tmp_path: Path) -> None:
+    patch = _binary_patch(ws, tmp_path, {"sandboxes/letters/fastagent.so": b"\x00agent's own extension"})
+    tree = ws.checkout(ws.base(), tmp_path / "trial")
+    ws.apply_patch(tree, patch)
+    assert ws.check_changes(tree) == [("A", "sandboxes/letters/fastagent.so")]
