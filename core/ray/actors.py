@@ -31,6 +31,7 @@ from core.serve.server import load_policies
 from core.engine.weight_sync import weights_of
 from core.train.distributed import DistributedTrainer, build_trainer
 from core.train.sharded import ShardedTrainer
+from core.train.outcome import StepOutcome
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
 
@@ -103,8 +104,8 @@ class ModelActor:
             return await asyncio.to_thread(self.engine.swap_weights, lambda: trainer.apply(prepared))
         return await asyncio.to_thread(trainer.apply, prepared)
 
-    async def metrics(self) -> dict[str, float]:
-        return self._trainer().metrics(self._prepared())
+    async def outcome(self) -> StepOutcome:
+        return self._trainer().outcome(self._prepared())
 
     async def discard(self) -> None:
         self._trainer().discard()

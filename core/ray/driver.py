@@ -43,6 +43,7 @@ from core.ray.replicas import ray_replicas
 from core.run.loop import CLIENT_DRAIN_S, CoreRun
 from core.serve.server import Server
 from core.serve.state import Policy
+from core.train.outcome import StepOutcome
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,10 @@ class RemoteTrainer:
     def apply(self, prepared: RemotePrepared) -> bool:
         return self.link.call("apply", self.link.swapping)
 
-    def metrics(self, prepared: RemotePrepared) -> dict[str, float]:
-        return {**self.link.call("metrics"), "placement/restarts": float(self.link.restarts)}
+    def outcome(self, prepared: RemotePrepared) -> StepOutcome:
+        outcome: StepOutcome = self.link.call("outcome")
+        outcome.metrics["placement/restarts"] = float(self.link.restarts)
+        return outcome
 
     def discard(self) -> None:
         try:

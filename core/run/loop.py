@@ -50,6 +50,7 @@ from core.run.telemetry import Telemetry
 from core.contain.venvs import client_python
 from core.episodes.wire import SwapRecord
 from core.train.distributed import build_trainer
+from core.train.outcome import StepOutcome
 from core.train.trainer import Trainer, seed_everything
 from core.run.watchdog import Watchdog, run_folder
 
@@ -243,11 +244,12 @@ class CoreRun:
                 if batch is not None:
                     taken = time.perf_counter()
                     batch.groups = _in_stable_order(batch.groups)
-                    metrics = self._train_batch(batch)
+                    outcomes = self._train_batch(batch)
                     self.step += 1
             if batch is None:
                 self.stop.wait(BATCH_POLL_S)
                 continue
+            metrics = self._step_metrics(batch, outcomes)
             metrics["time/wait_groups_s"] = taken - idle_since
             metrics["time/step_s"] = time.perf_counter() - idle_since
             metrics.update(self._rollout.metrics(batch))
@@ -259,7 +261,7 @@ class CoreRun:
                 self.checkpoint()
             if on_step is not None:
                 on_step(self.step, metrics)
-            if self._too_many_failures(metrics) or self._replica_failed():
+            if self._too_many_failures(outcomes) or self._replica_failed():
                 return
             idle_since = time.perf_counter()
 
@@ -273,11 +275,10 @@ class CoreRun:
             self.stop.set()
         return lost is not None
 
-    def _too_many_failures(self, metrics: dict[str, float]) -> bool:
+    def _too_many_failures(self, outcomes: dict[str, StepOutcome]) -> bool:
         """Count a step in which some policy's step failed, or was skipped for a non-finite loss or gradient
         (it learnt nothing either); `trainer.max_failed_steps` such steps in a row fail the run."""
-        failed = any(v > 0 and (k == name or k.endswith("/" + name))
-                     for k, v in metrics.items() for name in FAILED_STEP)
+        failed = any(o.learnt_nothing for o in outcomes.values())
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         limit = self.cfg.trainer.max_failed_steps
         if self._failed_in_a_row < limit:
@@ -289,8 +290,9 @@ class CoreRun:
         self.stop.set()
         return True
 
-    def _train_batch(self, batch: Batch) -> dict[str, float]:
-        """One step of every trainable policy that served the batch; the weight-sync mode per policy."""
+    def _train_batch(self, batch: Batch) -> dict[str, StepOutcome]:
+        """One step of every trainable policy that served the batch, the weight-sync mode per policy; each
+        stepped policy's outcome (a policy none of the batch's episodes called takes no step)."""
         plan = {name: [g for g in ([e for e in group if e.calls_of(name)] for group in batch.groups) if g]
                 for name in self.trainers}
         overlap = {name: self.cfg.trainer.max_staleness >= 1 and self.trainers[name].overlap_safe for name in plan}
@@ -301,18 +303,21 @@ class CoreRun:
                 self.server.policies[name].engine.hold()
             elif groups:
                 self.server.registry.step_started()
+        return {name: self._step_policy(name, groups, overlap[name]) for name, groups in plan.items() if groups}
+
+    def _step_metrics(self, batch: Batch, outcomes: dict[str, StepOutcome]) -> dict[str, float]:
+        """The step's own metrics: each policy's (prefixed by its name when several train), and the train
+        and sync time summed over them."""
         metrics: dict[str, float] = {"episodes/stale_dropped": float(batch.dropped_stale), "time/train_s": 0.0,
                                      "time/sync_s": 0.0}
-        for name, groups in plan.items():
-            if groups:
-                prefix = "" if len(self.trainers) == 1 else f"{name}/"
-                step_metrics = self._step_policy(name, groups, overlap[name], metrics)
-                metrics.update({prefix + k: v for k, v in step_metrics.items()})
+        for name, outcome in outcomes.items():
+            prefix = "" if len(self.trainers) == 1 else f"{name}/"
+            metrics.update({prefix + k: v for k, v in outcome.logged().items()})
+            for k, seconds in outcome.timings.items():
+                metrics[k] += seconds
         return metrics
 
-    def _step_policy(
-        self, name: str, groups: list[list[Episode]], overlap: bool, timing: dict[str, float]
-    ) -> dict[str, float]:
+    def _step_policy(self, name: str, groups: list[list[Episode]], overlap: bool) -> StepOutcome:
         """prepare -> backward -> apply for one policy. The engine always resumes and the version goes up
         only when the weights changed; an exception is logged with the step and the run goes on."""
         trainer, policy = self.trainers[name], self.server.policies[name]
@@ -336,13 +341,13 @@ class CoreRun:
                 trainer.backward(prepared)
                 updated = trainer.apply(prepared)
             policy.step += 1
-            return trainer.metrics(prepared)
+            outcome = trainer.outcome(prepared)
         except ReplicaBehind:
             raise  # inference would go on serving old weights: the run fails, loudly
         except Exception:
             log.exception("step %d of %s failed; its weights and version are unchanged", self.step + 1, name)
             trainer.discard()
-            return {"train/failed": 1.0}
+            outcome = StepOutcome.failure()
         finally:
             if overlap:
                 self.server.registry.step_synced()
@@ -350,12 +355,8 @@ class CoreRun:
                 if isinstance(policy.engine, ReplicaEngine):
                     policy.engine.wake()  # before resume: a sync needs the replicas awake
                 policy.engine.resume(policy.version + 1 if updated else None)
-            timing["time/sync_s"] += synced
-            timing["time/train_s"] += time.perf_counter() - started - synced
-
-# A step's metrics that say it learnt nothing: it raised (`train/failed`) or its optimizer step was
-# skipped for a non-finite loss or gradient (`train/skipped`); both count toward max_failed_steps.
-FAILED_STEP = ("train/failed", "train/skipped")
+        outcome.timings = {"time/sync_s": synced, "time/train_s": time.perf_counter() - started - synced}
+        return outcome
 
 
 def _in_stable_order(groups: list[list[Episode]]) -> list[list[Episode]]:

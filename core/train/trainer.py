@@ -27,7 +27,7 @@ with nothing to run changes no weights, and says so (``train/updated`` 0): the r
 the weight version, so no episode goes stale for it.
 
 The trainer does not fetch batches, pause engines, bump weight versions, write checkpoints or log
-to MLflow; ``core.run.loop`` does, with the metrics `step` returns (names per DESIGN §3.6).
+to MLflow; ``core.run.loop`` does, with the ``core.train.outcome.StepOutcome`` a step comes to.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from core.train.timelines import Sample, merge_with_stats
 from core.train.advantages import group_advantages
 from core.train.loss import STAT_NAMES, policy_loss
 from core.train.master import MasterWeights
+from core.train.outcome import StepOutcome
 from core.train.packing import pack, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,11 @@ class Trainer:
             return False
         return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.policy.modules())
 
-    def metrics(self, prepared: PreparedStep) -> dict[str, float]:
+    def outcome(self, prepared: PreparedStep) -> StepOutcome:
+        """What the applied step came to: its metrics (names per DESIGN §3.6) and whether it was skipped."""
+        return StepOutcome(self._metrics(prepared), skipped=prepared.skipped)
+
+    def _metrics(self, prepared: PreparedStep) -> dict[str, float]:
         sums = prepared.sums
         flat = [r for g in prepared.rewards for r in g]
         trained = max(sums["masked"], 1.0)
@@ -198,7 +203,6 @@ class Trainer:
             "train/tokens": sums["tokens"],
             "train/trained_tokens": sums["masked"],
             "train/samples": float(len(prepared.samples)),
-            "train/skipped": float(prepared.skipped),
             "train/updated": float(prepared.updated),
             "train/step_time_s": time.perf_counter() - prepared.started,
             "merge/ratio": prepared.unmerged_tokens / prepared.linear_tokens if prepared.linear_tokens else 1.0,
