@@ -17,13 +17,14 @@
 - bubblewrap when `bwrap` is on PATH: a read-only view of / (system, venv, project), a writable bind
   of the folders it may write (its worktree or working folder), a private /tmp and HOME bounded in size
   (tmpfs of `limits.file_size` bytes each), the admin token and server files of this machine's runs,
-  `swarm warm`'s socket folder and what its caller names masked (`masked_paths`), its own pid namespace
-  (nothing survives the sandbox) and network namespace, all capabilities dropped. Its one way out is to
+  `swarm warm`'s socket folder and what its caller names masked (`masked_paths`), its own user (an
+  unprivileged uid, never root), pid (nothing survives the sandbox), IPC and network namespaces, all
+  capabilities dropped, the kernel settings and /dev read-only (`core.contain.namespaces`). Its one way out is to
   its swarm server, when its caller names one: the relay inside (`core.contain.relay`) passes loopback
   connections to the forwarder outside (`core.contain.forwarder`), which sends on only the episode
   routes. Without bwrap it runs uncontained by the filesystem and the network (the limits above still
-  apply), said once per process (`log.warning`); `require_bwrap` turns that into an error for
-  `required` containment.
+  apply), said once per process (`log.warning`); `require_bwrap` turns that, and a kernel that refuses
+  bwrap a user namespace, into an error for `required` containment.
 
 Who uses it: `swarm run`'s supervisor for its client processes (`containment.clients`), `swarm swap
 --contain` for the client it starts, and `swarm contain`, the command through which the researcher's
@@ -48,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from core.contain.namespaces import system_args, user_namespace_refusal
 from core.contain.process_count import pids_cgroup, remove_cgroup, user_processes
 from core.local_state import token_files
 from core.config import ContainLimits, ContainMode
@@ -63,11 +65,15 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "HF_HUB_OFFLIN
 CLIENT_ENV = ("PYTHONPATH",)
 HOST_PID_ENV = "SWARMRL_HOST_PID"  # set by `wrap` inside bubblewrap's pid namespace: see `host_pid`
 _warned_uncontained = False
+_warned_root = False  # said once per process: no user namespace, so no uid of its own inside (auto only)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Looked up once here: the child runs the preexec hook between fork and exec, where loading a library
 # could deadlock on a lock another thread of the parent held at the fork.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 BWRAP_FIX = "apt-get install bubblewrap"
+USERNS_FIX = ("allow user namespaces (sysctl user.max_user_namespaces > 0; kernel.unprivileged_userns_clone=1 or "
+              "kernel.apparmor_restrict_unprivileged_userns=0 where the kernel has them; a container started with "
+              "seccomp or a profile that permits unshare/clone of CLONE_NEWUSER)")
 _CORE = Path(__file__).resolve().parents[1]  # the `core` package a contained `swarm` imports
 # The two stdlib-only scripts of the network boundary, run by file path with `python -I` (docstrings there).
 RELAY = Path(__file__).with_name("relay.py")  # inside the sandbox: loopback port -> the forwarder's socket
@@ -85,10 +91,19 @@ def bwrap() -> str | None:
 
 
 def require_bwrap(mode: ContainMode, what: str) -> None:
-    """`required` containment on a machine without bwrap: a one-line ConfigError naming the fix."""
-    if mode == "required" and bwrap() is None:
+    """`required` containment on a machine without bwrap, or where the kernel refuses bwrap a user namespace
+    (the sandbox would be root: `core.contain.namespaces`): a one-line ConfigError naming the cause and fix."""
+    if mode != "required":
+        return
+    exe = bwrap()
+    if exe is None:
         raise ConfigError(f"{what} is required to run under bubblewrap, but `bwrap` is not on PATH: "
                           f"{BWRAP_FIX} (or set it to auto to run without the filesystem boundary)")
+    refused = user_namespace_refusal(exe)
+    if refused is not None:
+        raise ConfigError(f"{what} is required to run in a user namespace (no root inside the sandbox), but this "
+                          f"kernel refuses bwrap one: {refused}. {USERNS_FIX} (or set it to auto to run "
+                          "without one, as root inside where the starter is root)")
 
 
 def die_with_parent(sig: int):
@@ -141,7 +156,7 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
     folder inside a masked run folder). The network namespace has only loopback: with `forward` (the
     forwarder's socket) the command starts behind the relay on 127.0.0.1:`port`, its one way to its
     server; without it the command has no network at all."""
-    global _warned_uncontained
+    global _warned_uncontained, _warned_root
     exe = bwrap()
     if exe is None:
         if not _warned_uncontained:
@@ -172,10 +187,12 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
     # In its own pid namespace the command sees itself as pid 2, a pid nobody outside can watch; the host pid
     # of bwrap (which lives exactly as long as the namespace) is given to it instead, as $SWARMRL_HOST_PID:
     # a shell that execs bwrap keeps its pid, so `$$` is known before bwrap starts.
+    if user_namespace_refusal(exe) is not None and not _warned_root:
+        log.warning("the kernel refuses bwrap a user namespace (%s): contained code runs as its starter's uid "
+                    "inside the sandbox, root where that is root; %s", user_namespace_refusal(exe), USERNS_FIX)
+        _warned_root = True
     return ["/bin/sh", "-c", f'exec "$0" --setenv {HOST_PID_ENV} "$$" "$@"', exe,
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--size", str(tmp_bytes), "--tmpfs", "/tmp",
-            *binds, "--unshare-pid", "--unshare-net", *tied, "--cap-drop", "ALL",
-            "--chdir", str(Path(cwd).resolve()), "--", *command]
+            *system_args(exe, tmp_bytes), *binds, *tied, "--chdir", str(Path(cwd).resolve()), "--", *command]
 
 
 def masked_paths(extra: Sequence[Path] = ()) -> list[Path]:

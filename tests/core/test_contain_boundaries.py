@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from core.contain import contained as contain, forwarder
+from core.contain import contained as contain, forwarder, namespaces
 from core.clients.sandbox import load_agent
 from core.sandbox.folder import sandbox_meta
+from core.config_io import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_bwrap = pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -285,3 +286,39 @@ def test_the_relay_holds_a_first_request_until_a_forwarder_that_starts_late_is_u
     finally:
         relay.kill()
     assert relay.returncode == 0 and out.strip() == "pong", out
+
+
+KERNEL_SETTINGS = """
+import os
+path = "/proc/sys/kernel/core_pattern"
+print("uid", os.getuid())
+print("writable" if os.access(path, os.W_OK) else "read-only")
+try:
+    with open(path, "w") as fh:  # a no-op write: the value it already has
+        fh.write(open(path).read())
+    print("wrote")
+except OSError as e:
+    print("refused:", e.strerror)
+"""
+
+
+@needs_bwrap
+def test_contained_code_is_no_root_and_cannot_write_kernel_settings(tmp_path):
+    # As root (the study's and CI's uid on these machines), a sandbox without a user namespace was uid 0 and
+    # /proc/sys stayed writable: a core_pattern of `|/writable/x` runs x as full root on the next crash.
+    done = _contain("--required", "--", sys.executable, "-c", KERNEL_SETTINGS, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    uid, access, write = done.stdout.splitlines()
+    assert uid == f"uid {namespaces.SANDBOX_ID}" and access == "read-only", done.stdout
+    assert write == "refused: Read-only file system", done.stdout
+    shell = _contain("--required", "--", "sh", "-c", "test -w /proc/sys/kernel/core_pattern", cwd=tmp_path)
+    assert shell.returncode == 1, shell.stdout + shell.stderr
+
+
+def test_required_containment_refuses_where_the_kernel_refuses_a_user_namespace(monkeypatch):
+    # Where `bwrap --unshare-user` fails, the sandbox could only be root: `required` says so and why.
+    monkeypatch.setattr(contain, "bwrap", lambda: "/usr/bin/bwrap")
+    monkeypatch.setattr(contain, "user_namespace_refusal", lambda exe: "setting up uid map: Permission denied")
+    with pytest.raises(ConfigError, match="user namespace.*setting up uid map: Permission denied"):
+        contain.require_bwrap("required", "containment.clients")
+    contain.require_bwrap("auto", "containment.clients")  # auto runs without one, said once
