@@ -7,10 +7,11 @@ writes one column instead of concatenating the cache and mask), decodes one toke
 row, and retires rows that finished. Sixteen agents
 calling at once therefore share forward passes instead of running one after another.
 
-Sampling is per row (temperature, top_p, stop strings, seed). Logprobs are those of the tempered
-distribution the row sampled from (`scoring_temperature`, within `scoring_top_p`'s nucleus), so the
-trainer can score the same policy. A seeded row (a request's seed, or every request under
-`engine.repeatable_sampling`) draws from its own generator, so its tokens do not depend on which rows
+Sampling is per row (temperature, top_p, stop strings, seed); stop strings are matched on the
+incrementally decoded text (`core.engine.detokenize`), so one whose characters span tokens matches.
+Logprobs are those of the tempered distribution the row sampled from (`scoring_temperature`,
+within `scoring_top_p`'s nucleus), so the trainer can score the same policy. A seeded row (a
+request's seed, or every request under `engine.repeatable_sampling`) draws from its own generator, so its tokens do not depend on which rows
 share its batch; the others share the run's stream. A decode step reads the device once.
 A request whose prefill or sampling fails (a NaN row of logits from a diverged model, say) gets its
 own `GenerationError` and the rows already decoding go on; at most `max_batch` rows are active.
@@ -35,6 +36,7 @@ from transformers import DynamicCache
 from core.config import EngineConfig
 from core.engine import Generation, GenerationError, is_greedy, scoring_temperature, scoring_top_p
 from core.engine.batch_cache import BatchCache
+from core.engine.detokenize import IncrementalText, StopMatcher
 from core.engine.sampling import sample_batch
 from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
 
@@ -49,7 +51,8 @@ class _Row:
     version: int  # weight version that prefilled it: the oldest behind any of its tokens
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    text: str = ""
+    text: IncrementalText | None = None  # the completion's stable text, decoded as it grows (rows with stops)
+    stops: StopMatcher | None = None
     finish: str | None = None
     stop_string: str | None = None
     error: BaseException | None = None  # set with finish: the row failed alone and is resolved with this
@@ -231,12 +234,16 @@ class HFEngine(WorkerEngine):
             row.finish = "stop"
             return
         if p.stop:
-            row.text += self.tokenizer.decode([token], skip_special_tokens=False)
-            tail = row.text[-(max(len(s) for s in p.stop) + 16) :]
-            for s in p.stop:
-                if s and s in tail:
-                    row.finish, row.stop_string = "stop", s
-                    return
+            # Matched on incrementally decoded text: a character split across tokens (a byte-level
+            # tokenizer's '椀' is three tokens) only appears once its last byte has, and one token's
+            # text can depend on the token before it, so decoding each token alone would miss both.
+            if row.text is None:
+                row.text = IncrementalText(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+                row.stops = StopMatcher(p.stop)
+            found = row.stops.feed(row.text.add(token))
+            if found is not None:
+                row.finish, row.stop_string = "stop", found
+                return
         if len(row.token_ids) >= p.max_tokens or row.position + 1 >= self.max_context:
             row.finish = "length"
 

@@ -300,6 +300,9 @@ class VLLMEngine(WorkerEngine):
             logprobs=0,  # the sampled token's own logprob only
             detokenize=bool(p.stop),  # text is only needed to match stop strings
             skip_special_tokens=False,  # match stop strings on the same text the hf engine decodes
+            # ... and without the spaces vLLM puts between special tokens by default, which the hf
+            # engine's decode (and the gateway's reply text, cut at the stop string) never has.
+            spaces_between_special_tokens=False,
         )
 
     def _abort_cancelled(self) -> None:

@@ -24,41 +24,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from core.engine import Generation, SamplingParams
-from core.episodes.registry import EpisodeError
+from core.engine.detokenize import IncrementalText
+from core.episodes.errors import Refusal
 from core.records import Episode
 from core.serve.chat import Rendered
 from core.serve.state import Policy
-
-
-class IncrementalText:
-    """The text of a growing list of token ids, decoding a short window per token instead of the whole list.
-
-    Decoding token by token is not enough (a token's text can depend on the one before it, and a
-    UTF-8 character may span tokens), so each new token is decoded together with the tokens since
-    the last stable point, and the difference against the window without it is the new text. Text
-    is only taken once it does not end in half a character. `add` returns only the new text, so
-    nothing per token grows with the completion (the vLLM/TGI scheme).
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode, self.ids, self._pieces = decode, [], []
-        self._prefix = self._read = 0  # window start; end of what is already in the pieces
-
-    def add(self, token: int) -> str:
-        """Append one token; returns the text it made stable ("" while a character is incomplete)."""
-        self.ids.append(token)
-        before = self.decode(self.ids[self._prefix : self._read])
-        now = self.decode(self.ids[self._prefix :])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            self._pieces.append(now[len(before) :])
-            self._prefix, self._read = self._read, len(self.ids)
-            return self._pieces[-1]
-        return ""
-
-    @property
-    def text(self) -> str:
-        """The stable text so far (joined on demand: O(n), for the end of a stream or a test)."""
-        return "".join(self._pieces)
 
 
 @dataclass
@@ -95,7 +65,13 @@ class ChoiceFailed:
 
 
 class _Held:
-    """What of one choice's text is sent, and what is held back in case a stop string is forming."""
+    """What of one choice's text is sent, and what is held back in case a stop string is forming.
+
+    Nothing is sent that could belong to a stop string: before sending, the whole unsent text (and
+    the sent tail a stop string could begin in) is searched, so a stop string that starts in the
+    part about to go out and ends in the part held back blocks it. Once blocked, the rest of the
+    reply comes from the recorded text (`chat_events`), cut where the engine cut it.
+    """
 
     def __init__(self, hold: int, tail: int):
         self.hold, self.tail_len = hold, tail
@@ -109,15 +85,16 @@ class _Held:
         if self.blocked or not piece:
             return ""
         self.pending += piece
-        if len(self.pending) <= self.hold:
-            return ""
-        out = self.pending[: len(self.pending) - self.hold]
-        window = self.tail + out
+        window = self.tail + self.pending
         if any(s in window for s in stops):
             self.blocked = True
             return ""
+        if len(self.pending) <= self.hold:
+            return ""
+        out = self.pending[: len(self.pending) - self.hold]
         self.pending = self.pending[len(out) :]
-        self.tail = window[-self.tail_len :] if self.tail_len else ""
+        sent = self.tail + out
+        self.tail = sent[-self.tail_len :] if self.tail_len else ""
         self.sent.append(out)
         return out
 
@@ -168,7 +145,7 @@ async def chat_events(gw, prep: PreparedChat, episode: Episode | None
             reply = policy.renderer.parse_reply(gw.text_of(policy, item), prep.tools_offered)
             try:
                 gw.record(episode, gw.make_call(policy, prep.messages, prep.rendered, item, reply))
-            except EpisodeError as e:  # the lease ran out while generating
+            except Refusal as e:  # the lease ran out while generating
                 yield ChoiceFailed(i, str(e), "conflict_error", e.code)
                 continue
             sent = "".join(held[i].sent)

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.models import byte_tokenizer
-from core.serve.streaming import IncrementalText
+from core.engine.detokenize import IncrementalText
 
 TOK = byte_tokenizer()
 
