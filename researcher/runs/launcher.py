@@ -45,6 +45,7 @@ from mlflow.tracking import MlflowClient
 from core.config import ContainMode
 from core.config_io import is_secret
 from researcher.records import TERMINAL, Launch
+from researcher.code.sealed import SealError, verify
 from researcher.code.workspace import Workspace, WorkspaceError
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,10 @@ class LaunchTarget:
     # What the contained clients of its runs and swaps must not read: the study's state and MLflow store
     # (study.store.private_paths). The core masks what `CONTAIN_HIDE_ENV` lists in every client it contains.
     hidden: tuple[Path, ...] = ()
+    # The study's sealed judges (researcher.code.sealed): every run gets them as `server.judges_dir`, so every
+    # arm is scored by the judge the study sealed at its start, never by one in the code the run checks out.
+    # None: the runs' own sandbox folders (a study that edits no code runs the person's code as is).
+    judges: Path | None = None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -173,6 +178,12 @@ class Launcher:
         """Check the launch's code out and write its intent, before anything starts: (argv, start time),
         or the launch failed at checkout."""
         rd.mkdir(parents=True, exist_ok=True)
+        if self.target.judges is not None:
+            try:
+                verify(self.target.judges)
+            except SealError as e:
+                return launch.model_copy(update={"status": "failed", "reason": f"not started: {e}",
+                                                 "ended_at": time.time()})
         failed = self._check_out(launch, rd)
         if failed is not None:
             return failed
@@ -198,9 +209,11 @@ class Launcher:
         tags = {**_config_tags(launch.config_path), "swarmrl.study": t.study, "swarmrl.proposal": launch.proposal_id,
                 "swarmrl.launch": launch.key, "swarmrl.seed": str(launch.seed)}
         contained: list[str] = []
+        if t.judges is not None:
+            contained += ["--set", f"server.judges_dir={t.judges}"]
         if launch.commit:
             tags["swarmrl.sandbox_version"] = launch.commit
-            contained = ["--set", f"containment.clients={contain_mode(t.containment)}"]  # its clients run proposal code
+            contained += ["--set", f"containment.clients={contain_mode(t.containment)}"]  # its clients run proposal code
         # A re-run of a dead run continues from that run's checkpoints (and its MLflow run).
         checkpoints = self.run_dir(launch.resumes or launch.key) / "checkpoints"
         return [*t.command, launch.config_path,

@@ -100,7 +100,8 @@ def build_context(paths: StudyPaths, meta: StudyMeta, emit: Emit, warm: str | No
     target = LaunchTarget(command=brief.launch.command or default_swarm_command(), workdir=Path(meta.workdir),
                           tracking_uri=meta.tracking_uri, experiment=meta.experiment, study=meta.name,
                           containment=brief.containment, warm=warm,
-                          hidden=tuple(private_paths(paths, meta.tracking_uri)))
+                          hidden=tuple(private_paths(paths, meta.tracking_uri)),
+                          judges=paths.judges if brief.code else None)
     workspace = Workspace(paths.workspace, brief.code, Path(meta.workdir)) if brief.code else None
     return StudyContext(name=meta.name, brief=brief, paths=paths, workdir=Path(meta.workdir), client=client,
                         board=ReviewBoard(client, meta.experiment, meta.name, _artifacts(paths, meta)),

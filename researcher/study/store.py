@@ -133,6 +133,10 @@ class StudyPaths:
         return self.root / "workspace"  # the study's code repository (researcher/code/workspace.py)
 
     @property
+    def judges(self) -> Path:
+        return self.state / "judges"  # the judges sealed at study start (researcher/code/sealed.py)
+
+    @property
     def trials(self) -> Path:
         return self.state / "trials"  # validation worktrees and smoke logs
 

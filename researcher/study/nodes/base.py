@@ -41,6 +41,7 @@ class StudyState(TypedDict, total=False):
     compute_s: float  # wall-clock of finished rounds (launch to last run end)
     round_started: float | None  # when the current round's first run started
     workspace_base: str  # the code workspace's base commit ("" when the brief edits no code)
+    sealed_judges: dict[str, Any]  # the SealedJudges every run is scored by (researcher.code.sealed); {} without code
     code: list[dict[str, Any]]  # one CodeVersion per code proposal: validation steps and commit
     live: dict[str, Any]  # the live run's Launch (brief `run.live: true`); {} without one
     swaps: list[dict[str, Any]]  # one SwapResult per hot swap into the live run

@@ -21,6 +21,7 @@ from typing import Any
 from researcher.code.validation import Validator
 from researcher.runs.launcher import contain_mode
 from researcher.code.lineage import parent_problem
+from researcher.code.sealed import seal
 from researcher.records import CodeVersion, Decision, Proposal, StepResult
 from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
 from researcher.study.store import private_paths
@@ -67,7 +68,11 @@ class CodeNodes(NodeBase):
         base = self.ctx.workspace.base()
         if base != state.get("workspace_base"):
             self.ctx.emit("workspace", path=str(self.ctx.workspace.root), base=base)
-        return {"workspace_base": base}
+        # Before any run: every arm of every comparison is scored by these copies (researcher.code.sealed).
+        sealed = seal(self.ctx.workspace, self.ctx.paths.judges, base)
+        if not state.get("sealed_judges"):
+            self.ctx.emit("judges.sealed", digest=sealed.digest(), sandboxes=[j.sandbox for j in sealed.judges])
+        return {"workspace_base": base, "sealed_judges": sealed.model_dump()}
 
     def validate(self, state: StudyState) -> dict[str, Any]:
         self._enter("validate", state)
