@@ -3,8 +3,10 @@
 Names are confined: `sandbox:NAME` and a sandbox.toml `name` must be plain names (no separator, no
 `..`), and `safe_name` is what file names built from a name use. `task_order` is the order a client or
 the server's dealer draws a split's tasks in: shuffled by the run's seed (through a window, so an
-endless `tasks()` still streams). Loading an agent's code is `core.clients.sandbox`'s job, a judge's
-`core.sandbox.judge`'s; this module imports no sandbox code.
+endless `tasks()` still streams). `episode_protocol` reads what `sandbox.toml` declares of an episode
+(`max_calls`, and `[eval_sampling]`: `temperature`, `top_p`, `max_tokens`, `stop`), which the server
+enforces on a judged sandbox's calls (`core.serve.protocol`). Loading an agent's code is
+`core.clients.sandbox`'s job, a judge's `core.sandbox.judge`'s; this module imports no sandbox code.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import random
 import tomllib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 
 TASK_WINDOW = 1024  # tasks held at once while shuffling: a whole sandbox split, or a window of an endless one
@@ -24,6 +28,32 @@ SANDBOXES_DIR = "sandboxes"  # a project's sandbox folders live under <project>/
 
 
 JUDGE_KEY = "judge"  # the sandbox.toml key naming a judged sandbox's judge file (core.sandbox.judge)
+MAX_CALLS_KEY, EVAL_SAMPLING_KEY = "max_calls", "eval_sampling"  # the episode protocol's keys in sandbox.toml
+# An eval reply longer than this is no eval a sandbox means: a typo (an extra zero) is refused, not run for hours.
+MAX_EVAL_TOKENS = 32_768
+MAX_STOPS = 4  # as the OpenAI API allows: each stop string is checked at every decoded token
+
+
+class EvalSampling(BaseModel):
+    """How every call of an eval episode samples, whatever the agent's request says (sandbox.toml
+    `[eval_sampling]`): one fixed setting, so every arm of a study is scored the same way."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    temperature: float = Field(1.0, ge=0, le=2)  # 1.0: the policy's own distribution
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(ge=1, le=MAX_EVAL_TOKENS)  # no default: how long a reply may be is the sandbox's
+    stop: list[Annotated[str, StringConstraints(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOPS)
+
+
+class EpisodeProtocol(BaseModel):
+    """What a sandbox's episode may do, declared in its sandbox.toml (read-only to studies, like its judge).
+
+    `max_calls`: the model calls one episode may make (its choices counted: `n` = 2 is two); None: no bound.
+    `eval_sampling`: the sampling of an eval episode's calls; None: the request's own."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_calls: int | None = None
+    eval_sampling: EvalSampling | None = None
 
 
 class SandboxNotFound(ValueError):
@@ -94,7 +124,34 @@ def sandbox_meta(folder: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: name {name!r} is refused; a sandbox's name must be a plain name (no '/', '\\', "
                          "'..'): it keys groups and names the client's pid and state files")
     entry_path(folder, meta)  # a bad `entry` is refused when the file is read, before anything imports it
+    episode_protocol(folder, meta)  # so is a bad episode protocol, on the client's side as on the server's
     return meta
+
+
+def episode_protocol(folder: Path, meta: dict[str, Any]) -> EpisodeProtocol:
+    """The episode protocol sandbox.toml declares (`max_calls`, `[eval_sampling]`); a ValueError naming
+    sandbox.toml and the key for anything malformed."""
+    toml = folder / "sandbox.toml"
+    max_calls = meta.get(MAX_CALLS_KEY)
+    if max_calls is not None and (isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1):
+        raise ValueError(f"{toml}: {MAX_CALLS_KEY} = {max_calls!r} is invalid; it must be a whole number of model "
+                         "calls per episode, at least 1 (leave it out for no bound)")
+    sampling = meta.get(EVAL_SAMPLING_KEY)
+    if sampling is None:
+        return EpisodeProtocol(max_calls=max_calls)
+    if not isinstance(sampling, dict):
+        raise ValueError(f"{toml}: {EVAL_SAMPLING_KEY} must be a table ([{EVAL_SAMPLING_KEY}] with temperature, "
+                         f"top_p, max_tokens, stop), got {sampling!r}")
+    if isinstance(sampling.get("temperature"), int) and not isinstance(sampling.get("temperature"), bool):
+        sampling = {**sampling, "temperature": float(sampling["temperature"])}  # `temperature = 1` is 1.0
+    if isinstance(sampling.get("top_p"), int) and not isinstance(sampling.get("top_p"), bool):
+        sampling = {**sampling, "top_p": float(sampling["top_p"])}
+    try:
+        return EpisodeProtocol(max_calls=max_calls, eval_sampling=EvalSampling(**sampling))
+    except ValidationError as e:
+        first = e.errors()[0]
+        key = ".".join([EVAL_SAMPLING_KEY, *(str(p) for p in first.get("loc", ()))])
+        raise ValueError(f"{toml}: {key}: {first.get('msg', 'invalid')} (got {first.get('input')!r})") from None
 
 
 def sandbox_requirements(folder: Path, meta: dict[str, Any]) -> list[str]:

@@ -4,15 +4,19 @@ A judged sandbox names its judge in `sandbox.toml` (`judge = "judge.py"`, a file
 folder). The judge module defines:
 
 - `tasks(split)`: the tasks episodes are dealt, for at least the splits `train` and `eval`;
-- `score(task, episode) -> float`: an episode's score, from a `JudgeEpisode`: what the server recorded
-  of its calls (messages, replies, completion text, tool calls) and the answer `rollout` returned;
+- `score(task, episode) -> float`: an episode's score, from a `JudgeEpisode`: every call the server
+  recorded of it, in order (`JudgedCall`: its request messages, reply, text, tool calls, token counts),
+  and the answer `rollout` returned. The shipped judges check that the call they score was asked the
+  dealt task (its recorded prompt carries the task), so a reply to another question scores `FAILURE`;
 - `FAILURE`: the score of an episode that raised, timed out or expired, or whose judging failed.
 
 The server (`swarm run`, `swarm serve`) loads each judge in its own process, never in an agent's: under
 a private module name, and with the judge's sibling modules taken out of `sys.modules` once it has
 loaded, so an in-process agent that imports the same file names gets copies of its own, and whatever
 it rebinds in them never reaches the judge. What a judge is fed comes from the server's record, not
-from a number the agent sends. The judge's tasks are dealt by `core.sandbox.dealer`.
+from a number the agent sends. The judge's tasks are dealt by `core.sandbox.dealer`. A loaded judge carries
+its sandbox's episode protocol (`Judge.protocol`: `max_calls`, eval sampling, from the same sandbox.toml),
+which the server enforces on the sandbox's calls (`core.serve.protocol`).
 
 Deliberately not here: dealing tasks (`core.sandbox.dealer`), the routes that call the judge
 (`core.serve.swarm_routes`), and which files a study may not edit (the researcher works that out
@@ -34,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.sandbox.folder import JUDGE_KEY, is_plain_name, locate, sandbox_meta, sandbox_roots
+from core.sandbox.folder import JUDGE_KEY, EpisodeProtocol, episode_protocol, is_plain_name, locate, sandbox_meta, sandbox_roots
 from core.config import RunConfig
 from core.records import Call, Episode
 
@@ -46,12 +50,37 @@ class JudgeError(ValueError):
 
 
 @dataclass(frozen=True)
+class JudgedCall:
+    """One model call of an episode as the server recorded it."""
+
+    model: str
+    messages: list[dict[str, Any]]  # its request's messages ([] for a /v1/completions call)
+    reply: dict[str, Any] | None  # the assistant message returned (None for a /v1/completions call)
+    text: str  # the reply's text (a /v1/completions call's completion decoded)
+    tool_calls: list[dict[str, Any]]  # the tool calls of its reply
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+    def last_user(self) -> str:
+        """The text of the last user message of its request ("" when none): where a task is asked."""
+        for message in reversed(self.messages):
+            if message.get("role") == "user":
+                content = message.get("content")
+                if isinstance(content, list):  # content parts: their text, in order
+                    return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+                return content if isinstance(content, str) else ""
+        return ""
+
+
+@dataclass(frozen=True)
 class JudgeEpisode:
-    """What a judge scores: the server's record of one episode, plus the answer `rollout` returned."""
+    """What a judge scores: the server's record of one episode, every call in order, plus the answer
+    `rollout` returned."""
 
     task_id: str
     kind: str  # train, eval or debug
-    calls: list[dict[str, Any]]  # per call in order: {"model", "messages" (its request), "reply", "text"}
+    calls: list[JudgedCall]  # every call the episode made, in order
     completion: str  # the text of the last call's reply ("" when the episode made no call)
     completions: list[str]  # the text of every call's reply, in order
     tool_calls: list[dict[str, Any]]  # every tool call the model's replies made, in order
@@ -69,6 +98,7 @@ class Judge:
     file: Path
     failure: float
     digest: str  # sha1 of the judge file: two clients of one sandbox must name the same judge
+    protocol: EpisodeProtocol  # what sandbox.toml declares of an episode: the server enforces it
     _tasks: Callable[[str], Iterable[dict[str, Any]]]
     _score: Callable[[dict[str, Any], JudgeEpisode], Any]
 
@@ -120,8 +150,12 @@ def load_judge(folder: Path) -> Judge | None:
     if isinstance(failure, bool) or not isinstance(failure, numbers.Real) or not math.isfinite(failure):
         raise JudgeError(f"{path}: a judge must define FAILURE, the finite score of an episode that raises or "
                          f"times out; got {failure!r}")
+    try:
+        protocol = episode_protocol(folder, meta)
+    except ValueError as e:
+        raise JudgeError(str(e)) from None
     judge = Judge(sandbox, folder.resolve(), path.resolve(), float(failure),
-                  hashlib.sha1(path.read_bytes()).hexdigest(), module.tasks, module.score)
+                  hashlib.sha1(path.read_bytes()).hexdigest(), protocol, module.tasks, module.score)
     for split in REQUIRED_SPLITS:
         first = next(iter(_checked_tasks(judge, split)), None)
         if first is None:
@@ -197,9 +231,12 @@ def judge_episode(ep: Episode, answer: Any, text_of: Callable[[Call], str]) -> J
     for call in ep.calls:
         text = text_of(call)
         texts.append(text)
-        tools.extend((call.reply or {}).get("tool_calls") or [])
-        calls.append({"model": call.model, "messages": [dict(m) for m in call.messages],
-                      "reply": dict(call.reply) if call.reply else None, "text": text})
+        own = [dict(t) for t in (call.reply or {}).get("tool_calls") or []]
+        tools.extend(own)
+        calls.append(JudgedCall(model=call.model, messages=[dict(m) for m in call.messages],
+                                reply=dict(call.reply) if call.reply else None, text=text, tool_calls=own,
+                                prompt_tokens=len(call.prompt_ids), completion_tokens=len(call.completion_ids),
+                                finish_reason=call.finish_reason))
     last = ep.calls[-1] if ep.calls else None
     messages = [dict(m) for m in last.messages] if last else []
     if last is not None:

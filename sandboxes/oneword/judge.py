@@ -1,7 +1,9 @@
 """The oneword sandbox's judge (sandbox.toml `judge`): the server loads it, deals its tasks and scores with it.
 
-It scores the reply the server recorded with `format_reward.py`, never a number the agent returns; an
-episode that raises, times out or expires scores `FAILURE`. Read-only to every study proposal.
+It scores the reply the server recorded with `format_reward.py`, never a number the agent returns. The
+episode makes one call (sandbox.toml `max_calls = 1`), and that call must have been asked the dealt task:
+its last user message carries the task's prompt (which names the category), else the episode scores
+`FAILURE`. An episode that raises, times out or expires scores `FAILURE` too. Read-only to every study proposal.
 """
 
 from __future__ import annotations
@@ -12,4 +14,6 @@ FAILURE = 0.0  # what a reply without a single word earns: failing never beats a
 
 
 def score(task, episode) -> float:
-    return reward(episode.completion)
+    if not episode.calls or task["prompt"] not in episode.calls[-1].last_user():
+        return FAILURE
+    return reward(episode.calls[-1].text)

@@ -1,7 +1,9 @@
 """The roman sandbox's judge (sandbox.toml `judge`): the server deals its tasks and scores the reply it recorded.
 
-It uses `numerals.py` (pure Python: the server has no `roman` package). An episode that raises, times out
-or expires scores `FAILURE`. Read-only to studies.
+It uses `numerals.py` (pure Python: the server has no `roman` package). The episode makes one call
+(sandbox.toml `max_calls = 1`), and that call must have been asked the dealt task: its last user message
+carries the task's prompt (which names the number), else the episode scores `FAILURE`. An episode that
+raises, times out or expires scores `FAILURE` too. Read-only to studies.
 """
 
 from __future__ import annotations
@@ -12,4 +14,6 @@ FAILURE = 0.0  # what a reply that is no numeral earns: failing never beats answ
 
 
 def score(task, episode) -> float:
-    return reward(episode.completion, task["n"])
+    if not episode.calls or task["prompt"] not in episode.calls[-1].last_user():
+        return FAILURE
+    return reward(episode.calls[-1].text, task["n"])

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from core.sandbox.judge import JudgeEpisode, JudgedCall
+
 FOLDER = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(FOLDER))
 _spec = importlib.util.spec_from_file_location("arith_under_test", FOLDER / "agent.py")
@@ -39,7 +41,25 @@ def test_rollout_scores_the_models_reply():
     assert asyncio.run(agent.rollout({"id": "t", "a": 3, "b": 4}, llm)) == 1.0
 
 
+def _recorded(*calls: tuple[str, str]) -> JudgeEpisode:
+    """A server record of an episode: per call, the question its last user message asked and the reply."""
+    return JudgeEpisode(task_id="t", kind="train", calls=[
+        JudgedCall(model="policy", messages=[{"role": "user", "content": q}], reply={"role": "assistant", "content": r},
+                   text=r, tool_calls=[], prompt_tokens=len(q), completion_tokens=len(r), finish_reason="stop")
+        for q, r in calls], completion=calls[-1][1] if calls else "", completions=[r for _, r in calls], tool_calls=[],
+        messages=[], answer=0.0)
+
+
 def test_the_judge_owns_the_tasks_and_scores_the_reply_the_server_recorded():
     assert list(judge.tasks("eval")) == list(agent.tasks("eval"))
-    assert judge.score({"a": 3, "b": 4}, SimpleNamespace(completion="7", answer=0.0)) == 1.0
-    assert judge.score({"a": 3, "b": 4}, SimpleNamespace(completion="no number")) == judge.FAILURE == 0.0
+    task = {"id": "t", "a": 3, "b": 4}
+    assert judge.score(task, _recorded((agent.messages(task)[-1]["content"], "7"))) == 1.0
+    assert judge.score(task, _recorded(("What is 3 + 4?", "no number"))) == judge.FAILURE == 0.0
+    assert judge.score(task, _recorded()) == judge.FAILURE
+
+
+def test_a_right_number_to_a_question_that_is_not_the_dealt_sum_scores_failure():
+    task = {"id": "t", "a": 13, "b": 14}
+    assert judge.score(task, _recorded(("What is 13 + 14?", "27"))) == 1.0
+    for question in ("Reply with 27.", "What is 14 + 13?", "What is 13 + 14? Say 27.", "What is 10 + 17?", ""):
+        assert judge.score(task, _recorded((question, "27"))) == judge.FAILURE, question

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from core.config_io import load_config
+from core.sandbox.judge import JudgeEpisode, JudgedCall
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.serve.server import Server
@@ -132,8 +133,36 @@ def test_real_episodes_record_three_calls_that_merge_into_one_sample(tiny_server
         assert counts["linear_tokens"] == counts["tree_tokens"] < counts["unmerged_tokens"]
 
 
+def _game(replies: list[str], hints: list[str] | None = None) -> JudgeEpisode:
+    """A server record of a game: call i was asked with the conversation so far (hint i before reply i)."""
+    hints = hints or [guess.SYSTEM] + ["Your guess?"] * len(replies)
+    messages, calls = [{"role": "system", "content": hints[0]}], []
+    for hint, reply in zip(hints[1:], replies):
+        messages = messages + [{"role": "user", "content": hint}]
+        calls.append(JudgedCall(model="policy", messages=messages, reply={"role": "assistant", "content": reply},
+                                text=reply, tool_calls=[], prompt_tokens=1, completion_tokens=1, finish_reason="stop"))
+        messages = messages + [{"role": "assistant", "content": reply}]
+    return JudgeEpisode(task_id="t", kind="train", calls=calls, completion=replies[-1] if replies else "",
+                        completions=list(replies), tool_calls=[], messages=[], answer=None)
+
+
 def test_the_judge_scores_the_replies_the_server_recorded_against_the_true_secret():
-    recorded = SimpleNamespace(completions=["25", "37", "31"])
-    assert judge.score({"id": "t", "secret": 31}, recorded) == game.score_game(["25", "37", "31"], 31)
-    assert judge.score({"id": "t", "secret": 31}, SimpleNamespace(completions=[])) == judge.FAILURE == 0.0
+    assert judge.score({"id": "t", "secret": 31}, _game(["25", "37", "31"])) == game.score_game(["25", "37", "31"], 31)
+    assert judge.score({"id": "t", "secret": 31}, _game([])) == judge.FAILURE == 0.0
     assert list(judge.tasks("train"))[:3] == list(guess.tasks("train"))[:3]
+
+
+def test_a_game_stopped_after_a_lucky_guess_scores_its_missing_turns_as_nothing():
+    full = judge.score({"id": "t", "secret": 31}, _game(["31", "31", "31"]))
+    stopped = judge.score({"id": "t", "secret": 31}, _game(["31"]))
+    assert stopped == pytest.approx(1 / 3) and stopped < full  # one full turn of three, no closeness at the end
+
+
+def test_a_game_whose_environment_names_the_secret_scores_failure():
+    secret = 31
+    told = _game(["31", "31", "31"], [guess.SYSTEM, "Hint: it is 31. Your guess?", "Again?", "Again?"])
+    assert judge.score({"id": "t", "secret": secret}, told) == judge.FAILURE
+    # Naming the model's own earlier guess is fair ("You said 31: correct."), and so are the range's bounds.
+    echoed = _game(["31", "31", "31"], [guess.SYSTEM, "Your guess?", "You said 31: correct.", "Again?"])
+    assert judge.score({"id": "t", "secret": secret}, echoed) == game.score_game(["31"] * 3, secret)
+    assert judge.score({"id": "t", "secret": game.HIGH}, _game(["50"] * 3)) == game.score_game(["50"] * 3, game.HIGH)

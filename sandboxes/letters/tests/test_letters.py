@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from core.sandbox.judge import JudgeEpisode, JudgedCall
+
 FOLDER = Path(__file__).resolve().parents[1]
 
 
@@ -58,8 +60,27 @@ def test_rollout_scores_the_models_reply():
     assert sent[0]["model"] == "policy" and sent[0]["messages"][-1]["role"] == "user"
 
 
+def _recorded(*calls: tuple[str, str], answer=None) -> JudgeEpisode:
+    """A server record of an episode: per call, the question its last user message asked and the reply."""
+    return JudgeEpisode(task_id="t", kind="train", calls=[
+        JudgedCall(model="policy", messages=[{"role": "user", "content": q}], reply={"role": "assistant", "content": r},
+                   text=r, tool_calls=[], prompt_tokens=len(q), completion_tokens=len(r), finish_reason="stop")
+        for q, r in calls], completion=calls[-1][1] if calls else "", completions=[r for _, r in calls], tool_calls=[],
+        messages=[], answer=answer)
+
+
 def test_the_judge_owns_the_tasks_and_scores_the_reply_the_server_recorded():
     assert list(judge.tasks("train")) == list(agent.tasks("train")) and list(judge.tasks("eval"))
-    recorded = SimpleNamespace(completion="hello world!", answer=1.0)  # what rollout claims plays no part
-    assert judge.score({"id": "train-0"}, recorded) == scoring.reward("hello world!")
-    assert judge.FAILURE <= min(judge.score({}, SimpleNamespace(completion=t)) for t in ("", "ABC", "abc"))
+    task = next(iter(judge.tasks("train")))
+    recorded = _recorded((task["prompt"], "hello world!"), answer=1.0)  # what rollout claims plays no part
+    assert judge.score(task, recorded) == scoring.reward("hello world!")
+    assert judge.FAILURE <= min(judge.score(task, _recorded((task["prompt"], t))) for t in ("", "ABC", "abc"))
+    assert judge.score(task, _recorded()) == judge.FAILURE  # no call: nothing answered
+
+
+def test_a_reply_to_a_prompt_that_does_not_carry_the_dealt_task_scores_failure():
+    task, other = list(judge.tasks("train"))[:2]
+    assert task["prompt"] not in other["prompt"]
+    assert judge.score(task, _recorded((other["prompt"], "abcdefghijklmnop"))) == judge.FAILURE
+    # Extra instructions around the task's prompt are the agent's to write: the task is still asked.
+    assert judge.score(task, _recorded((f"Be brief. {task['prompt']}", "hello"))) == scoring.reward("hello")

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from core.sandbox.judge import JudgeEpisode, JudgedCall
+
 FOLDER = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(FOLDER))
 _spec = importlib.util.spec_from_file_location("oneword_under_test", FOLDER / "agent.py")
@@ -42,9 +44,25 @@ def test_rollout_scores_the_models_reply():
     assert asyncio.run(agent.rollout(next(iter(agent.tasks("train"))), llm)) == 1.0
 
 
+def _recorded(*calls: tuple[str, str]) -> JudgeEpisode:
+    """A server record of an episode: per call, the question its last user message asked and the reply."""
+    return JudgeEpisode(task_id="t", kind="train", calls=[
+        JudgedCall(model="policy", messages=[{"role": "user", "content": q}], reply={"role": "assistant", "content": r},
+                   text=r, tool_calls=[], prompt_tokens=len(q), completion_tokens=len(r), finish_reason="stop")
+        for q, r in calls], completion=calls[-1][1] if calls else "", completions=[r for _, r in calls], tool_calls=[],
+        messages=[], answer=0.0)
+
+
 def test_the_judge_owns_the_tasks_and_scores_the_reply_the_server_recorded():
     assert list(judge.tasks("train")) == list(agent.tasks("train")) and len(list(judge.tasks("eval"))) == 40
-    assert judge.score({"id": "train-0"}, SimpleNamespace(completion="apple")) == 1.0
-    assert judge.score({"id": "train-0"}, SimpleNamespace(completion="I like apples a lot")) == scoring.reward(
-        "I like apples a lot")
-    assert judge.FAILURE == 0.0
+    task = next(iter(judge.tasks("train")))
+    assert judge.score(task, _recorded((task["prompt"], "apple"))) == 1.0
+    assert judge.score(task, _recorded((task["prompt"], "I like apples a lot"))) == scoring.reward("I like apples a lot")
+    assert judge.FAILURE == 0.0 and judge.score(task, _recorded()) == judge.FAILURE
+
+
+def test_a_reply_to_a_prompt_that_does_not_carry_the_dealt_task_scores_failure():
+    task = next(iter(judge.tasks("train")))
+    other = next(t for t in judge.tasks("train") if t["prompt"] != task["prompt"])
+    assert judge.score(task, _recorded((other["prompt"], "apple"))) == judge.FAILURE
+    assert judge.score(task, _recorded(("Say apple.", "apple"))) == judge.FAILURE

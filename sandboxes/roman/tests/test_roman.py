@@ -6,9 +6,8 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-
 from core.contain.venvs import client_python
+from core.sandbox.judge import JudgeEpisode, JudgedCall
 
 FOLDER = Path(__file__).resolve().parents[1]
 
@@ -38,8 +37,16 @@ def test_tasks_reward_and_rollout_in_the_sandbox_venv():
     assert out.stdout.strip() == "1.0"
 
 
-def test_the_judge_scores_like_the_roman_package_without_it():
-    """The judge runs in the server (no `roman` package): its pure-Python numerals agree with the package's."""
+def _recorded(*calls: tuple[str, str]) -> JudgeEpisode:
+    """A server record of an episode: per call, the question its last user message asked and the reply."""
+    return JudgeEpisode(task_id="t", kind="train", calls=[
+        JudgedCall(model="policy", messages=[{"role": "user", "content": q}], reply={"role": "assistant", "content": r},
+                   text=r, tool_calls=[], prompt_tokens=len(q), completion_tokens=len(r), finish_reason="stop")
+        for q, r in calls], completion=calls[-1][1] if calls else "", completions=[r for _, r in calls], tool_calls=[],
+        messages=[], answer=0.0)
+
+
+def _judge():
     sys.path.insert(0, str(FOLDER))
     try:
         spec = importlib.util.spec_from_file_location("roman_judge_under_test", FOLDER / "judge.py")
@@ -47,6 +54,21 @@ def test_the_judge_scores_like_the_roman_package_without_it():
         spec.loader.exec_module(judge)
     finally:
         sys.path.remove(str(FOLDER))
+    return judge
+
+
+def test_the_judge_scores_like_the_roman_package_without_it():
+    """The judge runs in the server (no `roman` package): its pure-Python numerals agree with the package's."""
+    judge = _judge()
+    task = next(t for t in judge.tasks("train") if t["n"] == 14)
     for reply, score in (("XIV", 1.0), ("xiv.", 1.0), ("XV", 0.25), ("IIII", 0.0), ("fourteen", 0.0), ("", 0.0)):
-        assert judge.score({"n": 14}, SimpleNamespace(completion=reply)) == score, reply
+        assert judge.score(task, _recorded((task["prompt"], reply))) == score, reply
     assert len(list(judge.tasks("train"))) == 100 and list(judge.tasks("eval")) and judge.FAILURE == 0.0
+
+
+def test_a_numeral_for_a_prompt_that_does_not_carry_the_dealt_number_scores_failure():
+    judge = _judge()
+    task = next(t for t in judge.tasks("train") if t["n"] == 14)
+    assert judge.score(task, _recorded(("Write 15 in Roman numerals. Answer with the numeral only.", "XIV"))) == judge.FAILURE
+    assert judge.score(task, _recorded(("Reply XIV.", "XIV"))) == judge.FAILURE
+    assert judge.score(task, _recorded()) == judge.FAILURE
