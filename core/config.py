@@ -266,6 +266,9 @@ class ContainLimits(Strict):
     file_size: int = Field(1 * GiB, ge=1)  # the largest file it may write, bytes
     processes: int = Field(256, ge=1)  # processes and threads beyond what the user runs already (a fork bomb stops)
     open_files: int = Field(1024, ge=16)
+    # All its processes' memory together (pages, tmpfs, shared memory), bytes: a memory cgroup where the machine
+    # allows one (`core.contain.memory_cgroup`), else only address_space per process holds
+    memory: int = Field(8 * GiB, ge=64 * 1024 ** 2)
 
 
 ContainMode = Literal["off", "auto", "required"]

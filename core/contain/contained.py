@@ -10,7 +10,8 @@
 - resource limits set between fork and exec (`core.config.ContainLimits`): CPU seconds, address
   space, file size, processes (on top of those the user already runs), open files; when running as
   root, where the kernel does not apply the process limit, a pids cgroup of its own when one can be made
-  (`core.contain.process_count`);
+  (`core.contain.process_count`); all its processes' memory together in a memory cgroup where the machine
+  allows one (`core.contain.memory_cgroup`; else the address-space limit per process, said once);
 - its own session and process group, killed whole at the timeout or on `kill()`; it dies with the
   thread that started it (PR_SET_PDEATHSIG), so nothing outlives its starter, unless it is started
   `detached` (a client `swarm swap` starts outlives that command: it ends when the server drains it);
@@ -49,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from core.contain.memory_cgroup import memory_cgroup
 from core.contain.namespaces import system_args, user_namespace_refusal
 from core.contain.process_count import pids_cgroup, remove_cgroup, user_processes
 from core.local_state import token_files
@@ -65,6 +67,7 @@ PASSED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TERM", "HF_HUB_OFFLIN
 CLIENT_ENV = ("PYTHONPATH",)
 HOST_PID_ENV = "SWARMRL_HOST_PID"  # set by `wrap` inside bubblewrap's pid namespace: see `host_pid`
 _warned_uncontained = False
+_warned_memory = False  # said once per process: no memory cgroup, so no bound on all processes together
 _warned_root = False  # said once per process: no user namespace, so no uid of its own inside (auto only)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # Looked up once here: the child runs the preexec hook between fork and exec, where loading a library
@@ -127,13 +130,13 @@ def contained_env(home: Path, extra: Mapping[str, str] | None = None) -> dict[st
     return env
 
 
-def _preexec(limits: ContainLimits, nproc: int, group: Path | None, detached: bool):
+def _preexec(limits: ContainLimits, nproc: int, groups: Sequence[Path], detached: bool):
     orphaned = die_with_parent(signal.SIGKILL)
 
     def apply() -> None:
         if not detached:
             orphaned()
-        if group is not None:
+        for group in groups:  # its pids cgroup and its memory cgroup, those that could be made
             with open(group / "cgroup.procs", "w") as fh:
                 fh.write(str(os.getpid()))
         cpu = limits.cpu_s or resource.RLIM_INFINITY  # 0: no CPU-time limit (a client that lives as long as its run)
@@ -242,6 +245,7 @@ class Contained:
     wrapped: bool = False  # started under bwrap: `proc` is bwrap, the command runs in its pid namespace
     forwarder: subprocess.Popen | None = None  # its one way to its server (`core.contain.forwarder`)
     net: Path | None = None  # the forwarder's socket folder
+    memory: Path | None = None  # its memory cgroup (`core.contain.memory_cgroup`), where one could be made
 
     def signal(self, sig: int) -> None:
         """Send `sig` to every process of its group (SIGTERM asks a client to drain). Under bwrap all but
@@ -274,6 +278,7 @@ class Contained:
             self.forwarder.kill()
             self.forwarder.wait()
         remove_cgroup(self.group)
+        remove_cgroup(self.memory)
         shutil.rmtree(self.scratch, ignore_errors=True)
         if self.net is not None:
             shutil.rmtree(self.net, ignore_errors=True)
@@ -294,6 +299,7 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
     env = contained_env(scratch, extra_env)
     nproc = user_processes() + limits.processes
     group = pids_cgroup(limits.processes) if os.getuid() == 0 else None
+    memory = _memory_bound(limits.memory)
     net = Path(tempfile.mkdtemp(prefix="swarmrl-net-")) if server and bwrap() is not None else None  # 0700
     if net is not None:
         argv = [inner_url(server) if a == server else a for a in argv]
@@ -304,7 +310,7 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
     proc = forwarder = None
     try:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_preexec(limits, nproc, group, detached), **popen)  # type: ignore[arg-type]
+                                preexec_fn=_preexec(limits, nproc, [g for g in (group, memory) if g], detached), **popen)  # type: ignore[arg-type]
         if net is not None:
             log_to = popen.get("stdout") if popen.get("stderr") == subprocess.STDOUT else popen.get("stderr")
             forwarder = _start_forwarder(net / FORWARD_SOCKET, server, proc.pid, detached, log_to)
@@ -313,12 +319,24 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         remove_cgroup(group)
+        remove_cgroup(memory)
         shutil.rmtree(scratch, ignore_errors=True)
         if net is not None:
             shutil.rmtree(net, ignore_errors=True)
         raise
     # `wrap` changes argv only for bwrap
-    return Contained(proc, scratch, group, wrapped=cmd != list(argv), forwarder=forwarder, net=net)
+    return Contained(proc, scratch, group, wrapped=cmd != list(argv), forwarder=forwarder, net=net, memory=memory)
+
+
+def _memory_bound(limit: int) -> Path | None:
+    """A memory cgroup of `limit` bytes for all the processes of one contained start, or None where the machine
+    allows none: then only the per-process address-space limit holds, said once per process."""
+    global _warned_memory
+    group, why = memory_cgroup(limit)
+    if group is None and not _warned_memory:
+        log.warning("contained processes' memory is bounded per process only (RLIMIT_AS), not in total: %s", why)
+        _warned_memory = True
+    return group
 
 
 def _start_forwarder(socket_path: Path, server: str, pid: int, detached: bool, stderr: object) -> subprocess.Popen:

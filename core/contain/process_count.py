@@ -41,7 +41,7 @@ def pids_cgroup(limit: int) -> Path | None:
     for root in (_CGROUP_PIDS, _CGROUP_V2):
         if not (root / "cgroup.procs").exists() or not os.access(root, os.W_OK):
             continue
-        _sweep_cgroups(root)
+        sweep_cgroups(root)
         try:
             group = Path(tempfile.mkdtemp(prefix="swarmrl-contained-", dir=root))
         except OSError:
@@ -54,7 +54,7 @@ def pids_cgroup(limit: int) -> Path | None:
     return None
 
 
-def _sweep_cgroups(root: Path) -> None:
+def sweep_cgroups(root: Path) -> None:
     """Remove the empty pids cgroups that detached processes left when they ended (nobody waits on them to
     remove theirs). The kernel refuses to remove one with tasks in it; one made in the last minute is left
     alone, as its process may not have joined it yet."""

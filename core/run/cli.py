@@ -286,6 +286,8 @@ def contain(
     processes: int = typer.Option(None, "--processes", help="processes beyond the user's "
                                   f"(default {ContainLimits().processes})"),
     open_files: int = typer.Option(None, "--open-files", help=f"open files (default {ContainLimits().open_files})"),
+    memory: int = typer.Option(None, "--memory", help="bytes of memory of all its processes together, where a memory "
+                               f"cgroup can be made (default {ContainLimits().memory})"),
     server: str = typer.Option(None, "--server", help="the swarm server URL it may reach (its episode routes only, "
                                "through a forwarder); without it, under bwrap, it has no network at all"),
     hide: list[Path] = typer.Option([], "--hide", help="a file or folder it must not read (repeat): masked under "
@@ -296,7 +298,7 @@ def contain(
     routes). Exits with its exit code (128+N when killed by signal N)."""
     _setup_logging(False)
     given = {"cpu_s": cpu_s, "address_space": address_space, "file_size": file_size, "processes": processes,
-             "open_files": open_files}
+             "open_files": open_files, "memory": memory}
     bad = [e for e in env if "=" not in e or not e.split("=", 1)[0]]
     try:
         if bad:

@@ -9,6 +9,7 @@ masked, while the working folder inside a masked folder stays writable. The size
 
 from __future__ import annotations
 
+import ctypes
 import http.server
 import json
 import os
@@ -21,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from core.contain import contained as contain, forwarder, namespaces
+from core.contain import contained as contain, forwarder, memory_cgroup, namespaces
 from core.clients.sandbox import load_agent
 from core.sandbox.folder import sandbox_meta
 from core.config_io import ConfigError
+from core.contain.process_count import remove_cgroup
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_bwrap = pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
@@ -322,3 +324,88 @@ def test_required_containment_refuses_where_the_kernel_refuses_a_user_namespace(
     with pytest.raises(ConfigError, match="user namespace.*setting up uid map: Permission denied"):
         contain.require_bwrap("required", "containment.clients")
     contain.require_bwrap("auto", "containment.clients")  # auto runs without one, said once
+
+
+SHM_FLOOD = """
+import os, sys
+for where in ("/dev/shm", "/dev"):
+    written = 0
+    try:
+        for i in range(5):  # 5 files of 60 MiB, each under the 64 MiB file-size limit: 300 MiB in all
+            with open(os.path.join(where, f"flood-{i}"), "wb") as f:
+                for _ in range(60):
+                    f.write(b"x" * (1 << 20))
+                    written += 1
+        print(where, "took", written, "MiB")
+    except OSError as e:
+        print(where, "stopped after", written, "MiB:", e.strerror)
+"""
+
+
+@needs_bwrap
+def test_a_300_mib_write_to_dev_shm_or_dev_ends_at_the_tmp_bound(tmp_path):
+    # /dev and /dev/shm were unbounded tmpfs: 240 MiB each went past a 64 MiB file-size and /tmp bound.
+    done = _contain("--file-size", str(64 << 20), "--", sys.executable, "-c", SHM_FLOOD, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    shm, dev = done.stdout.splitlines()
+    assert shm.startswith("/dev/shm stopped after") and shm.endswith("No space left on device"), shm
+    assert int(shm.split()[3]) <= 64, shm
+    assert dev == "/dev stopped after 0 MiB: Read-only file system", dev
+
+
+SYSV_SHM = """
+import ctypes, sys
+libc = ctypes.CDLL(None, use_errno=True)
+for _ in range(3):
+    shmid = libc.shmget(0, int(sys.argv[1]), 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600: kept until removed
+    print("segment", shmid, flush=True)
+"""
+
+
+def _segments_of_size(size: int) -> list[int]:
+    rows = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    return [int(r.split()[1]) for r in rows if int(r.split()[3]) == size]
+
+
+@needs_bwrap
+def test_sysv_shared_memory_made_inside_does_not_outlive_the_sandbox(tmp_path):
+    size = (64 << 20) + 4096 * 7  # a size nothing else on the machine asks for, to find its segments by
+    done = _contain("--", sys.executable, "-c", SYSV_SHM, str(size), cwd=tmp_path)
+    left = _segments_of_size(size)
+    libc = ctypes.CDLL(None, use_errno=True)
+    for shmid in left:  # IPC_RMID: an old sandbox left them on the host
+        libc.shmctl(shmid, 0, None)
+    assert done.returncode == 0 and done.stdout.count("segment") == 3, done.stdout + done.stderr
+    assert all(int(line.split()[1]) >= 0 for line in done.stdout.splitlines()), done.stdout
+    assert left == [], f"{len(left)} segments outlived the sandbox"
+
+
+HOLDERS = """
+import subprocess, sys, time
+until = time.time() + 8
+child = "import sys, time; b = bytearray(int(sys.argv[1])); b[::4096] = b'x' * len(b[::4096]); time.sleep(max(0.0, float(sys.argv[2]) - time.time())); print('held', flush=True)"
+kids = [subprocess.Popen([sys.executable, "-c", child, str(120 << 20), str(until)]) for _ in range(5)]
+for kid in kids:
+    kid.wait()
+"""
+
+
+def _no_memory_cgroup() -> str:
+    """Why this machine gives this user no memory cgroup, or "" where it does (the probe's group removed)."""
+    group, why = memory_cgroup.memory_cgroup(64 << 20)
+    remove_cgroup(group)
+    return why
+
+
+NO_MEMORY_CGROUP = _no_memory_cgroup()
+
+
+@needs_bwrap
+@pytest.mark.skipif(bool(NO_MEMORY_CGROUP), reason=f"the kernel gives this user no memory cgroup: {NO_MEMORY_CGROUP}")
+def test_the_total_memory_cap_holds_for_several_children_together(tmp_path):
+    # RLIMIT_AS is per process: 6 children held 1224 MiB under a 300 MiB limit each. Five children of 120 MiB,
+    # all alive at once when each says "held", fit 300 MiB only two at a time.
+    done = _contain("--memory", str(300 << 20), "--address-space", str(1 << 30), "--", sys.executable, "-c", HOLDERS,
+                    cwd=tmp_path)
+    held = done.stdout.split().count("held")
+    assert 1 <= held <= 2, done.stdout + done.stderr
