@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Callable
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 FinishReason = Literal["stop", "length"]
 
@@ -93,8 +93,16 @@ class EngineLoad:
 
 
 class Engine(Protocol):
+    """What the gateway and the run loop ask of an engine. An engine class subclasses it, so that it has
+    the methods only some engines need (`sleep`, `wake`, `status`, `failure`, `last_sync_s`: the replica
+    set's, `core.engine.replicas`) as the no-ops below; callers then never ask which engine they hold."""
+
     version: int
     max_context: int  # prompt + completion tokens the model accepts
+    # What made the engine unable to serve for good (a replica that could not be brought back), for the
+    # run to fail with; None while it serves.
+    failure: BaseException | None = None
+    last_sync_s: float = 0.0  # seconds the last weight sync to other processes took; 0 when they share the module
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, on_token: Callable[[int], None] | None = None
@@ -120,5 +128,20 @@ class Engine(Protocol):
 
     def load(self) -> EngineLoad:
         """Queue, active requests, admission and the oldest request's age, for diagnostics."""
+
+    def sleep(self) -> int:
+        """During an on-policy step (after `pause_blocking`): give device memory the step needs back;
+        returns how many processes went to sleep. None by default: an engine in the trainer's process
+        shares its module and has nothing of its own to give."""
+        return 0
+
+    def wake(self) -> None:
+        """After the step, before `resume`: take back what `sleep` gave. Nothing by default."""
+        return None
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each replica's row (device, health, served version, load, restarts) for the server's status and
+        the run's metrics; none by default: an engine of one process is not a set of replicas."""
+        return []
 
     def close(self) -> None: ...

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from core.engine import EngineLoad, Generation, SamplingParams, scoring_temperature, scoring_top_p
+from core.engine import Engine, EngineLoad, Generation, SamplingParams, scoring_temperature, scoring_top_p
 
 
-class NullEngine:
+class NullEngine(Engine):
     def __init__(self, tokenizer, max_context: int):
         self.version = 0
         self.max_context = max_context

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
-from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
+from core.engine import Engine, EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.factory import make_engine
 from core.engine.routing import EPISODE
 from core.engine.process import ProcessEngine, ReplicaLost, ReplicaSpec
@@ -66,7 +66,7 @@ class ReplicaBehind(RuntimeError):
     """A replica does not serve the trainer's version after a sync: inference would train on old weights."""
 
 
-class ReplicaEngine:
+class ReplicaEngine(Engine):
     """N replicas of one model as one `Engine` (see the module doc)."""
 
     def __init__(self, weights: Callable[[], Any], start: Callable[[int, Callable], Any], count: int,

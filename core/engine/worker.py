@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.engine import EngineLoad, Generation, SamplingParams
+from core.engine import Engine, EngineLoad, Generation, SamplingParams
 
 IDLE_POLL_S = 0.05  # how often an idle worker (or a trainer waiting on a swap) looks up to notice close()
 SEED_BITS = 63  # derived seeds fit a signed int64: torch, numpy and vLLM all take them
@@ -89,7 +89,7 @@ def resolve(req: Request, result: Generation | None = None, exc: BaseException |
     req.loop.call_soon_threadsafe(settle)
 
 
-class WorkerEngine(ABC):
+class WorkerEngine(Engine, ABC):
     """The `Engine` API over a worker thread; subclasses write `_run` and may extend the hooks."""
 
     thread_name = "engine"

@@ -36,7 +36,7 @@ from core.run import checkpoint
 from core import models
 from core.serve.chat import ChatRenderer
 from core.config import RunConfig
-from core.engine import Generation, SamplingParams
+from core.engine import Engine, Generation, SamplingParams
 from core.run.plan import PlacementError
 from core.ray.actors import ClientActor, ModelActor, NotAdopted
 from core.ray.replicas import ray_replicas
@@ -140,7 +140,7 @@ class ActorLink:
         self.on_lost(ModelLost(why))
 
 
-class RemoteEngine:
+class RemoteEngine(Engine):
     """The `Engine` protocol over a model actor; the gateway uses it as it uses a local engine."""
 
     def __init__(self, link: ActorLink):

@@ -267,8 +267,7 @@ class CoreRun:
 
     def _replica_failed(self) -> bool:
         """A replica that could not be brought back (`core.engine.replicas.RESTARTS`) fails the run."""
-        lost = next((p.engine.failure for p in self.server.policies.values()
-                     if isinstance(p.engine, ReplicaEngine) and p.engine.failure is not None), None)
+        lost = next((p.engine.failure for p in self.server.policies.values() if p.engine.failure is not None), None)
         if lost is not None:
             self.failure = lost
             log.error("%s", lost)
@@ -335,8 +334,7 @@ class CoreRun:
             else:
                 drain_started = time.perf_counter()
                 policy.engine.pause_blocking()  # held since the batch was taken: wait for rows in flight
-                if isinstance(policy.engine, ReplicaEngine):
-                    policy.engine.sleep()  # colocated GPU replicas give the step their memory (none on CPU)
+                policy.engine.sleep()  # colocated GPU replicas give the step their memory (none on CPU)
                 synced = time.perf_counter() - drain_started
                 trainer.backward(prepared)
                 updated = trainer.apply(prepared)
@@ -352,8 +350,7 @@ class CoreRun:
             if overlap:
                 self.server.registry.step_synced()
             else:
-                if isinstance(policy.engine, ReplicaEngine):
-                    policy.engine.wake()  # before resume: a sync needs the replicas awake
+                policy.engine.wake()  # before resume: a sync needs the replicas awake
                 policy.engine.resume(policy.version + 1 if updated else None)
         outcome.timings = {"time/sync_s": synced, "time/train_s": time.perf_counter() - started - synced}
         return outcome

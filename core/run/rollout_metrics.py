@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-from core.engine.replicas import ReplicaEngine
 from core.episodes.batching import Batch
 from core.run.scores import judged_metrics, scored
 from core.serve.server import Server
@@ -58,15 +57,16 @@ class RolloutMeter:
         for sandbox, rewards in by_sandbox.items():
             out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
         out.update(judged_metrics(batch.episodes))  # reward/mean and reward/<sandbox>/mean: every episode counted
-        for ep in batch.episodes:  # an A/B: both versions' scores over the (task, weights) cells both reached
-            self.server.registry.pairs.add(ep, scored(ep))
+        # An A/B: both versions' scores over the (task, weights at open) cells both reached; the registry counts
+        # every train episode in its cell when it ends, trained or not (`core.episodes.pairing`).
         out.update(self.server.registry.pairs.take())
         out["episodes/mixed_version_groups"] = float(sum(len({e.client_version for e in g}) > 1 for g in batch.groups))
         for name, p in self.server.policies.items():
-            if isinstance(p.engine, ReplicaEngine):  # each replica's load, version and health, per step
-                prefix = "" if len(self.server.policies) == 1 else f"{name}/"
+            replicas = p.engine.status()  # each replica's load, version and health, per step; none for one engine
+            prefix = "" if len(self.server.policies) == 1 else f"{name}/"
+            if replicas:
                 out[f"{prefix}time/replica_sync_s"] = p.engine.last_sync_s
-                for r in p.engine.status():
-                    for key in ("episodes", "inflight", "healthy", "version", "restarts"):
-                        out[f"{prefix}replica/{r['replica']}/{key}"] = float(r[key] if r[key] is not None else -1)
+            for r in replicas:
+                for key in ("episodes", "inflight", "healthy", "version", "restarts"):
+                    out[f"{prefix}replica/{r['replica']}/{key}"] = float(r[key] if r[key] is not None else -1)
         return out

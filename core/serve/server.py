@@ -27,7 +27,7 @@ from core.sandbox.dealer import Dealer
 from core.sandbox.judge import load_judges
 from core.episodes.client_table import ClientTable
 from core.config import RunConfig
-from core.engine.replicas import ReplicaEngine, make_model_engine
+from core.engine.replicas import make_model_engine
 from core.episodes.registry import Registry
 from core.serve.gateway import build_app
 from core.serve.state import Policy, Throughput  # noqa: F401 (Policy: re-exported, callers build policies from here)
@@ -134,9 +134,7 @@ class Server:
         return {
             "state": "paused" if reg["paused"] else "stalled" if self.stalled else "serving",
             "stalled": self.stalled,
-            "models": {n: {"version": p.version, "step": p.step, "trainable": p.trainable,
-                           **({"replicas": p.engine.status()} if isinstance(p.engine, ReplicaEngine) else {})}
-                       for n, p in self.policies.items()},
+            "models": {n: self._model_status(p) for n, p in self.policies.items()},
             "trainer": {"group_size": self.cfg.trainer.group_size, "batch_groups": self.cfg.trainer.batch_groups},
             # Sandboxes this server judges: their clients open episodes without a task id and run the task dealt.
             "judged": sorted(self.judges),
@@ -154,6 +152,14 @@ class Server:
             "episodes": reg["counters"],
             "throughput": self.throughput.as_dict(),
         }
+
+
+    @staticmethod
+    def _model_status(p: Policy) -> dict:
+        """A hosted model's line: version, trainer step, trainable, and its replicas' rows when it has them."""
+        replicas = p.engine.status()
+        return {"version": p.version, "step": p.step, "trainable": p.trainable,
+                **({"replicas": replicas} if replicas else {})}
 
 
 def load_policies(cfg: RunConfig) -> dict[str, Policy]:
