@@ -216,6 +216,38 @@ class TrainerConfig(Strict):
     # min(pi_theta / pi_behaviour, tis_cap), so off-policy (stale) tokens count by how likely they
     # still are instead of being clipped out. None: plain PPO-clip.
     tis_cap: float | None = Field(None, gt=0)
+    # Rollout correction (core/train/correction.py), with tis_cap as its bound C: token_tis / seq_tis
+    # weight by the truncated token / sequence ratio, token_mis / seq_mis drop what leaves [1/C, C] and
+    # count it. "none" with tis_cap set is token_tis (the setting before this field existed).
+    correction: Literal["none", "token_tis", "seq_tis", "token_mis", "seq_mis"] = "none"
+    # The policy loss (core/train/loss.py): PPO-clip, or CISPO (a clipped stop-gradient weight times
+    # logp, so a token past the bound is down-weighted, never cut off). CISPO's weight bounds are absolute:
+    # cispo_max 5 is ScaleRL's epsilon_max as TRL recommends it; cispo_min 0 is MiniMax-M1's (no lower clip).
+    loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    cispo_min: float = Field(0.0, ge=0, lt=1)
+    cispo_max: float = Field(5.0, gt=1)
+    # Which tokens an advantage goes to (core/train/credit.py): "episode" gives every token its episode's
+    # group advantage; "turn" gives each turn's tokens an advantage against the episodes of its group
+    # that reached that turn (unbiased when the policy decides when to stop: docs/architecture.md).
+    credit: Literal["episode", "turn"] = "episode"
+    # A step whose batch has no signal (every advantage zero, no KL): "momentum" still takes the AdamW step,
+    # on zero gradients, so the momentum of earlier steps keeps moving the weights, as TRL (any
+    # optimizer fed a zero loss) does; "skip" changes nothing and keeps the weight version. No-op before
+    # the first real step (Adam has no moments yet). tests/core/test_trl_parity.py shows the difference.
+    no_signal_steps: Literal["momentum", "skip"] = "momentum"
+    # Dynamic sampling (core/episodes/batching.py): "filter" keeps a group whose rewards tie (within
+    # tie_tolerance) out of the trainer's batch and fills its slot from the groups that keep arriving
+    # (DAPO); it still counts for scoring (A/B verdicts, reward metrics). After max_refills tied groups in
+    # a row the batch trains the groups with signal it has, so a saturated task cannot stall the run.
+    dynamic_sampling: Literal["off", "filter"] = "off"
+    tie_tolerance: float = Field(1e-6, ge=0)  # rewards within this of each other tie: float noise, not signal
+    max_refills: int = Field(16, ge=0)  # = 4 batches of the default batch_groups: a task tied that often is saturated
+    # Warn when a step's train/mismatch_kl (k3 of the sampler against the trainer on the sampled tokens,
+    # core/train/mismatch.py) exceeds this; "stop" also fails the step, so max_failed_steps such steps end
+    # the run. None: not watched. prime-rl's FP8 regression moved it 0.0038 -> 0.0059; a sampler at the
+    # wrong temperature moves it by orders of magnitude.
+    mismatch_kl_bound: float | None = Field(None, gt=0)
+    mismatch_action: Literal["warn", "stop"] = "warn"
     checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints; 0: by time only (below)
     # Seconds between checkpoints, whatever the steps: a crash loses at most about this much of a run
     # (a step that runs longer is checkpointed when it ends). 0: by steps only, or on clean shutdown.

@@ -49,8 +49,11 @@ import torch
 from core.config import TrainerConfig
 from core.records import Episode
 from core.train.prompt_sharing import share_prompt
-from core.train.timelines import Sample, merge_with_stats
+from core.train.timelines import Sample
+from core.train import mismatch
 from core.train.advantages import group_advantages
+from core.train.correction import SEQUENCE_LEVEL
+from core.train.group_samples import group_samples
 from core.train.loss import STAT_NAMES, policy_loss
 from core.train.master import MasterWeights
 from core.train.outcome import StepOutcome
@@ -78,10 +81,11 @@ class PreparedStep:
     grad_norm: float = 0.0
     skipped: bool = False  # non-finite loss or gradient: optimizer step skipped
     updated: bool = False  # the optimizer changed the weights
+    momentum: bool = False  # nothing to run, but AdamW's momentum still moves the weights (no_signal_steps)
 
     @property
     def needs_update(self) -> bool:
-        return bool(self.active)
+        return bool(self.active) or self.momentum
 
 
 def seed_everything(seed: int) -> None:
@@ -138,22 +142,24 @@ class Trainer:
         prepared = self.prepare(groups)
         self.backward(prepared)
         self.apply(prepared)
-        return self.metrics(prepared)
+        return self.outcome(prepared).logged()
 
     def prepare(self, groups: list[list[Episode]]) -> PreparedStep:
         """Rewards, advantages and merged samples; touches no model. Raises ValueError on a malformed episode."""
         started = time.perf_counter()
         rewards = [[_reward(e, self.model_name) for e in group] for group in groups]
         advantages = group_advantages(rewards, self.cfg.advantage, self.cfg.max_abs_reward)
-        grouped, unmerged, linear = self._samples(groups, advantages)
+        grouped, unmerged, linear = group_samples(groups, rewards, advantages, self.cfg, self.model_name)
         samples = [s for group in grouped for s in group]
         active: list[Sample] = []
+        # A sequence-level correction reads one row as one sequence: no row may hold several episodes.
+        share = self.cfg.share_prompt and self.cfg.correction not in SEQUENCE_LEVEL
         for group in grouped:
             # Zero-advantage tokens have a zero PPO term; without KL they need no forward pass.
             running = group if self.cfg.kl_coef > 0 else [s for s in group if s.advantage != 0.0]
-            active += share_prompt(running, self.cfg.micro_batch_tokens) if self.cfg.share_prompt else running
+            active += share_prompt(running, self.cfg.micro_batch_tokens) if share else running
         return PreparedStep(groups, rewards, samples, active, sum(s.weight * s.num_masked for s in samples),
-                            unmerged, linear, started=started)
+                            unmerged, linear, started=started, momentum=not active and self._has_momentum())
 
     def backward(self, prepared: PreparedStep) -> None:
         """Forward and backward passes; gradients accumulate in `.grad`, the weights stay as they are."""
@@ -166,6 +172,7 @@ class Trainer:
 
     def apply(self, prepared: PreparedStep) -> bool:
         """The optimizer step (the only weight change); returns whether the weights changed."""
+        mismatch.check(prepared.sums, self.cfg, self.model_name, self.step_count + 1)  # raises under `stop`
         prepared.grad_norm, prepared.skipped, prepared.updated = self._apply(prepared.sums["loss"])
         self.step_count += 1
         return prepared.updated
@@ -212,28 +219,9 @@ class Trainer:
         if sums["masked"] > 0:  # only tokens that went through the model have a trainer logprob
             metrics["train/behaviour_logp_diff"] = sums["behaviour_diff"] / sums["masked"]
             metrics["train/behaviour_logp_diff_max"] = sums["behaviour_diff_max"]
+        metrics.update(mismatch.mismatch_metrics(sums))
         metrics.update(_per_sandbox_rewards(prepared.groups, prepared.rewards))
         return metrics
-
-    def _samples(self, groups: list[list[Episode]],
-                 advantages: list[list[float]]) -> tuple[list[list[Sample]], int, int]:
-        """Each group's merged samples with advantage and weight set; plus merge token counts."""
-        grouped: list[list[Sample]] = []
-        unmerged = linear = 0
-        for group, group_adv in zip(groups, advantages):
-            samples: list[Sample] = []
-            grouped.append(samples)
-            for episode, advantage in zip(group, group_adv):
-                calls = episode.calls_of(self.model_name)
-                episode_samples, stats = merge_with_stats(calls, self.cfg.merge, episode.id)  # one trie build
-                unmerged += stats["unmerged_tokens"]
-                linear += stats["linear_tokens"]
-                tokens = sum(s.num_masked for s in episode_samples)
-                for s in episode_samples:
-                    s.advantage = advantage
-                    s.weight = 1.0 / tokens if self.cfg.episode_weighting else 1.0
-                samples.extend(episode_samples)
-        return grouped, unmerged, linear
 
     def _accumulate(self, samples: list[Sample], normalizer: float) -> dict[str, float]:
         """Forward and backward every micro-batch; gradients sum in `.grad`. Returns detached sums."""
@@ -264,6 +252,10 @@ class Trainer:
             ref_logp=ref_logp,
             kl_coef=self.cfg.kl_coef,
             tis_cap=self.cfg.tis_cap,
+            correction=None if self.cfg.correction == "none" else self.cfg.correction,
+            loss=self.cfg.loss,
+            cispo_min=self.cfg.cispo_min,
+            cispo_max=self.cfg.cispo_max,
         )
         # The micro-batch's scalars in one host sync: each float() would be a device round trip.
         read = torch.cat([torch.stack([terms.loss.detach(), entropy[mb.loss_mask].sum().to(terms.stats.dtype)]),
@@ -277,6 +269,8 @@ class Trainer:
         sums["entropy"] += entropy_sum
         sums["behaviour_diff"] += stats["behaviour_diff_sum"]
         sums["behaviour_diff_max"] = max(sums["behaviour_diff_max"], stats["behaviour_diff_max"])
+        for name in ("masked_out", "ratio", "mismatch_kl"):  # for core.train.mismatch
+            sums[name] += stats[name if name == "masked_out" else f"{name}_sum"]
         return terms.loss
 
     def _logprobs(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,6 +284,11 @@ class Trainer:
     def _clip(self, params: list[torch.nn.Parameter]) -> float:
         """Clip the gradients to `grad_clip` by their global norm; returns the norm before clipping."""
         return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+
+    def _has_momentum(self) -> bool:
+        """Whether a step on zero gradients would move the weights: `no_signal_steps: momentum` and AdamW
+        has moments from an earlier step (before the first, its update on zero gradients is exactly zero)."""
+        return self.cfg.no_signal_steps == "momentum" and bool(self.optimizer.state)
 
     def _reference_logprobs(self, mb: Any) -> torch.Tensor:
         with torch.no_grad(), self._reference() as ref:
@@ -314,6 +313,10 @@ class Trainer:
         """Clip and step; returns (pre-clip grad norm, skipped, stepped). Gradients are always cleared."""
         self.master.take_grads()
         have_grads = any(p.grad is not None for p in self.master.params)
+        if not have_grads and math.isfinite(loss) and self._has_momentum():
+            for p in self.master.params:  # a batch without signal: AdamW's step on zero gradients (no_signal_steps)
+                p.grad = torch.zeros_like(p)
+            have_grads = True
         if not have_grads and math.isfinite(loss):
             return 0.0, False, False  # nothing in the batch could move the weights
         grad_norm = self._clip(self.master.params) if have_grads else 0.0
