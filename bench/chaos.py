@@ -45,7 +45,7 @@ for key, value in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
 import httpx  # noqa: E402
 
 from core.config_io import load_config  # noqa: E402
-from core.episodes.registry import EpisodeError  # noqa: E402
+from core.episodes.errors import Refusal  # noqa: E402
 from core.episodes.books import unbalanced
 from core.run.loop import CoreRun  # noqa: E402
 from core.run.signals import on_signals  # noqa: E402
@@ -66,7 +66,7 @@ def final_state(run: CoreRun, episode_id: str) -> str:
     try:
         run.server.registry.get_open(episode_id)
         return "open"
-    except EpisodeError as e:
+    except Refusal as e:
         return e.code.removeprefix("episode_")
 
 

@@ -12,30 +12,21 @@ Back-pressure: clients that outrun the trainer (more than `READY_FACTOR` batches
 wait, and so does a sandbox above its mix share of what is buffered and in flight.
 
 `Admission` is a mix-in of `core.episodes.registry.Registry`: it reads the registry's books under the
-registry's lock and answers with a `Refusal` (always a 503 with Retry-After) or None. It keeps no
+registry's lock and answers with a `core.episodes.errors.Refusal` (always a 503 with Retry-After: code `backpressure`, `mix_quota` or `admission`) or None. It keeps no
 books of its own beyond the admission settings, and it never opens, closes or trains an episode.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from core.episodes.errors import Refusal
 from core.episodes.mix import active_share, room_share
 
 READY_FACTOR = 2  # more than this many batches of ready groups waiting means clients outrun the trainer
 # Seconds a refused open is told to wait: about one short train step; HTTP allows whole seconds only.
 ADMISSION_RETRY_S = 1.0
 BACKPRESSURE_RETRY_S = 0.5  # the trainer is taking a batch soon: a short wait is enough
-
-
-@dataclass
-class Refusal:
-    """Why a new train episode may not open now; the registry answers it as a 503 with Retry-After."""
-
-    message: str
-    code: str  # "backpressure" | "mix_quota" | "admission"
-    retry_after: float
 
 
 class Admission:
@@ -79,7 +70,7 @@ class Admission:
         # be waiting for it (quotas in `take_batch`).
         owed = mixed and not any(g[0].sandbox == sandbox for g in self._ready)
         if len(self._ready) >= READY_FACTOR * self.batch_groups and not owed:
-            return Refusal("the trainer is behind; retry shortly", "backpressure", BACKPRESSURE_RETRY_S)
+            return Refusal(503, "the trainer is behind; retry shortly", "backpressure", BACKPRESSURE_RETRY_S)
         if not mixed:
             return None
         # The share among the sandboxes still trying to open: held to its share of a mix partner that
@@ -91,7 +82,7 @@ class Admission:
         total = buffered + sum(1 for e in self._open.values() if e.kind == "train")
         total += sum(len(g) for g in self._filling.values())
         if mine >= math.ceil(share * max(total, capacity)) + self.default_group_size:
-            return Refusal(f"sandbox {sandbox!r} is above its mix share", "mix_quota", BACKPRESSURE_RETRY_S)
+            return Refusal(503, f"sandbox {sandbox!r} is above its mix share", "mix_quota", BACKPRESSURE_RETRY_S)
         return None
 
     def _admission_refusal(self, sandbox: str, task_id: str, group_size: int, version: str = "") -> Refusal | None:
@@ -110,7 +101,7 @@ class Admission:
         groups = len(self._ready) + sum(math.ceil(n / k_size) for n, k_size in started.values())
         budget = self.batch_groups * (self.max_staleness + 1 - self._overlapped_steps)
         if groups >= budget:
-            return Refusal(f"{groups} groups already fill the next {self.max_staleness + 1} steps; "
+            return Refusal(503, f"{groups} groups already fill the next {self.max_staleness + 1} steps; "
                            "retry after the weight sync", "admission", ADMISSION_RETRY_S)
         if len(self.mix) < 2 or sandbox not in self.mix:
             return None
@@ -120,7 +111,7 @@ class Admission:
         mine = sum(1 for g in self._ready if g[0].sandbox == sandbox)
         mine += sum(math.ceil(n / k_size) for key, (n, k_size) in started.items() if key[0] == sandbox)
         if mine >= allowed:
-            return Refusal(f"sandbox {sandbox!r} holds {mine} groups, its {share:.0%} mix share of the "
+            return Refusal(503, f"sandbox {sandbox!r} holds {mine} groups, its {share:.0%} mix share of the "
                            f"{budget} the next steps can train; retry after the weight sync", "admission",
                            ADMISSION_RETRY_S)
         return None

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.episodes.auth import same_secret
+from core.episodes.errors import Refusal
 from core.episodes.pairing import TaskPairing
 from core.episodes.wire import ClientOrders, DrainClients, RegisterClient, SwapRecord
 
@@ -38,14 +39,6 @@ CLIENT_HEARTBEAT_S = 1.0
 # A client silent this long is dropped from the table (SIGKILLed, or its machine gone): a few
 # missed heartbeats, so a client paused by a slow machine is not dropped while it still serves.
 CLIENT_TTL_S = 15.0
-
-
-class ClientError(Exception):
-    """A registration request the table refuses; `status` is the HTTP status it maps to."""
-
-    def __init__(self, status: int, message: str, code: str):
-        super().__init__(message)
-        self.status, self.code = status, code
 
 
 @dataclass
@@ -82,7 +75,7 @@ class ClientTable:
                 reg = Registration(req, "swc-" + secrets.token_urlsafe(18), now, now)
                 self._clients[req.client_id] = reg
             elif not same_secret(key, reg.key):
-                raise ClientError(401, f"client {req.client_id} is registered: its heartbeat needs the key it got",
+                raise Refusal(401, f"client {req.client_id} is registered: its heartbeat needs the key it got",
                                   "invalid_client_key")
             reg.info, reg.last_seen = req, now  # the version may change only by restarting; we report what it says
             return ClientOrders(client_id=req.client_id, key=reg.key, drain=reg.draining,
@@ -94,7 +87,7 @@ class ClientTable:
             if reg is None:
                 return
             if not same_secret(key, reg.key):
-                raise ClientError(401, f"client {client_id} can only be removed with its key", "invalid_client_key")
+                raise Refusal(401, f"client {client_id} can only be removed with its key", "invalid_client_key")
             del self._clients[client_id]
 
     def drain(self, order: DrainClients) -> SwapRecord | None:
@@ -110,19 +103,19 @@ class ClientTable:
             for cid in order.client_ids:
                 reg = self._clients.get(cid)
                 if reg is None or reg.info.sandbox != order.sandbox:
-                    raise ClientError(404, f"no registered client {cid!r} of sandbox {order.sandbox!r}",
+                    raise Refusal(404, f"no registered client {cid!r} of sandbox {order.sandbox!r}",
                                       "client_not_found")
                 targets.append(reg)
             if not targets:
                 return None
             successor = self._clients.get(order.successor)
             if successor is None or successor.draining or successor.info.sandbox != order.sandbox:
-                raise ClientError(409, f"successor {order.successor!r} is not a serving registered client of "
+                raise Refusal(409, f"successor {order.successor!r} is not a serving registered client of "
                                        f"sandbox {order.sandbox!r}; nothing was drained", "no_successor")
             if successor in targets:
-                raise ClientError(409, "a client cannot succeed itself", "no_successor")
+                raise Refusal(409, "a client cannot succeed itself", "no_successor")
             if any(reg.draining for reg in targets) and order.ab:
-                raise ClientError(409, "an A/B needs its old clients serving; some are draining", "draining")
+                raise Refusal(409, "an A/B needs its old clients serving; some are draining", "draining")
             for reg in targets:
                 reg.draining = reg.draining or not order.ab
             if not order.ab:  # the loser drains: the A/B is over, the winner draws its own tasks again

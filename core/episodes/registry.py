@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 from core.episodes.auth import path_secret, same_secret
 from core.engine.routing import EPISODE
-from core.episodes.admission import Admission, Refusal
+from core.episodes.admission import Admission
+from core.episodes.errors import Refusal
 from core.episodes.batching import Batch, assemble
 from core.episodes.pairing import Pairs
 from core.records import Call, Episode
@@ -36,19 +37,6 @@ TOMBSTONES = 20_000  # ended episodes remembered so late calls get 409 and repea
 # Finished eval episodes kept for the trainer's metrics: a server without a trainer never takes them,
 # so the oldest go first rather than growing for as long as the server lives.
 EVAL_KEPT = 10_000
-
-
-class EpisodeError(Exception):
-    """A request the registry refuses; `status` is the HTTP status it maps to."""
-
-    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.code, self.retry_after = status, code, retry_after
-
-    @classmethod
-    def refused(cls, refusal: Refusal) -> EpisodeError:
-        """An open that `core.episodes.admission` refuses: 503 with Retry-After."""
-        return cls(503, refusal.message, refusal.code, retry_after=refusal.retry_after)
 
 
 class Registry(Admission):
@@ -79,7 +67,7 @@ class Registry(Admission):
         self._path_of: dict[str, str] = {}  # episode id -> path secret
         self._ended: OrderedDict[str, Episode] = OrderedDict()  # tombstones, calls dropped
         self._filling: dict[tuple[str, str, str], list[Episode]] = {}  # Episode.train_group -> its finished episodes
-        self.pairs = Pairs()  # an A/B's compared pairs (`core.episodes.pairing`): the run adds its batches
+        self.pairs = Pairs()  # an A/B's cells (`core.episodes.pairing`): every train episode, from its open to its end
         self._ready: deque[list[Episode]] = deque()
         self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
         self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
@@ -107,23 +95,23 @@ class Registry(Admission):
         with self._lock:
             self._expire_due()
             if req.task_id is None:  # the route deals a judged sandbox's task before it opens
-                raise EpisodeError(400, f"sandbox {req.sandbox!r} has no judge on this server, so the client "
+                raise Refusal(400, f"sandbox {req.sandbox!r} has no judge on this server, so the client "
                                    "chooses its tasks: give task_id", "missing_task_id")
             if req.kind == "train":
                 self._seen[req.sandbox] = self.clock()  # a refused attempt counts: it wants room
             if self.paused:
-                raise EpisodeError(503, "the server is paused", "paused", retry_after=1.0)
+                raise Refusal(503, "the server is paused", "paused", retry_after=1.0)
             if len(self._open) >= self.max_open:
-                raise EpisodeError(503, "too many open episodes", "busy", retry_after=1.0)
+                raise Refusal(503, "too many open episodes", "busy", retry_after=1.0)
             if req.kind == "train" and self.training_over is not None:
-                raise EpisodeError(409, f"this server takes no more train episodes: {self.training_over}; open "
+                raise Refusal(409, f"this server takes no more train episodes: {self.training_over}; open "
                                         "kind eval or debug episodes, or start a run with more trainer.steps",
                                    "training_over")
             if req.kind == "train":
                 refusal = self._quota_refusal(req.sandbox) or self._admission_refusal(
                     req.sandbox, req.task_id, req.group_size or self.default_group_size, req.client_version)
                 if refusal is not None:
-                    raise EpisodeError.refused(refusal)
+                    raise refusal
             now = self.clock()
             ep = Episode(
                 id="ep_" + secrets.token_hex(8),
@@ -148,6 +136,7 @@ class Registry(Admission):
             self._paths[secret] = ep.id
             self._path_of[ep.id] = secret
             self.counters["opened"] += 1
+            self.pairs.opened(ep)  # its cell is fixed now: the weights it opened on
             return ep, key
 
     def by_key(self, key: str) -> Episode:
@@ -155,7 +144,7 @@ class Registry(Admission):
         with self._lock:
             episode_id = self._keys.get(key)
             if episode_id is None:
-                raise EpisodeError(401, "unknown or missing episode key", "invalid_api_key")
+                raise Refusal(401, "unknown or missing episode key", "invalid_api_key")
             return _current(self.get_open(episode_id))
 
     def is_open(self, episode_id: str) -> bool:
@@ -167,7 +156,7 @@ class Registry(Admission):
         with self._lock:
             episode_id = self._paths.get(secret)
             if episode_id is None:
-                raise EpisodeError(401, "unknown episode path: use the base_url returned on open", "invalid_api_key")
+                raise Refusal(401, "unknown episode path: use the base_url returned on open", "invalid_api_key")
             return _current(self.get_open(episode_id))
 
     def path_of(self, episode_id: str) -> str:
@@ -179,9 +168,9 @@ class Registry(Admission):
         with self._lock:
             expected = self._key_of.get(episode_id)
             if expected is None:
-                raise EpisodeError(404, f"unknown episode {episode_id}", "episode_not_found")
+                raise Refusal(404, f"unknown episode {episode_id}", "episode_not_found")
             if not same_secret(key, expected):
-                raise EpisodeError(401, f"episode {episode_id} needs its key (Authorization: Bearer sk-swarm-...)",
+                raise Refusal(401, f"episode {episode_id} needs its key (Authorization: Bearer sk-swarm-...)",
                                    "invalid_api_key")
 
     def get_open(self, episode_id: str) -> Episode:
@@ -192,13 +181,13 @@ class Registry(Admission):
                 return ep
             if episode_id in self._ended:
                 state = self._ended[episode_id].state
-                raise EpisodeError(409, f"episode {episode_id} is {state}", f"episode_{state}")
-            raise EpisodeError(404, f"unknown episode {episode_id}", "episode_not_found")
+                raise Refusal(409, f"episode {episode_id} is {state}", f"episode_{state}")
+            raise Refusal(404, f"unknown episode {episode_id}", "episode_not_found")
 
     def record(self, episode: Episode, call: Call) -> None:
         with self._lock:
             if episode.state != "open":
-                raise EpisodeError(409, f"episode {episode.id} is {episode.state}", f"episode_{episode.state}")
+                raise Refusal(409, f"episode {episode.id} is {episode.state}", f"episode_{episode.state}")
             episode.calls.append(call)
             self.counters["calls"] += 1
 
@@ -219,13 +208,13 @@ class Registry(Admission):
                 if ended.finish_body == body:
                     return ended
                 if ended.finish_body is None:
-                    raise EpisodeError(409, f"episode {episode_id} ended before its finish ({ended.abort_reason}) and "
+                    raise Refusal(409, f"episode {episode_id} ended before its finish ({ended.abort_reason}) and "
                                        "scored its judge's failure value", "episode_failed")
-                raise EpisodeError(409, f"episode {episode_id} was finished with a different body", "conflict")
+                raise Refusal(409, f"episode {episode_id} was finished with a different body", "conflict")
             ep = self.get_open(episode_id)
             too_big = {m: r for m, r in reward.items() if self.max_abs_reward is not None and abs(r) > self.max_abs_reward}
             if too_big:  # refused, the episode still open: a 1e308 reward would overflow its group's mean
-                raise EpisodeError(400, f"reward {too_big} is beyond trainer.max_abs_reward ({self.max_abs_reward:g}); "
+                raise Refusal(400, f"reward {too_big} is beyond trainer.max_abs_reward ({self.max_abs_reward:g}); "
                                    "scale rewards to O(1)", "invalid_reward")
             ep.state, ep.reward, ep.finish_body, ep.score = "finished", reward, body, score
             ep.metrics = {**(body.get("metrics") or {}), **(metrics or {})}
@@ -275,6 +264,7 @@ class Registry(Admission):
 
     def _close(self, ep: Episode) -> None:
         del self._open[ep.id]
+        self.pairs.ended(ep)  # counted in the cell it opened in, trained or not (a judged failure included)
         self._lease_of.pop(ep.id, None)
         ep.ended_at = self.clock()
         if ep.kind == "train" and ep.calls:

@@ -37,7 +37,7 @@ from core.config import RunConfig
 from core.contain.contained import require_bwrap
 from core.local_state import token_files
 from core.engine.replicas import ReplicaBehind, ReplicaEngine
-from core.episodes.registry import EpisodeError
+from core.episodes.errors import Refusal
 from core.episodes.batching import Batch
 from core.records import Episode
 from core.clients.runner import run_agent
@@ -181,7 +181,7 @@ class CoreRun:
         for episode_id in episode_ids:
             try:
                 self.server.registry.abort(episode_id, "the replica serving it was lost")
-            except EpisodeError:
+            except Refusal:
                 pass  # it ended meanwhile (finished, expired): nothing to abort
         log.warning("aborted %d episode(s) of a lost replica", len(episode_ids))
 

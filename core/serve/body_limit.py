@@ -2,13 +2,14 @@
 
 A declared Content-Length over the limit is refused before a byte of the body is read; a body sent
 without one (chunked) is counted as it arrives and refused once it passes the limit, so no more than
-the limit is ever held in memory. The answer is the OpenAI-shaped error every other refusal is.
+the limit is ever held in memory. The answer is a `Refusal`, rendered as every other one is (`core.serve.errors`).
 This module knows bytes only: it does not parse, validate or route.
 """
 
 from __future__ import annotations
 
-import json
+from core.episodes.errors import Refusal
+from core.serve.errors import error_bytes
 
 
 class BodyLimit:
@@ -20,7 +21,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
+            return await self._refuse(scope, send)
         # Read the body here, at most max_bytes of it, and hand the app the same messages again.
         chunks, size, more = [], 0, True
         while more:
@@ -30,7 +31,7 @@ class BodyLimit:
                 break
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                return await self._refuse(send)
+                return await self._refuse(scope, send)
             chunks.append(message)
             more = message.get("more_body", False)
 
@@ -39,10 +40,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
-        body = json.dumps({"error": {
-            "message": f"request body is larger than server.max_request_bytes ({self.max_bytes} bytes)",
-            "type": "invalid_request_error", "code": "request_too_large", "param": None}}).encode()
+    async def _refuse(self, scope, send) -> None:
+        refusal = Refusal(413, f"request body is larger than server.max_request_bytes ({self.max_bytes} bytes)",
+                          "request_too_large")
+        body = error_bytes(scope.get("path", ""), refusal)
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

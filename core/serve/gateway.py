@@ -1,12 +1,12 @@
 """The HTTP gateway: OpenAI-compatible routes (Chat Completions, Completions, Responses, Anthropic
-Messages), swarm routes, and OpenAI-shaped errors.
+Messages), swarm routes, and the handlers that render every refusal (`core.serve.errors`).
 
 A request belongs to an episode through its bearer key (or the path form
 `/episodes/{secret}/v1/...`, the secret derived from the key, for clients that cannot set one;
 never the bare episode id, see `core.episodes.auth`); its tokens are then recorded on that
 episode. Requests without a key are served, unrecorded, only when the server allows anonymous use.
 No input a client can send reaches a bare 500: validation, template, context and episode errors all
-map to OpenAI-style JSON. Every API converts to one chat turn (`prepare_chat`, `run_chat`; the
+map to a `Refusal`, rendered in the caller's API's shape. Every API converts to one chat turn (`prepare_chat`, `run_chat`; the
 Responses and Messages routes in `core.serve.responses` and `core.serve.messages`), so all record the
 same ids for the same conversation. Bodies over `server.max_request_bytes` get 413
 (`core.serve.body_limit`); large ones are parsed off the event loop (`core.serve.bodies`);
@@ -23,20 +23,23 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.episodes.auth import bearer
 from core.serve.body_limit import BodyLimit
 from core.serve.bodies import BodyParser, body_schema, openapi_bodies
-from core.serve.chat import PromptTooLong, TemplateError
+from core.serve.chat import PromptTooLong, Rendered, TemplateError
 from core.engine import Generation, GenerationError, SamplingParams, is_greedy
-from core.episodes.registry import KEY_PREFIX, EpisodeError
+from core.episodes.errors import Refusal
+from core.episodes.registry import KEY_PREFIX
 from core.records import Call, Episode
+from core.serve.protocol import call_sampling, start_calls
 from core.serve.state import Policy, ServerState
 from core.serve.messages import MessagesAPI
 from core.serve.messages_wire import MessagesRequest
@@ -44,27 +47,11 @@ from core.serve.responses import ResponsesAPI
 from core.serve.responses_wire import ResponsesRequest
 from core.serve.streaming import PreparedChat, stream_chat
 from core.serve.swarm_routes import swarm_router
-from core.serve.openai_wire import ChatRequest, CompletionRequest, WireError
+from core.serve.tool_calls import CALL_CLOSE, forced_call
+from core.serve.errors import error_response
+from core.serve.openai_wire import ChatRequest, CompletionRequest
 
 log = logging.getLogger(__name__)
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-               422: "invalid_request_error", 500: "server_error", 503: "service_unavailable",
-               504: "timeout_error"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.code, self.retry_after = status, code, retry_after
-
-
-def error_response(status: int, message: str, code: str | None = None, retry_after: float | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": code, "param": None}}
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
 
 def build_app(server: ServerState) -> FastAPI:
     @asynccontextmanager
@@ -78,35 +65,29 @@ def build_app(server: ServerState) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=server.cfg.server.max_request_bytes)
     gw = _Gateway(server)
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return error_response(e.status, str(e), e.code, e.retry_after)
-
-    @app.exception_handler(EpisodeError)
-    async def _episode_error(_: Request, e: EpisodeError):
-        return error_response(e.status, str(e), e.code, e.retry_after)
-
-    @app.exception_handler(WireError)
-    async def _wire_error(_: Request, e: WireError):
-        return error_response(e.status, str(e), e.code)
+    # Every refusal, whoever raised it, is rendered by `core.serve.errors` in the shape of the caller's API.
+    @app.exception_handler(Refusal)
+    async def _refused(request: Request, e: Refusal):
+        return error_response(request.url.path, e)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError):
+    async def _validation(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         msg = first.get("msg", "invalid request")
         if first.get("type") in ("json_invalid", "model_attributes_type", "model_type") and not where:
             msg = "request body must be a JSON object"
-        return error_response(400, f"{where}: {msg}" if where else msg, "invalid_request")
+        return error_response(request.url.path, Refusal(400, f"{where}: {msg}" if where else msg, "invalid_request",
+                                                        param=where or None))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), None)
+    async def _http(request: Request, e: StarletteHTTPException):
+        return error_response(request.url.path, Refusal(e.status_code, str(e.detail)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
+    async def _unexpected(request: Request, e: Exception):
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
+        return error_response(request.url.path, Refusal(500, f"internal error: {type(e).__name__}", "internal_error"))
 
     @app.get("/v1/models")
     async def list_models():
@@ -163,35 +144,38 @@ class _Gateway:
         if key.startswith(KEY_PREFIX):
             return self.server.registry.by_key(key)
         if not self.server.allow_anonymous:  # off while a trainer runs: nothing unrecorded reaches its engine
-            raise APIError(401, "this server needs an episode key (Authorization: Bearer sk-swarm-...): anonymous "
+            raise Refusal(401, "this server needs an episode key (Authorization: Bearer sk-swarm-...): anonymous "
                            "use is off while it trains", "invalid_api_key")
         return None
 
     def policy(self, name: str) -> Policy:
         policy = self.server.policies.get(name)
         if policy is None:
-            raise APIError(404, f"model {name!r} is not served here; served: {sorted(self.server.policies)}",
+            raise Refusal(404, f"model {name!r} is not served here; served: {sorted(self.server.policies)}",
                            "model_not_found")
         return policy
 
     def sampling(self, body, policy: Policy, prompt_len: int, requested: int | None,
                  episode: Episode | None = None) -> list[SamplingParams]:
+        asked = call_sampling(self.server, episode, body, requested)  # the episode protocol: seed, eval sampling
+        requested = asked.max_tokens
         room = policy.engine.max_context - prompt_len
         if room < 1:
-            raise APIError(400, f"prompt is {prompt_len} tokens; the model's context is {policy.engine.max_context}",
+            raise Refusal(400, f"prompt is {prompt_len} tokens; the model's context is {policy.engine.max_context}",
                            "context_length_exceeded")
         if requested is not None and requested > room:
-            raise APIError(400, f"prompt ({prompt_len}) + max_tokens ({requested}) exceeds the model's context "
+            raise Refusal(400, f"prompt ({prompt_len}) + max_tokens ({requested}) exceeds the model's context "
                            f"({policy.engine.max_context})", "context_length_exceeded")
         max_tokens = min(requested or self.server.cfg.engine.default_max_tokens, room)
-        stop = tuple(body.stop or ())
-        temperature = self.server.cfg.engine.default_temperature if body.temperature is None else body.temperature
+        temperature = self.server.cfg.engine.default_temperature if asked.temperature is None else asked.temperature
         temperature = 0.0 if is_greedy(temperature) else temperature  # every engine sees greedy as 0
-        return [
-            SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, stop=stop,
+        params = [
+            SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=asked.top_p, stop=asked.stop,
                            seed=None if body.seed is None else body.seed + i, key=draw_key(episode, i))
             for i in range(body.n)
         ]
+        start_calls(self.server, episode, len(params))  # last: beyond the sandbox's max_calls, refused and failed
+        return params
 
     async def generate(self, policy: Policy, prompt_ids: list[int], params: list[SamplingParams]) -> list[Generation]:
         """One generation per params, awaited for at most `server.request_timeout_s` (504 after)."""
@@ -200,28 +184,29 @@ class _Gateway:
         try:
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout)
         except TimeoutError:
-            raise APIError(504, f"the engine did not answer within server.request_timeout_s ({timeout:g} s)",
+            raise Refusal(504, f"the engine did not answer within server.request_timeout_s ({timeout:g} s)",
                            "timeout") from None
         except GenerationError as e:
-            raise APIError(500, f"generation failed: {e}", "generation_failed") from None
+            raise Refusal(500, f"generation failed: {e}", "generation_failed") from None
         finally:
             for t in tasks:  # the other choices of a failed request free their rows (a no-op once done)
                 t.cancel()
 
-    async def render(self, policy: Policy, messages, tools, history):
+    async def render(self, policy: Policy, messages, tools, history, forced: str = ""):
         """Render and tokenize on a worker thread: a long prompt never stalls the event loop."""
         try:
-            return await asyncio.to_thread(policy.renderer.render, messages, tools, history, policy.engine.max_context)
+            return await asyncio.to_thread(policy.renderer.render, messages, tools, history, policy.engine.max_context,
+                                           forced)
         except TemplateError as e:
-            raise APIError(400, str(e), "invalid_messages") from None
+            raise Refusal(400, str(e), "invalid_messages") from None
         except PromptTooLong as e:
-            raise APIError(400, str(e), "context_length_exceeded") from None
+            raise Refusal(400, str(e), "context_length_exceeded") from None
 
     async def encode(self, policy: Policy, text: str) -> list[int]:
         try:
             policy.renderer.check_length(text, policy.engine.max_context)
         except PromptTooLong as e:
-            raise APIError(400, str(e), "context_length_exceeded") from None
+            raise Refusal(400, str(e), "context_length_exceeded") from None
         return await asyncio.to_thread(policy.renderer.encode, text)
 
     def text_of(self, policy: Policy, gen: Generation) -> str:
@@ -236,28 +221,38 @@ class _Gateway:
         if episode is not None:
             self.server.registry.record(episode, call)
 
-    async def prepare_chat(self, body: ChatRequest, episode: Episode | None) -> PreparedChat:
-        """Render a chat turn (token-in-token-out against the episode's calls): what every API runs."""
+    async def render_turn(self, body: ChatRequest, episode: Episode | None) -> tuple[Policy, Rendered, bool, str]:
+        """A chat turn's prompt, exactly as it would be generated from: (policy, rendered, tools offered,
+        the reply's forced start). Nothing counted or recorded: `prepare_chat` and the token-count routes share it."""
         policy = self.policy(body.model)
         messages = [m.to_template() for m in body.messages]
         tools_offered = bool(body.tools) and body.tool_choice != "none"
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if tools_offered else None
+        tools = [t.to_template() for t in body.tools] if tools_offered else None
+        forced = forced_call(policy.renderer, body.forced_tool()) if tools_offered else ""
         history = episode.calls_of(policy.name) if episode is not None else []
-        rendered = await self.render(policy, messages, tools, history)
+        return policy, await self.render(policy, messages, tools, history, forced), tools_offered, forced
+
+    async def prepare_chat(self, body: ChatRequest, episode: Episode | None, cap_max_tokens: bool = False) -> PreparedChat:
+        """Render a chat turn (token-in-token-out against the episode's calls): what every API runs. With
+        `cap_max_tokens` (Messages, whose clients must always send one), a max_tokens past the context is cut to fit."""
+        policy, rendered, tools_offered, forced = await self.render_turn(body, episode)
+        messages = rendered.messages  # echoed tool calls in canonical text: what later turns match against
         tp = self.server.throughput
         tp.tito_reused += rendered.reused_prefix > 0
         tp.tito_drift += rendered.drift
         tp.tito_broken += rendered.broken
-        params = self.sampling(body, policy, len(rendered.prompt_ids), body.max_completion_tokens or body.max_tokens,
-                               episode)
-        return PreparedChat(policy, messages, tools_offered, rendered, params, list(body.stop or ()))
+        asked, room = body.max_completion_tokens or body.max_tokens, policy.engine.max_context - len(rendered.prompt_ids)
+        capped = asked if cap_max_tokens and asked is not None and 1 <= room < asked else None
+        params = self.sampling(body, policy, len(rendered.prompt_ids), room if capped else asked, episode)
+        prep = PreparedChat(policy, messages, tools_offered, rendered, params, list(params[0].stop if params else ()))
+        return _constrained(prep, forced, capped, one_call=tools_offered and body.parallel_tool_calls is False)
 
     async def run_chat(self, prep: PreparedChat, episode: Episode | None) -> list[tuple[dict, Generation]]:
         """Generate every choice of a prepared turn, parse and record each: (reply, generation) per choice."""
         gens = await self.generate(prep.policy, prep.rendered.prompt_ids, prep.params)
         out = []
         for gen in gens:
-            reply = prep.policy.renderer.parse_reply(self.text_of(prep.policy, gen), prep.tools_offered)
+            reply = prep.reply(gen)
             self.record(episode, self.make_call(prep.policy, prep.messages, prep.rendered, gen, reply))
             out.append((reply, gen))
         return out
@@ -289,17 +284,17 @@ class _Gateway:
     async def complete(self, body: CompletionRequest, episode: Episode | None):
         policy = self.policy(body.model)
         if body.stream:
-            raise APIError(400, "streaming is not offered on /v1/completions (it is on /v1/chat/completions, "
+            raise Refusal(400, "streaming is not offered on /v1/completions (it is on /v1/chat/completions, "
                            "/v1/responses and /v1/messages)", "unsupported")
         if isinstance(body.prompt, str):
             prompt_ids = await self.encode(policy, body.prompt)
         else:
             vocab = len(policy.tokenizer)
             if len(body.prompt) >= policy.engine.max_context:  # before scanning ids: a huge list is refused unread
-                raise APIError(400, f"prompt is {len(body.prompt)} tokens; the model's context is "
+                raise Refusal(400, f"prompt is {len(body.prompt)} tokens; the model's context is "
                                f"{policy.engine.max_context}", "context_length_exceeded")
             if min(body.prompt) < 0 or max(body.prompt) >= vocab:
-                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "invalid_prompt")
+                raise Refusal(400, f"prompt token ids must lie in [0, {vocab})", "invalid_prompt")
             prompt_ids = body.prompt
         params = self.sampling(body, policy, len(prompt_ids), body.max_tokens, episode)
         gens = await self.generate(policy, prompt_ids, params)
@@ -338,6 +333,15 @@ class _Gateway:
                       "total_tokens": prompt_tokens + completion_tokens},
             "system_fingerprint": f"swarmrl-v{policy.version}",
         }
+
+
+def _constrained(prep: PreparedChat, forced: str, capped: int | None, one_call: bool) -> PreparedChat:
+    """`prep` with what its request asked of the reply: a forced start (`tool_choice`), max_tokens cut to
+    fit (`capped`: the number asked), and at most one call (generation stops at the first call's close)."""
+    prep.forced, prep.capped_from, prep.one_call = forced, capped, one_call
+    if one_call:
+        prep.params = [replace(p, stop=p.stop + (CALL_CLOSE,)) for p in prep.params]
+    return prep
 
 
 def draw_key(episode: Episode | None, choice: int) -> str | None:

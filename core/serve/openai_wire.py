@@ -12,20 +12,25 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from core.episodes.errors import Refusal
+
 MAX_N = 16  # completions per request: more is a batch job, not an agent call
-MAX_STOP = 4  # OpenAI's own limit on stop sequences
+# Stop strings a request may name, on every route. OpenAI allows 4, Anthropic's `stop_sequences` more
+# (harnesses send a dozen); each is searched once per decoded piece (`core.engine.detokenize`), so 64
+# refuses no harness and bounds what a request can make every decode step do.
+MAX_STOP = 64
 # Seeds are int64, as OpenAI documents them and torch takes them: 2**64 would fail in the engine.
 # The n choices of one request use seed, seed + 1, ...: still in range for torch (it takes < 2**64).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
-class WireError(ValueError):
+class WireError(Refusal):
     """A request the wire types parse but cannot serve: an unsupported item, block, tool or field (400),
-    or a previous response that is not kept (404). The gateway answers it OpenAI-shaped."""
+    or a previous response that is not kept (404). It is the one failure type (`core.episodes.errors.Refusal`),
+    its arguments in the order the wire modules write them; the gateway renders it like any refusal."""
 
     def __init__(self, message: str, code: str, status: int = 400):
-        super().__init__(message)
-        self.code, self.status = code, status
+        super().__init__(status, message, code)
 
 
 def first_error(e: ValidationError) -> str:
@@ -48,6 +53,14 @@ class FunctionDef(_Open):
 class Tool(_Open):
     type: Literal["function"]
     function: FunctionDef
+
+    def to_template(self) -> dict[str, Any]:
+        """The tool as every route hands it to the chat template: name, description and parameters only.
+        Other keys (`strict`, which the Agents SDK sends) are accepted and not shown to the model, so
+        the same tools render the same prompt on Chat, Responses and Messages."""
+        fn = {"name": self.function.name, "description": self.function.description,
+              "parameters": self.function.parameters}
+        return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
 
 
 class ToolCallFunction(_Open):
@@ -157,9 +170,53 @@ class SamplingFields(_Open):
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
+    # "required" and {"type": "function", "function": {"name"}} are enforced: the reply starts as a call
+    # (the template's call text is forced before the first sampled token, `core.serve.tool_calls.forced_call`).
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: generation stops after the first call
     max_completion_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0, le=0)  # only the sampled token's logprob is offered
+    # Refused unless plain text: no engine constrains sampling to a JSON schema.
+    response_format: dict[str, Any] | None = None
+    functions: list[Any] | None = None  # the legacy form of tools: refused, send `tools`
+    function_call: str | dict[str, Any] | None = None  # the legacy form of tool_choice: refused
+
+    @model_validator(mode="after")
+    def _served_as_asked(self) -> ChatRequest:
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported (no engine "
+                             "constrains sampling to a schema); omit it or send {'type': 'text'}")
+        for legacy, now in (("functions", "tools"), ("function_call", "tool_choice")):
+            if getattr(self, legacy) is not None:
+                raise ValueError(f"{legacy} is not supported (the legacy form); send {now}")
+        self._check_tool_choice()
+        answered: set[str] = set()
+        for k, m in enumerate(self.messages):
+            answered.update(c.id for c in m.tool_calls or ())
+            if m.role == "tool" and m.tool_call_id is None:
+                raise ValueError(f"messages[{k}].tool_call_id: a tool message needs the id of the call it answers")
+            if m.role == "tool" and m.tool_call_id not in answered:
+                raise ValueError(f"messages[{k}].tool_call_id: {m.tool_call_id!r} names no tool call of an earlier "
+                                 "assistant message")
+        return self
+
+    def _check_tool_choice(self) -> None:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or ()]
+        if choice in (None, "none", "auto"):
+            return
+        if not names:
+            raise ValueError(f"tool_choice: {choice!r} needs tools")
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if name not in names:
+                raise ValueError(f"tool_choice: must be 'none', 'auto', 'required' or {{'type': 'function', "
+                                 f"'function': {{'name': one of {names}}}}}")
+
+    def forced_tool(self) -> str | None:
+        """The tool the reply must call ("" for any, with "required"); None when the reply is free."""
+        if self.tool_choice == "required":
+            return ""
+        return self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
 
 
 class CompletionRequest(SamplingFields):

@@ -40,7 +40,25 @@ class PreparedChat:
     tools_offered: bool  # tool calls are parsed out of the reply
     rendered: Rendered
     params: list[SamplingParams]  # one per choice
-    stop: list[str]
+    stop: list[str]  # the client's stop strings (the reply is cut before them)
+    forced: str = ""  # the reply's start, in the prompt already (`tool_choice`: the template's call text)
+    one_call: bool = False  # generation stops after the first call (`parallel_tool_calls: false`)
+    capped_from: int | None = None  # the max_tokens asked, when it was cut to fit the context (Messages)
+
+    def reply(self, gen: Generation) -> dict:
+        """The assistant message of one choice: its text cut at the stop string that ended it (kept when
+        it was the server's own call close), after the forced start, tool calls parsed."""
+        text = self.policy.renderer.completion_text(gen.token_ids)
+        if gen.stop_string and gen.stop_string in text:
+            end = text.index(gen.stop_string)
+            if gen.stop_string not in self.stop:  # the server's stop (`one_call`): part of the call, kept
+                end += len(gen.stop_string)
+            text = text[:end]
+        return self.policy.renderer.parse_reply(self.forced + text, self.tools_offered)
+
+    def stopped_by_client(self, gen: Generation) -> str | None:
+        """The client's stop string that ended this choice, if one did."""
+        return gen.stop_string if gen.stop_string in self.stop else None
 
 
 @dataclass
@@ -142,7 +160,7 @@ async def chat_events(gw, prep: PreparedChat, episode: Episode | None
             if isinstance(item, Exception):
                 yield ChoiceFailed(i, f"generation failed: {item}", "server_error", None)
                 continue
-            reply = policy.renderer.parse_reply(gw.text_of(policy, item), prep.tools_offered)
+            reply = prep.reply(item)
             try:
                 gw.record(episode, gw.make_call(policy, prep.messages, prep.rendered, item, reply))
             except Refusal as e:  # the lease ran out while generating

@@ -21,10 +21,9 @@ from fastapi import APIRouter, Request
 from core.episodes.auth import bearer, same_secret
 from core.sandbox.dealer import Dealt
 from core.sandbox.judge import JudgeError
-from core.episodes.registry import EpisodeError
+from core.episodes.errors import Refusal
 from core.serve.judging import judged_finish
 from core.serve.state import ServerState
-from core.episodes.client_table import ClientError
 from core.episodes.wire import AbortEpisode, ClientOrders, DrainClients, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode, RegisterClient, SwapRecord
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ def swarm_router(server: ServerState) -> APIRouter:
     async def open_episode(body: OpenEpisode, request: Request):
         judged = body.sandbox in server.judges
         if judged and body.task_id is not None:
-            raise EpisodeError(409, f"sandbox {body.sandbox!r} is judged: the server deals its tasks from its judge; "
+            raise Refusal(409, f"sandbox {body.sandbox!r} is judged: the server deals its tasks from its judge; "
                                "open its episodes without task_id and run the task the answer carries", "judged_sandbox")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + ADMISSION_HOLD_S
@@ -59,7 +58,7 @@ def swarm_router(server: ServerState) -> APIRouter:
             debt = server.clients.pairing.take(body.sandbox, server.versions()) if role == "follower" else None
             if role == "follower" and debt is None:
                 if loop.time() >= deadline:
-                    raise EpisodeError(503, "an A/B's new version runs the old version's tasks: none is owed yet",
+                    raise Refusal(503, "an A/B's new version runs the old version's tasks: none is owed yet",
                                        "ab_pairing", retry_after=PAIRING_RETRY_S)
                 await asyncio.sleep(ADMISSION_POLL_S)
                 continue
@@ -69,7 +68,7 @@ def swarm_router(server: ServerState) -> APIRouter:
             try:  # no await between the deal and the open: nobody else deals in between
                 ep, key = registry.open(body.model_copy(update={"task_id": task_id}), server.versions())
                 break
-            except EpisodeError as e:
+            except Refusal as e:
                 if debt is not None:
                     server.clients.pairing.put_back(body.sandbox, debt)
                 elif dealt is not None:
@@ -115,32 +114,23 @@ def swarm_router(server: ServerState) -> APIRouter:
     @router.post("/clients", response_model=ClientOrders)
     async def register_client(body: RegisterClient, request: Request):
         """A client's registration, sent again as its heartbeat; the answer says whether to drain."""
-        try:
-            return server.clients.register(body, bearer(request))
-        except ClientError as e:
-            raise EpisodeError(e.status, str(e), e.code) from None
+        return server.clients.register(body, bearer(request))
 
     @router.delete("/clients/{client_id}")
     async def leave(client_id: str, request: Request):
-        try:
-            server.clients.leave(client_id, bearer(request))
-        except ClientError as e:
-            raise EpisodeError(e.status, str(e), e.code) from None
+        server.clients.leave(client_id, bearer(request))
         return {"client_id": client_id, "state": "left"}
 
     def admin(request: Request) -> None:
         token = bearer(request) or request.headers.get("x-admin-token", "")
         if not same_secret(token, server.admin_token):
-            raise EpisodeError(401, "admin routes need the admin token", "invalid_admin_token")
+            raise Refusal(401, "admin routes need the admin token", "invalid_admin_token")
 
     @router.post("/admin/drain", response_model=SwapRecord | None)
     async def drain(body: DrainClients, request: Request):
         """`swarm swap`: the named clients drain (finish in-flight episodes, open none, exit)."""
         admin(request)
-        try:
-            return await asyncio.to_thread(server.clients.drain, body)  # on_swap may write to MLflow
-        except ClientError as e:
-            raise EpisodeError(e.status, str(e), e.code) from None
+        return await asyncio.to_thread(server.clients.drain, body)  # on_swap may write to MLflow
 
     @router.post("/admin/pause")
     async def pause(request: Request):
@@ -158,7 +148,7 @@ def swarm_router(server: ServerState) -> APIRouter:
     async def checkpoint(request: Request):
         admin(request)
         if server.on_checkpoint is None:
-            raise EpisodeError(409, "this server has no trainer to checkpoint", "no_trainer")
+            raise Refusal(409, "this server has no trainer to checkpoint", "no_trainer")
 
         return {"path": await asyncio.to_thread(server.on_checkpoint)}
 
@@ -178,7 +168,7 @@ def _ended_finished(registry, episode_id: str) -> bool:
     try:
         registry.get_open(episode_id)
         return False
-    except EpisodeError as e:
+    except Refusal as e:
         if e.status == 404:
             raise
         return True  # ended: let finish() decide whether this is an idempotent repeat or a conflict
@@ -188,14 +178,14 @@ def _rewards(server: ServerState, reward: float | dict[str, float], ep) -> dict[
     if isinstance(reward, dict):
         unknown = sorted(set(reward) - set(server.policies))
         if unknown:
-            raise EpisodeError(400, f"reward names unknown models {unknown}; served: {sorted(server.policies)}",
+            raise Refusal(400, f"reward names unknown models {unknown}; served: {sorted(server.policies)}",
                                "invalid_reward")
         # Every trainable model that acted needs its reward, or its trainer could not train the episode:
         # refuse the finish (the episode stays open) rather than lose the episode at batch time.
         acted = {c.model for c in ep.calls if server.policies[c.model].trainable} if ep is not None else set()
         missing = sorted(acted - set(reward))
         if missing:
-            raise EpisodeError(400, f"reward names {sorted(reward)} but models {missing} also acted in this episode; "
+            raise Refusal(400, f"reward names {sorted(reward)} but models {missing} also acted in this episode; "
                                "give each model that was called its reward", "invalid_reward")
         return dict(reward)
     called = sorted({c.model for c in ep.calls}) if ep is not None else []
@@ -207,4 +197,4 @@ def _deal(server: ServerState, body: OpenEpisode) -> Dealt:
     try:
         return server.dealer.deal(body.sandbox, body.kind, body.split, body.group_size or server.registry.default_group_size)
     except JudgeError as e:
-        raise EpisodeError(500, f"the judge of sandbox {body.sandbox!r} cannot deal a task: {e}", "judge_error") from None
+        raise Refusal(500, f"the judge of sandbox {body.sandbox!r} cannot deal a task: {e}", "judge_error") from None

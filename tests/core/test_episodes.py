@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from core.episodes.registry import EpisodeError, Registry
+from core.episodes.errors import Refusal
+from core.episodes.registry import Registry
 from core.records import Call
 from core.episodes.wire import OpenEpisode
 
@@ -53,7 +54,7 @@ def test_expired_leases_free_their_key_with_a_409():
     reg = Registry(lease_s=5, default_group_size=1, batch_groups=1, clock=clock)
     ep, key = reg.open(OpenEpisode(task_id="t"), {"policy": 0})
     clock.now += 6
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(Refusal) as e:
         reg.by_key(key)
     assert e.value.status == 409 and reg.counters["expired"] == 1
 
@@ -62,16 +63,16 @@ def test_back_pressure_when_the_trainer_falls_behind():
     reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=Clock())
     finish_group(reg, "s", "a", 1)
     finish_group(reg, "s", "b", 1)
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(Refusal) as e:
         reg.open(OpenEpisode(task_id="c"), {"policy": 0})
     assert e.value.status == 503 and e.value.retry_after
 
 
-def open_until_refused(reg: Registry, sandbox: str, limit: int = 100) -> tuple[int, EpisodeError]:
+def open_until_refused(reg: Registry, sandbox: str, limit: int = 100) -> tuple[int, Refusal]:
     for opened in range(limit):
         try:
             reg.open(OpenEpisode(sandbox=sandbox, task_id=f"{sandbox}-{opened}-{reg.clock()}"), {"policy": 0})
-        except EpisodeError as e:
+        except Refusal as e:
             return opened, e
     raise AssertionError(f"{sandbox} opened {limit} episodes without a refusal")
 
@@ -115,14 +116,14 @@ def test_admission_refuses_new_groups_once_the_staleness_budget_is_full():
     reg = Registry(lease_s=60, default_group_size=2, batch_groups=1, clock=Clock())
     reg.admit_within(max_staleness=0)  # room for one step's groups: one group of two
     first, _ = reg.open(OpenEpisode(task_id="a"), {"policy": 0})
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(Refusal) as e:
         reg.open(OpenEpisode(task_id="b"), {"policy": 0})
     assert e.value.status == 503 and e.value.code == "admission" and e.value.retry_after
     second, _ = reg.open(OpenEpisode(task_id="a"), {"policy": 0})  # completing a started group is always fine
     for ep in (first, second):
         reg.record(ep, call_at(0))
         reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
-    with pytest.raises(EpisodeError):
+    with pytest.raises(Refusal):
         reg.open(OpenEpisode(task_id="b"), {"policy": 0})  # finished but untrained still fills the step
     assert reg.take_batch({"policy": 0}, max_staleness=0) is not None
     assert reg.open(OpenEpisode(task_id="b"), {"policy": 0})  # the batch left: room for the next step
@@ -133,7 +134,7 @@ def test_an_overlapped_step_in_progress_takes_one_step_of_budget_until_its_sync(
     reg.admit_within(max_staleness=1)  # two steps' worth: two groups of one
     reg.open(OpenEpisode(task_id="a"), {"policy": 0})
     reg.step_started()
-    with pytest.raises(EpisodeError):
+    with pytest.raises(Refusal):
         reg.open(OpenEpisode(task_id="b"), {"policy": 0})  # would be two versions old when trained
     reg.step_synced()
     assert reg.open(OpenEpisode(task_id="b"), {"policy": 1})
@@ -145,7 +146,7 @@ def test_a_partial_group_abandoned_for_a_lease_stops_holding_a_slot():
     reg.admit_within(max_staleness=0)
     ep, _ = reg.open(OpenEpisode(task_id="a"), {"policy": 0})
     reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
-    with pytest.raises(EpisodeError):
+    with pytest.raises(Refusal):
         reg.open(OpenEpisode(task_id="b"), {"policy": 0})
     clock.now += 6
     assert reg.open(OpenEpisode(task_id="b"), {"policy": 0})
@@ -183,7 +184,7 @@ def test_a_heartbeat_extends_the_episodes_own_lease_not_the_servers_default(leas
 def test_a_finish_with_a_reward_beyond_max_abs_reward_is_a_400_and_the_episode_stays_open():
     reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, clock=Clock(), max_abs_reward=1e6)
     ep, _ = reg.open(OpenEpisode(task_id="t"), {"policy": 0})
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(Refusal) as e:
         reg.finish(ep.id, {"policy": 1e308}, {"reward": 1e308})
     assert e.value.status == 400 and e.value.code == "invalid_reward" and "max_abs_reward" in str(e.value)
     assert reg.get_open(ep.id).state == "open" and reg.ready_groups() == 0

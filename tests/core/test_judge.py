@@ -16,7 +16,8 @@ from core.sandbox.judge import JudgeError, load_judge
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.episodes.books import unbalanced
-from core.episodes.registry import EpisodeError, Registry
+from core.episodes.errors import Refusal
+from core.episodes.registry import Registry
 from core.episodes.wire import OpenEpisode
 from core.run import checkpoint
 from core.run.scores import judged_metrics
@@ -223,7 +224,7 @@ def test_a_judged_episode_whose_lease_runs_out_is_finished_with_the_failure_valu
     assert batch is not None and [e.id for e in batch.episodes] == [first.id, hung.id]  # its group filled
     assert hung.state == "finished" and hung.score == -1.0 and "expired" in hung.abort_reason
     assert debug.state == "expired"  # debug episodes count nowhere: they end as before
-    with pytest.raises(EpisodeError, match="scored its judge's failure value"):  # a late finish changes nothing
+    with pytest.raises(Refusal, match="scored its judge's failure value"):  # a late finish changes nothing
         registry.finish(hung.id, {"policy": 1.0}, {"reward": 1.0})
     assert registry.abort(hung.id, "again").score == -1.0  # an abort after the fact is idempotent
     assert not unbalanced(registry.counters, 0, 0)

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from core.config_io import load_config
-from core.episodes.registry import EpisodeError, Registry
+from core.episodes.errors import Refusal
+from core.episodes.registry import Registry
 from core.records import Call
 from core.run.loop import CoreRun
 from core.episodes.wire import OpenEpisode
@@ -62,7 +63,7 @@ def _simulate(reg: Registry, ticks: int, attempts: dict[str, int]) -> list[dict[
                 n += 1
                 try:
                     opened.append(reg.open(OpenEpisode(sandbox=sandbox, task_id=f"t{n}", group_size=1), {"policy": 0})[0])
-                except EpisodeError:
+                except Refusal:
                     pass
         batch = reg.take_batch({"policy": 0}, max_staleness=1)
         if batch is not None:
@@ -115,7 +116,7 @@ def _finish_until_refused(reg: Registry, sandbox: str, limit: int = 50) -> int:
     for i in range(limit):
         try:
             finish_group(reg, sandbox, f"{sandbox}{i}")
-        except EpisodeError as e:
+        except Refusal as e:
             assert e.code == "mix_quota", e
             return i
     raise AssertionError(f"{sandbox} finished {limit} groups without a refusal")
@@ -174,7 +175,7 @@ def test_admission_gives_each_active_sandbox_its_share_of_the_room():
     reg.admit_within(max_staleness=0)  # room for one step: four groups
     clock.now += 11  # a lease since the start and b never asked: only a is active, it may use the whole room
     first = [reg.open(OpenEpisode(sandbox="a", task_id=f"a{i}"), {"policy": 0})[0] for i in range(4)]
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(Refusal) as e:
         reg.open(OpenEpisode(sandbox="b", task_id="b0"), {"policy": 0})
     assert e.value.code == "admission"  # the room is full, but b is active from now on
     for ep in first:
@@ -184,7 +185,7 @@ def test_admission_gives_each_active_sandbox_its_share_of_the_room():
     # b asked within a lease: a gets ceil(3/4 * 4) = 3 groups of the room and b keeps one
     for i in range(3):
         reg.open(OpenEpisode(sandbox="a", task_id=f"n{i}", lease_s=100), {"policy": 0})
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(Refusal) as e:
         reg.open(OpenEpisode(sandbox="a", task_id="n3"), {"policy": 0})
     assert e.value.code == "admission" and "mix share" in str(e.value)
     # a sandbox silent for a lease gives its room back
@@ -196,7 +197,7 @@ def test_back_pressure_spares_a_mixed_sandbox_with_nothing_ready():
     reg = Registry(lease_s=60, default_group_size=1, batch_groups=1, mix={"a": 3.0, "b": 1.0}, clock=Clock())
     finish_group(reg, "a", "a0")
     finish_group(reg, "a", "a1")
-    with pytest.raises(EpisodeError) as e:
+    with pytest.raises(Refusal) as e:
         reg.open(OpenEpisode(sandbox="a", task_id="a2"), {"policy": 0})
     assert e.value.code == "backpressure"
     assert reg.open(OpenEpisode(sandbox="b", task_id="b0"), {"policy": 0})  # the trainer may be waiting on b

@@ -26,7 +26,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from core.episodes.client_table import CLIENT_TTL_S, ClientError, ClientTable
+from core.episodes.client_table import CLIENT_TTL_S, ClientTable
+from core.episodes.errors import Refusal
 from core.clients.sandbox import load_agent
 from core.episodes.wire import DrainClients, RegisterClient
 
@@ -44,13 +45,13 @@ def test_the_client_table_keys_heartbeats_drains_named_clients_for_a_successor_a
     table = ClientTable(clock=lambda: now[0], on_swap=swaps.append)
     key = table.register(_reg("old"), "").key
     assert table.register(_reg("old"), key).drain is False
-    with pytest.raises(ClientError) as e:
+    with pytest.raises(Refusal) as e:
         table.register(_reg("old"), "wrong")  # someone else cannot renew (or un-drain) a client
     assert e.value.status == 401
-    with pytest.raises(ClientError) as e:
+    with pytest.raises(Refusal) as e:
         table.drain(DrainClients(sandbox="letters", client_ids=["old"], successor="nobody"))
     assert e.value.status == 409 and not table.register(_reg("old"), key).drain  # nothing was marked
-    with pytest.raises(ClientError) as e:
+    with pytest.raises(Refusal) as e:
         table.drain(DrainClients(sandbox="other", client_ids=["old"]))
     assert e.value.status == 404
     table.register(_reg("new", version="v2"), "")

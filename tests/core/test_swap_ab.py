@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from core.run import hotswap
-from core.episodes.client_table import ClientError, ClientTable
+from core.episodes.client_table import ClientTable
+from core.episodes.errors import Refusal
 from core.episodes.wire import DrainClients, RegisterClient
 
 
@@ -37,7 +38,7 @@ def test_an_ab_order_records_the_swap_and_drains_nobody_until_the_loser_is_drain
     end = table.drain(DrainClients(sandbox="letters", client_ids=["new"], successor="old"))
     assert (end.ab, end.drained, end.to_version) == (False, ["new"], "v1")
     assert [c["state"] for c in table.listing()] == ["serving", "draining"]
-    with pytest.raises(ClientError):  # an A/B against draining clients would split nothing
+    with pytest.raises(Refusal):  # an A/B against draining clients would split nothing
         table.drain(DrainClients(sandbox="letters", client_ids=["new"], successor="old", ab=True))
 
 
