@@ -42,6 +42,7 @@ import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -205,7 +206,30 @@ def masked_paths(extra: Sequence[Path] = ()) -> list[Path]:
     sqlite state, the MLflow store)."""
     warm = os.environ.get(WARM_ENV)
     listed = [Path(p) for p in os.environ.get(HIDE_ENV, "").split(os.pathsep) if p]
-    return list(dict.fromkeys([*token_files(), *([Path(warm).parent] if warm else []), *listed, *map(Path, extra)]))
+    return list(dict.fromkeys([*token_files(), *([Path(warm).parent] if warm else []), net_root(), *listed,
+                               *map(Path, extra)]))
+
+
+def net_root() -> Path:
+    """The folder that holds every forwarder socket folder of this user (one per contained start): masked in
+    every sandbox, which gets only its own socket's folder bound back, so no sandbox reaches a sibling's
+    forwarder whatever $TMPDIR is (a private /tmp hides nothing when TMPDIR points elsewhere, as under Slurm)."""
+    return Path(tempfile.gettempdir()) / f"swarmrl-net-{os.getuid()}"
+
+
+def _net_folder() -> Path:
+    """A fresh 0700 folder for one forwarder's socket, under `net_root()`: made 0700 by us, or refused when
+    someone else made it (another user on a shared TMPDIR could otherwise watch or swap the sockets)."""
+    root = net_root()
+    try:
+        root.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = root.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise OSError(f"{root} is not a private folder of this user (a link, another user's, or open to others): "
+                      "remove it, or point TMPDIR elsewhere")
+    return Path(tempfile.mkdtemp(prefix="swarmrl-net-", dir=root))
 
 
 def inner_url(url: str) -> str:
@@ -300,7 +324,7 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
     nproc = user_processes() + limits.processes
     group = pids_cgroup(limits.processes) if os.getuid() == 0 else None
     memory = _memory_bound(limits.memory)
-    net = Path(tempfile.mkdtemp(prefix="swarmrl-net-")) if server and bwrap() is not None else None  # 0700
+    net = _net_folder() if server and bwrap() is not None else None  # 0700
     if net is not None:
         argv = [inner_url(server) if a == server else a for a in argv]
     port = urlsplit(inner_url(server)).port if net is not None else 0

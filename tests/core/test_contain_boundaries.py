@@ -13,10 +13,13 @@ import ctypes
 import http.server
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -409,3 +412,36 @@ def test_the_total_memory_cap_holds_for_several_children_together(tmp_path):
                     cwd=tmp_path)
     held = done.stdout.split().count("held")
     assert 1 <= held <= 2, done.stdout + done.stderr
+
+
+SOCKETS = """
+import os, sys
+found = []
+for folder, _, files in os.walk(sys.argv[1]):
+    found += [os.path.join(folder, f) for f in files if f.endswith(".sock")]
+print(len(found))
+"""
+
+
+@needs_bwrap
+def test_with_tmpdir_outside_tmp_a_sibling_sandboxs_forwarder_socket_stays_invisible(tmp_path, server):
+    # Under Slurm TMPDIR is often outside /tmp, where the private /tmp hid nothing: every sandbox saw every
+    # other's forwarder socket, and opened episodes on a sibling run's server through it.
+    url, _ = server
+    tmpdir = Path(tempfile.mkdtemp(prefix="swarmrl-test-tmpdir-", dir="/var/tmp"))
+    env = {"TMPDIR": str(tmpdir)}
+    sibling = subprocess.Popen([sys.executable, "-m", "core.run.cli", "contain", "--server", url, "--", sys.executable,
+                                "-c", "import time; time.sleep(60)"], cwd=tmp_path, env={**os.environ,
+                                "PYTHONPATH": str(ROOT), **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmpdir.rglob("forward.sock")) and time.monotonic() < deadline and sibling.poll() is None:
+            time.sleep(0.1)
+        assert len(list(tmpdir.rglob("forward.sock"))) == 1, "the sibling's forwarder never came up"
+        done = _contain("--server", url, "--", sys.executable, "-c", SOCKETS, str(tmpdir), cwd=tmp_path, env=env)
+    finally:
+        sibling.terminate()
+        sibling.wait(timeout=60)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1", done.stdout  # its own socket, and not the sibling's
