@@ -47,7 +47,8 @@ from core.config import ModelConfig, RunConfig, TrainerConfig, model_devices
 from core.engine.groups import process_group
 from core.models import prepare_policy
 from core.train.memory import sharding_of
-from core.train.ranks import RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums, serve
+from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
+                              same_outcome, serve)
 from core.train.sharded import ShardedTrainer
 from core.train.timelines import Sample
 from core.train.trainer import PreparedStep, Trainer, seed_everything
@@ -94,6 +95,16 @@ class _Collectives:
             for p in self.trainer.policy.parameters():
                 self._broadcast(p.data)
 
+    def broadcast_reference(self) -> None:
+        """Every rank's frozen KL reference from rank 0's, once at start (as `core.train.sharded` does):
+        each rank built its own from the model it loaded, which need not be the module rank 0 was
+        handed (a resumed run's, or any other). LoRA's reference is the base with adapters off, whose
+        weights `broadcast_weights` already sent."""
+        if self.trainer.reference is not None:
+            with torch.no_grad():
+                for p in self.trainer.reference.parameters():
+                    self._broadcast(p.data)
+
     def _all_reduce(self, t: torch.Tensor, op: Any) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
@@ -121,6 +132,7 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     trainer = Trainer(_build_policy(mc, device), cfg, mc.name, lora=mc.lora is not None)
     ranks = _Collectives(trainer, process_group(backend, port, rank, world, RANK_TIMEOUT_S))
     ranks.broadcast_weights()
+    ranks.broadcast_reference()
 
     def backward(share: list[Sample], normalizer: float) -> None:
         trainer.policy.train()
@@ -150,6 +162,7 @@ class DistributedTrainer(Trainer):
         self.procs = self.workers.procs
         self.ranks = _Collectives(self, process_group(backend, port, 0, self.world, RANK_TIMEOUT_S))
         self.ranks.broadcast_weights()  # rank 0's weights are the run's: a resumed module's included
+        self.ranks.broadcast_reference()
         self.workers.wait_ready()
 
     def backward(self, prepared: PreparedStep) -> None:
@@ -168,7 +181,7 @@ class DistributedTrainer(Trainer):
         self.workers.send_all([("apply", loss)] * (self.world - 1))
         out = super()._apply(loss)
         answers = self.workers.gather()
-        if any(tuple(a) != out for a in answers):  # identical gradients must give identical steps
+        if not all(same_outcome(a, out) for a in answers):  # identical gradients must give identical steps
             raise RankError(f"ranks disagree on the step: rank 0 {out}, others {answers}")
         return out
 

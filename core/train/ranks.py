@@ -15,6 +15,8 @@ module says), or ranks on other machines.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import multiprocessing
 import os
 import pickle
@@ -41,6 +43,21 @@ SUMMED = ("loss", "kl", "clipped", "masked", "tokens", "entropy", "behaviour_dif
 
 class RankError(RuntimeError):
     """A trainer rank failed or died; the step it was in fails (its error is in the message)."""
+
+
+def same_outcome(a: Any, b: Any) -> bool:
+    """Whether two ranks' step outcomes agree field by field, a NaN matching a NaN: every rank skips a
+    non-finite step alike (its grad norm is NaN on each), and `nan != nan` would call that a disagreement."""
+    def fields(x: Any) -> tuple:
+        return dataclasses.astuple(x) if dataclasses.is_dataclass(x) else tuple(x)
+
+    def same(x: Any, y: Any) -> bool:
+        if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
+            return True
+        return x == y
+
+    fa, fb = fields(a), fields(b)
+    return len(fa) == len(fb) and all(same(x, y) for x, y in zip(fa, fb))
 
 
 def balance(samples: list[Sample], world: int) -> list[list[Sample]]:

@@ -64,7 +64,7 @@ from core import models
 from core.config import ModelConfig, TrainerConfig
 from core.train.packing import micro_batch_count, pack, token_logprobs
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
-                              serve, tcp_store)
+                              same_outcome, serve, tcp_store)
 from core.train.timelines import Sample
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
@@ -359,7 +359,7 @@ class ShardedTrainer(Trainer):
         with self.workers.blamed():
             out = self.shard.step_and_gather(loss, self.policy)
         answers = self.workers.gather()
-        if any(tuple(a) != out for a in answers):  # one global norm and loss must give the same outcome
+        if not all(same_outcome(a, out) for a in answers):  # one global norm and loss must give the same outcome
             raise RankError(f"ranks disagree on the step: rank 0 {out}, others {answers}")
         return out
 

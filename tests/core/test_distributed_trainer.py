@@ -15,6 +15,7 @@ elements and holds all the others to 1e-5 (CI found one such element in k_proj o
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -141,5 +142,53 @@ def test_a_killed_rank_fails_the_step_with_its_name(pair):
         prepared = dp.prepare(groups_for(base))
         with pytest.raises(RankError, match="rank 1"):
             dp.backward(prepared)
+    finally:
+        dp.close()
+
+
+def poison_rank_0s_gradient(trainer: Trainer) -> None:
+    """After rank 0's backward (before the ranks sum their gradients) one of its gradient elements turns
+    NaN, as an overflow would: the sum is NaN on every rank, so every rank's grad norm is NaN."""
+    accumulate = trainer._accumulate
+
+    def poisoned(samples, normalizer):
+        sums = accumulate(samples, normalizer)
+        with torch.no_grad():
+            next(p.grad for p in trainer.policy.parameters() if p.grad is not None).view(-1)[0] = float("nan")
+        return sums
+    trainer._accumulate = poisoned
+
+
+def test_a_nan_step_is_skipped_on_every_rank_not_called_a_disagreement(pair):
+    base, _, _ = pair
+    dp = DistributedTrainer(copy.deepcopy(base), CFG, ModelConfig(name=MODEL, device="cpu"), ["cpu", "cpu"])
+    try:
+        poison_rank_0s_gradient(dp)
+        prepared = dp.prepare(groups_for(base))
+        dp.backward(prepared)
+        assert dp.apply(prepared) is False  # every rank's (nan, True, False): skipped alike, no RankError
+        assert prepared.skipped and math.isnan(prepared.grad_norm)
+        assert all(torch.equal(p, q) for p, q in zip(dp.policy.parameters(), base.parameters()))
+    finally:
+        dp.close()
+
+
+def test_the_kl_term_scores_against_rank_0s_reference_on_every_rank():
+    seed_everything(0)
+    base, _ = build_tiny(7)  # rank 1 loads the preset's seed 0: its own model is not this one
+    cfg = CFG.model_copy(update={"kl_coef": 0.1})
+    single = Trainer(copy.deepcopy(base), cfg, MODEL, lora=False)
+    dp = DistributedTrainer(copy.deepcopy(base), cfg, ModelConfig(name=MODEL, device="cpu"), ["cpu", "cpu"])
+    try:
+        batch = groups_for(base)
+        for t in (single, dp):  # a first step moves the policy off the reference: the KL term then pulls
+            first = t.prepare(batch)
+            t.backward(first)
+            assert t.apply(first)
+        one, two = single.prepare(batch), dp.prepare(batch)
+        single.backward(one)
+        dp.backward(two)
+        assert_same_gradients(dp, single)  # rank 1's KL gradient is against rank 0's reference
+        assert one.sums["kl"] > 0 and two.sums["kl"] == pytest.approx(one.sums["kl"], rel=1e-4)
     finally:
         dp.close()

@@ -20,6 +20,7 @@ closes the one it built.
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -276,3 +277,25 @@ def test_fsdp2_refuses_one_rank_and_lora():
     lora = ModelConfig(name=MODEL, device="cpu", lora={"r": 4})
     with pytest.raises(ValueError, match="LoRA"):
         ShardedTrainer(build_tiny(0)[0], CFG, lora, ["cpu", "cpu"])
+
+
+def test_a_nan_step_is_skipped_on_every_shard_not_called_a_disagreement():
+    """One NaN element in rank 0's gradient shard, as an overflow would leave: the global norm is NaN on
+    every rank, each skips the step, and their (nan, True, False) outcomes agree."""
+    base, _ = build_tiny(0)
+    with sharded(copy.deepcopy(base)) as fsdp:
+        accumulate = fsdp.shard.accumulate
+
+        def poisoned(*args):
+            sums = accumulate(*args)
+            with torch.no_grad():
+                local = next(p.grad.to_local() for p in fsdp.shard.model.parameters()
+                             if p.grad is not None and p.grad.to_local().numel() > 0)
+                local.view(-1)[0] = float("nan")
+            return sums
+        fsdp.shard.accumulate = poisoned
+        prepared = fsdp.prepare(groups_for(base))
+        fsdp.backward(prepared)
+        assert fsdp.apply(prepared) is False
+        assert prepared.skipped and math.isnan(prepared.grad_norm)
+        assert all(torch.equal(p, q) for p, q in zip(fsdp.policy.parameters(), base.parameters()))
