@@ -51,6 +51,9 @@ class Episode(BaseModel):
     ordinal: int = 0
     ended_at: float | None = None  # when it finished, aborted or expired
     calls: list[Call] = Field(default_factory=list)
+    # Model calls (choices) the gateway started for it, ended or not: what a sandbox's `max_calls` bounds, so a
+    # call cut off mid-stream or failed still counts (`core.serve.protocol`).
+    calls_started: int = 0
     reward: dict[str, float] | None = None  # model -> reward, set by finish
     # A judged sandbox's score from its judge (core.sandbox.judge), which is also the reward of every model
     # that acted; FAILURE when it raised, timed out or expired. None for unjudged sandboxes.

@@ -8,11 +8,19 @@ one of code alone:
   the follower (the new version's client) opens nothing but those debts, first come first served. So each
   task drawn goes to both versions, at about the same moment, hence mostly on the same weights. A debt
   left unpaid for `DEBT_MAX_VERSIONS` weight versions is dropped: it could no longer pair.
-- `Pairs`: trained episodes fall into cells (sandbox, task id, weights they ran on); a cell that both
-  versions reached is a compared pair, each version scored by its mean over its episodes there (the
-  number a study reads: the judge's score when the sandbox is judged, else the reward). Per trainer step, the pairs
-  completed since the last step give each version's mean under `core.config.ab_metric`: both means
-  are over the same cells, so their difference holds neither task mix nor weights, only code.
+- `Pairs`: train episodes fall into cells (sandbox, task id, the weights versions it opened on), fixed when
+  it opens: what its calls later ran on does not move it, so an agent that waits for new weights after a
+  bad reply stays in the cell it opened in. An episode counts in its cell when it ends: finished, its
+  number (`scored`: the judge's score when the sandbox is judged, else the reward); a judged one that
+  never finished (aborted, expired, refused a call beyond `max_calls`) with its judge's failure value,
+  as the registry finishes it (counted, never dropped; an unjudged one that never finished has no number
+  and leaves its cell). A cell that both versions reached is a compared pair, each version scored by its
+  mean over its episodes there, once none of its episodes is still open: a pair is never compared
+  without an episode that is still running. Per trainer step, the pairs completed since the last step
+  give each version's mean under `core.config.ab_metric`: both means are over the same cells, so their
+  difference holds neither task mix nor weights, only code. The registry tells the book of every open
+  and end (`opened`, `ended`), so a train episode is counted whether or not it is ever trained (a stale
+  one is dropped from its batch, never from its cell).
 
 Groups never mix versions because they are keyed by `Episode.train_group`. Nothing here opens,
 trains or decides; the verdict on the per-step differences is the researcher's
@@ -84,16 +92,30 @@ class TaskPairing:
             return {s: len(d) for s, d in self._debts.items() if d}
 
 
-Cell = tuple[str, str, tuple]  # (sandbox, task id, Episode.weights)
+Cell = tuple[str, str, tuple[tuple[str, int], ...]]  # (sandbox, task id, ((model, version at open), ...) sorted)
+
+
+def cell_of(ep: Episode) -> Cell:
+    """The cell an episode is compared in: its sandbox, task and the weights it opened on, fixed at open."""
+    return (ep.sandbox, ep.task_id, tuple(sorted(ep.opened_versions.items())))
+
+
+def scored(ep: Episode) -> float | None:
+    """The number a study reads of one episode: its judge's score when its sandbox is judged (the failure
+    value when it never finished), else its reward averaged over the models that acted; None when it has neither."""
+    if ep.score is not None:
+        return ep.score
+    return sum(ep.reward.values()) / len(ep.reward) if ep.reward else None
 
 
 @dataclass
 class _Cell:
     by_version: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # version -> (episode id, score)
+    open: set[str] = field(default_factory=set)  # its episodes still running: the cell is not compared before they end
 
 
 class Pairs:
-    """Finished train episodes by (sandbox, task, weights) cell, until both versions of an A/B reached one."""
+    """Train episodes by (sandbox, task, weights at open) cell, until both versions of an A/B reached one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -101,40 +123,65 @@ class Pairs:
         self._newest: dict[str, int] = {}  # model -> newest weights seen
         self.recent: deque[dict] = deque(maxlen=RECENT_PAIRS)
 
-    def add(self, ep: Episode, score: float | None) -> None:
-        """One finished train episode and the number the study reads of it (`core.run.scores.scored`)."""
-        if ep.kind != "train" or score is None:
+    def opened(self, ep: Episode) -> None:
+        """A train episode opened: its cell waits for it (the registry calls this from `open`)."""
+        if ep.kind != "train":
             return
         with self._lock:
-            weights = ep.weights
-            for model, _oldest, newest in weights:
-                self._newest[model] = max(self._newest.get(model, newest), newest)
-            cell = self._cells.setdefault((ep.sandbox, ep.task_id, weights), _Cell())
-            cell.by_version.setdefault(ep.client_version or "unknown", []).append((ep.id, score))
+            self._see(ep)
+            self._cells.setdefault(cell_of(ep), _Cell()).open.add(ep.id)
+
+    def ended(self, ep: Episode) -> None:
+        """A train episode ended, however (the registry calls this when it closes one): counted in its cell with
+        `scored(ep)` when it has a number, else it only stops holding the cell."""
+        self.add(ep, scored(ep) if ep.state == "finished" else None)
+
+    def add(self, ep: Episode, score: float | None) -> None:
+        """One ended train episode and the number the study reads of it (None: it leaves its cell uncounted)."""
+        if ep.kind != "train":
+            return
+        with self._lock:
+            self._see(ep)
+            key = cell_of(ep)
+            cell = self._cells.get(key)
+            if cell is None:
+                if score is None:
+                    return
+                cell = self._cells[key] = _Cell()
+            cell.open.discard(ep.id)
+            if score is not None:
+                cell.by_version.setdefault(ep.client_version or "unknown", []).append((ep.id, score))
             self._forget_old()
 
+    def _see(self, ep: Episode) -> None:
+        for model, version in ep.opened_versions.items():
+            self._newest[model] = max(self._newest.get(model, version), version)
+
     def _forget_old(self) -> None:
-        old = [key for key in self._cells
-               if any(self._newest.get(m, v) - v > CELL_MAX_VERSIONS for m, v, _ in key[2])]
+        """Cells the weights left `CELL_MAX_VERSIONS` behind with no episode still running there: one version
+        never reached them, and no episode can open there any more."""
+        old = [key for key, cell in self._cells.items() if not cell.open
+               and any(self._newest.get(m, v) - v > CELL_MAX_VERSIONS for m, v in key[2])]
         for key in old:
             del self._cells[key]
 
     def take(self) -> dict[str, float]:
         """The pairs completed since the last call, as metrics: per sandbox, each version's mean score over
         them (`ab_metric`) and their count (`ab/<sandbox>/pairs`). Each cell counts once, equally, whatever
-        the number of episodes each version ran in it (the versions' unequal shares cancel)."""
+        the number of episodes each version ran in it (the versions' unequal shares cancel); a cell with an
+        episode still running waits for it."""
         with self._lock:
-            done = [(key, cell) for key, cell in self._cells.items() if len(cell.by_version) >= 2]
+            done = [(key, cell) for key, cell in self._cells.items() if len(cell.by_version) >= 2 and not cell.open]
             sums: dict[tuple[str, str], list[float]] = {}
             count: dict[str, int] = {}
             for key, cell in done:
                 del self._cells[key]
                 sandbox, task_id, weights = key
                 count[sandbox] = count.get(sandbox, 0) + 1
-                for version, scored in cell.by_version.items():
-                    sums.setdefault((sandbox, version), []).append(sum(s for _, s in scored) / len(scored))
+                for version, scores in cell.by_version.items():
+                    sums.setdefault((sandbox, version), []).append(sum(s for _, s in scores) / len(scores))
                 self.recent.append({"sandbox": sandbox, "task_id": task_id, "weights": [list(w) for w in weights],
-                                    "episodes": {v: [i for i, _ in scored] for v, scored in cell.by_version.items()}})
+                                    "episodes": {v: [i for i, _ in scores] for v, scores in cell.by_version.items()}})
         out = {ab_metric(sandbox, version): sum(v) / len(v) for (sandbox, version), v in sums.items()}
         out.update({f"ab/{sandbox}/pairs": float(n) for sandbox, n in count.items()})
         return out

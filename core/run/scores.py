@@ -10,19 +10,14 @@ their place; a batch of unjudged sandboxes keeps the trainer's (per model in a m
 `agent_reward/<sandbox>/mean`, what judged agents said of themselves (logged, never decided on), and
 `judge/<sandbox>/failed`, how many of a sandbox's episodes scored the failure value.
 
-Deliberately not here: scoring (the server's judges, `core.serve.judging`) and logging (`core.run.telemetry`).
+Deliberately not here: scoring (the server's judges, `core.serve.judging`), logging (`core.run.telemetry`), and
+the A/B's cells (`core.episodes.pairing`, which is where `scored` lives, so the episode books can count with it).
 """
 
 from __future__ import annotations
 
+from core.episodes.pairing import scored  # noqa: F401 (one home, below the run: an A/B's cells read it too)
 from core.records import Episode
-
-
-def scored(ep: Episode) -> float | None:
-    """The number a study reads of one episode; None when it has neither a score nor a reward."""
-    if ep.score is not None:
-        return ep.score
-    return sum(ep.reward.values()) / len(ep.reward) if ep.reward else None
 
 
 def judged_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -3,8 +3,9 @@
 The registry keys groups by code version (`Episode.train_group`); the client table names an A/B's
 leaders and follower and forgets the A/B when the loser drains or a side is gone; the open route
 hands the follower the tasks its leaders opened (over HTTP, against a real in-process server); the
-pair book compares two versions only on cells (task, weights) both reached, each cell counted once
-whatever each version's episode count; `swarm swap` gives the new client the old one's task settings.
+pair book compares two versions only on cells (task, weights at open) both reached, each cell counted
+once whatever each version's episode count, every episode in the cell it opened in (a judged one that never
+finished with its failure value, a stale one too); `swarm swap` gives the new client the old one's task settings.
 """
 
 from __future__ import annotations
@@ -39,29 +40,75 @@ def test_a_group_never_mixes_code_versions():
     assert sorted(g[0].client_version for g in batch.groups) == ["v1", "v2"]
 
 
-def _episode(task: str, version: str, weights: list[int], reward: float) -> Episode:
+def _episode(task: str, version: str, opened_on: int, reward: float, calls_on: list[int] | None = None) -> Episode:
     calls = [Call(model="policy", version=w, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1])
-             for w in weights]
+             for w in calls_on or [opened_on]]
     return Episode(id=f"{task}-{version}-{reward}", sandbox="s", task_id=task, group_size=1, client_version=version,
-                   opened_at=0.0, lease_expires_at=1.0, calls=calls, reward={"policy": reward}, state="finished")
+                   opened_at=0.0, lease_expires_at=1.0, opened_versions={"policy": opened_on}, calls=calls,
+                   reward={"policy": reward}, state="finished")
 
 
 def test_pairs_compare_versions_only_on_the_same_task_and_weights_each_cell_counted_once():
     pairs = Pairs()
-    for ep in [_episode("a", "v1", [3], 1.0), _episode("a", "v1", [3], 0.0), _episode("a", "v2", [3], 0.9),
-               _episode("b", "v1", [3], 0.2), _episode("b", "v2", [4], 0.8),  # other weights: no pair
-               _episode("c", "v1", [3, 4], 0.4), _episode("c", "v2", [3], 0.6),  # spans 3-4 vs on 3: no pair
-               _episode("d", "v2", [4], 0.3), _episode("d", "v1", [4], 0.1)]:
+    for ep in [_episode("a", "v1", 3, 1.0), _episode("a", "v1", 3, 0.0), _episode("a", "v2", 3, 0.9),
+               _episode("b", "v1", 3, 0.2), _episode("b", "v2", 4, 0.8),  # opened on other weights: no pair
+               _episode("d", "v2", 4, 0.3), _episode("d", "v1", 4, 0.1)]:
         pairs.add(ep, sum(ep.reward.values()))
     metrics = pairs.take()
     # Cells a@3 (v1 mean 0.5 over its two episodes, v2 0.9) and d@4: each version over the same two cells.
     assert metrics == pytest.approx({ab_metric("s", "v1"): (0.5 + 0.1) / 2, ab_metric("s", "v2"): (0.9 + 0.3) / 2,
                                      "ab/s/pairs": 2.0})
     assert {(p["task_id"], tuple(map(tuple, p["weights"]))) for p in pairs.status()} == {
-        ("a", (("policy", 3, 3),)), ("d", (("policy", 4, 4),))}
+        ("a", (("policy", 3),)), ("d", (("policy", 4),))}
     assert pairs.take() == {}  # taken once
-    pairs.add(_episode("b", "v2", [3], 0.7), 0.7)  # the other version reaches b@3 late: now it pairs
+    pairs.add(_episode("b", "v2", 3, 0.7), 0.7)  # the other version reaches b@3 late: now it pairs
     assert pairs.take()[ab_metric("s", "v2")] == pytest.approx(0.7)
+
+
+def test_an_episode_whose_calls_span_a_weight_change_stays_in_the_cell_it_opened_in():
+    # v1 waits for new weights after a bad reply and calls again on 4: under the old span key (3-4) its episode
+    # fell in a cell v2 never reached, so only its good episodes paired. Fixed at open, the bad one counts at 3.
+    pairs = Pairs()
+    for ep in [_episode("a", "v1", 3, 0.0, calls_on=[3, 4]), _episode("a", "v2", 3, 0.5),
+               _episode("b", "v1", 3, 1.0), _episode("b", "v2", 3, 0.5)]:
+        pairs.add(ep, sum(ep.reward.values()))
+    assert pairs.take() == pytest.approx({ab_metric("s", "v1"): 0.5, ab_metric("s", "v2"): 0.5, "ab/s/pairs": 2.0})
+
+
+def _judged_registry(now: list[float]) -> Registry:
+    reg = Registry(lease_s=5, default_group_size=2, batch_groups=1, clock=lambda: now[0])
+    reg.failure_scores = {"s": -1.0}
+    return reg
+
+
+def test_an_expired_judged_episode_scores_failure_in_the_cell_it_opened_in_and_the_cell_waits_for_it():
+    now = [1000.0]
+    reg = _judged_registry(now)
+    old, _ = reg.open(OpenEpisode(sandbox="s", task_id="t", group_size=2, client_version="v1"), {"policy": 3})
+    new, _ = reg.open(OpenEpisode(sandbox="s", task_id="t", group_size=2, client_version="v2"), {"policy": 3})
+    reg.record(old, Call(model="policy", version=4, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1]))
+    reg.finish(new.id, {"policy": 0.5}, {"reward": 0.5}, score=0.5)
+    assert reg.pairs.take() == {}  # both versions reached t@3, but v1's episode still runs: no pair without it
+    now[0] += 10  # v1's agent hangs on a bad reply until its lease runs out (its call ran on newer weights)
+    reg.expire_due()
+    assert old.state == "finished" and old.score == -1.0
+    assert reg.pairs.take() == pytest.approx({ab_metric("s", "v1"): -1.0, ab_metric("s", "v2"): 0.5, "ab/s/pairs": 1.0})
+    assert reg.pairs.status()[-1]["weights"] == [["policy", 3]]
+
+
+def test_an_aborted_judged_episode_counts_and_a_stale_one_still_counts_in_its_cell():
+    now = [1000.0]
+    reg = _judged_registry(now)
+    for version, outcome in (("v1", "abort"), ("v2", "finish")):
+        ep, _ = reg.open(OpenEpisode(sandbox="s", task_id="t", group_size=1, client_version=version), {"policy": 0})
+        reg.record(ep, Call(model="policy", version=0, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1]))
+        if outcome == "abort":
+            reg.abort(ep.id, "the agent gave up on a bad reply")
+        else:
+            reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0}, score=1.0)
+    # Both groups are stale by the time the trainer looks: dropped from the batch, never from their cell.
+    assert reg.take_batch({"policy": 5}, max_staleness=1) is None and reg.counters["stale"] == 2
+    assert reg.pairs.take() == pytest.approx({ab_metric("s", "v1"): -1.0, ab_metric("s", "v2"): 1.0, "ab/s/pairs": 1.0})
 
 
 def test_a_debt_is_paid_in_order_put_back_when_refused_and_dropped_once_the_weights_moved_on():
