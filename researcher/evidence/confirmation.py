@@ -41,12 +41,36 @@ def search_recommendation(proposals: Sequence[Proposal], results: Sequence[Exper
     """
     by_id = {p.id: p for p in proposals if p.confirms is None and p.extends is None}  # a stage's verdict is its root's
     scored = [(by_id[r.proposal_id], r) for r in results if r.proposal_id in by_id]
-    candidates = [decision.Candidate(proposal_id=p.id, steps=_steps(p, default_steps), verdict=r.verdict,
-                                     mean=r.summary.mean if r.summary else float("nan")) for p, r in scored]
+    candidates = _candidates(scored, default_steps)
     pick = decision.recommend(candidates, brief.objective.direction)
     if pick is None:
         return None
     return next((p, r) for p, r in scored if p.id == pick.proposal_id)
+
+
+def _candidates(scored: Sequence[tuple[Proposal, ExperimentResult]], default_steps: int) -> list[decision.Candidate]:
+    return [decision.Candidate(proposal_id=p.id, steps=_steps(p, default_steps), verdict=r.verdict,
+                               mean=r.summary.mean if r.summary else float("nan"),
+                               parent=p.parent if runs_code(p) else None, parent_verdict=r.parent_verdict)
+            for p, r in scored]
+
+
+def not_kept(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int) -> list[str]:
+    """One sentence per chained proposal judged better than the base at the longest training but not better
+    than its parent: why the study did not keep what it adds."""
+    by_id = {p.id: p for p in proposals if p.confirms is None and p.extends is None}
+    scored = [(by_id[r.proposal_id], r) for r in results if r.proposal_id in by_id]
+    candidates = [c for c in _candidates(scored, default_steps) if c.verdict is not None]
+    if not candidates:
+        return []
+    longest = max(c.steps for c in candidates)
+    out = []
+    for c in candidates:
+        if c.steps == longest and c.verdict is not None and c.verdict.result == "better" and c.adds_nothing():
+            against = c.parent_verdict.fmt() if c.parent_verdict else "never compared with it (its parent's arm did not finish)"
+            out.append(f"{c.proposal_id} was judged better than the baseline but not better than its parent {c.parent} "
+                       f"({against}), so its addition to {c.parent} was not kept")
+    return out
 
 
 def owed(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
@@ -139,9 +163,18 @@ def conclusion(proposals: Sequence[Proposal], results: Sequence[ExperimentResult
                brief: Brief) -> str:
     """What the study may recommend, in one sentence for its stop reason and report."""
     found = search_recommendation(proposals, results, default_steps, brief)
+    dropped = "; ".join(not_kept(proposals, results, default_steps))
     if found is None:
+        if dropped:
+            return f"nothing to recommend: {dropped}"
         return "no candidate was judged better than the baseline: nothing to recommend"
     pick, result = found
+    if dropped:
+        return f"{_conclude(pick, result, proposals, brief)} ({dropped})"
+    return _conclude(pick, result, proposals, brief)
+
+
+def _conclude(pick: Proposal, result: ExperimentResult, proposals: Sequence[Proposal], brief: Brief) -> str:
     if result.confirmation is None:
         if not brief.confirm.enabled:
             return f"{pick.id} was judged better (confirmation is off in the brief): recommended unconfirmed"

@@ -164,20 +164,31 @@ class Candidate(BaseModel):
     steps: int  # trainer steps it was trained for
     verdict: Verdict | None = None  # None for the baseline itself
     mean: float = math.nan
+    parent: str | None = None  # the proposal whose code it builds on (a chain), None for one on the base
+    parent_verdict: Verdict | None = None  # against its parent's code with its own config
+
+    def adds_nothing(self) -> bool:
+        """A chained candidate not judged better than its parent: what it adds to the parent's code is not
+        shown to help, so it is never recommended in the parent's place (a hostile or no-effect addition would
+        otherwise ride on a good parent, issue 38 item 5)."""
+        return self.parent is not None and (self.parent_verdict is None or self.parent_verdict.result != "better")
 
 
 def recommend(candidates: Sequence[Candidate], direction: Direction) -> Candidate | None:
-    """The experiment a study may recommend: `better` than the baseline at the longest training.
+    """The experiment a study may recommend: `better` than the baseline at the longest training, and, for
+    a chained one, better than its parent too.
 
     Only the longest-trained experiments compete (a score after more steps is not comparable with
-    one after fewer); among those judged `better`, the largest effect in the objective's direction.
+    one after fewer); among those judged `better` (and not `adds_nothing`), the largest effect in the
+    objective's direction. So a child that is no better than its parent leaves the parent as the pick.
     None when no experiment beat the baseline.
     """
     judged = [c for c in candidates if c.verdict is not None]
     if not judged:
         return None
     longest = max(c.steps for c in judged)
-    winners = [c for c in judged if c.steps == longest and c.verdict is not None and c.verdict.result == "better"]
+    winners = [c for c in judged if c.steps == longest and c.verdict is not None and c.verdict.result == "better"
+               and not c.adds_nothing()]
     if not winners:
         return None
     sign = 1.0 if direction == "maximize" else -1.0

@@ -33,11 +33,12 @@ def brief(tmp_path: Path):
     return make_brief(tmp_path, "  trainer.lr:\n    kind: choice\n    values: [0.0, 0.03]", "seeds: [0, 1, 2]")
 
 
-def search(brief, pick: Proposal, extra: list[Proposal] = ()):
+def search(brief, pick: Proposal, extra: list[Proposal] = (), more: dict[str, list[float]] | None = None):
     base = Proposal(id="r1-9", round=1, planner="baseline", hypothesis="the baseline", rationale="r r",
                     expected_effect="e e", overrides={"trainer.steps": 8})
     props = [*extra, pick, base]
-    results = analysis.judge(scored(props, {pick.id: [1.0, 1.2, 1.1], "r1-9": [0.0, 0.1, 0.05]}), props, BASE, 8, UP)
+    results = analysis.judge(scored(props, {**(more or {}), pick.id: [1.0, 1.2, 1.1], "r1-9": [0.0, 0.1, 0.05]}),
+                             props, BASE, 8, UP)
     return props, results
 
 
@@ -57,7 +58,7 @@ def test_a_code_pick_is_confirmed_at_its_commit_with_its_overrides_and_the_basel
 def test_a_chain_confirms_the_last_commit(brief) -> None:
     a = code("r1-1")
     b = code("r1-2", parent="r1-1")
-    props, results = search(brief, b, [a])
+    props, results = search(brief, b, [a], {"r1-1": [0.5, 0.55, 0.6]})  # b is better than its parent a as well
     versions = {"r1-1": CodeVersion(proposal_id="r1-1", parent_commit="base0", passed=True, commit="aaaa"),
                 "r1-2": CodeVersion(proposal_id="r1-2", parent_commit="aaaa", passed=True, commit="bbbb")}
     pick = confirmation.owed(props, results, 8, brief)
