@@ -254,12 +254,15 @@ class Validator:
 
     def _run(self, argv: list[str], cwd: Path, timeout: float, what: str, tree: Path, server: str | None = None) -> str:
         """Run a step that executes the proposal's code, contained (`swarm contain`): only `tree` (the
-        trial worktree) is writable, the environment holds none of the study's secrets, the study's state and
-        MLflow store are masked (`hidden`), bubblewrap is required (unless the brief said `auto`), and the
+        trial worktree) is writable, the environment holds none of the study's secrets, the study's state,
+        MLflow store (`hidden`) and warm socket are masked, bubblewrap is required (unless the brief said `auto`), and the
         network is the swarm `server`'s episode routes only (none without one)."""
         limits = [f for name, value in self.limits.model_dump().items()
                   for f in (f"--{name.replace('_', '-')}", str(value))]
-        hide = [f for path in self.hidden if path.exists() for f in ("--hide", str(path))]
+        # The warm socket's folder too: `swarm contain` masks $SWARMRL_WARM's, but the study does not set it for
+        # the steps (only for the smoke `swarm serve`), so it is named here.
+        masked = [*self.hidden, *([Path(self.warm).parent] if self.warm else [])]
+        hide = [f for path in masked if path.exists() for f in ("--hide", str(path))]
         cmd = [str(self.swarm), "contain", "--cwd", str(cwd), "--writable", str(tree), "--timeout", f"{timeout:g}",
                *limits, *hide, *(["--required"] if self.required else []),
                *(["--server", server] if server else []), "--", *argv]

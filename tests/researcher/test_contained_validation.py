@@ -4,10 +4,15 @@ proposal still validates (the study goes on). Real git, real contained subproces
 
 from __future__ import annotations
 
+import shutil
+import socket
 import subprocess
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from core.contain import contained as contain
 from core.config import ContainLimits as Limits
 from researcher.records import Edit
 from tests.researcher.test_contain import SECRETS
@@ -50,3 +55,27 @@ def test_a_memory_hog_or_fork_bomb_fails_its_step_and_the_next_proposal_still_va
     assert after.failed_step == "import" and "next one ran" in after.log()
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=ws.root, capture_output=True, text=True).stdout
     assert len(worktrees.splitlines()) == 1
+
+
+@pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+def test_the_studys_warm_socket_is_masked_from_proposal_code(ws, project, tmp_path, request) -> None:
+    # docs/security.md promised it; a listener at .study/warm/warm.sock got a message from inside bubblewrap.
+    # Outside /tmp: the sandbox's private /tmp would hide a socket under pytest's tmp_path anyway.
+    study = Path(tempfile.mkdtemp(prefix="swarmrl-test-study-", dir="/var/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(study, ignore_errors=True))
+    (tmp_path / "trials").mkdir()
+    warm = study / ".study" / "warm" / "warm.sock"
+    warm.parent.mkdir(parents=True, mode=0o700)
+    validator = _validator(ws, project, tmp_path)
+    validator.warm = str(warm)
+    probe = ("import socket\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(" + repr(str(warm)) + ")\n"
+             "    s.sendall(b'from the proposal')\n    raise SystemExit('WARM reached')\n"
+             "except OSError as e:\n    raise SystemExit('WARM ' + type(e).__name__)")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(warm))
+        listener.listen()
+        listener.settimeout(0.1)
+        version = validator.validate(_proposal("warm", _edit(probe)), ws.base(), lambda *a, **k: None)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing connected
+    assert version.failed_step == "import" and "WARM FileNotFoundError" in version.log(), version.log()
