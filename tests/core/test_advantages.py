@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from core.train.advantages import group_advantages
+from core.train.credit import turn_advantages
 
 rewards = st.floats(min_value=-100, max_value=100, allow_nan=False)
 group = st.lists(rewards, min_size=1, max_size=8)
@@ -87,3 +88,35 @@ def test_group_sums_are_exact_in_float64():
     # Naive left-to-right summing loses the 1.0 against 1e16 (its ulp is 2): the baseline comes out wrong.
     out = group_advantages([[1e16, 1.0, -1e16, 0.0]], "rloo")[0]
     assert out[1] == 1.0  # 1 minus the mean of the others (exactly 0)
+
+
+def test_turn_advantages_equal_the_written_estimator_on_a_fixed_set_of_episodes():
+    # Five episodes of one task; the policy stopped them after 1, 3, 2, 3 and 1 turns.
+    rewards, turns = [0.0, 1.0, 0.5, 0.0, 1.0], [1, 3, 2, 3, 1]
+    got = turn_advantages(rewards, turns, "rloo")
+    # b_{i,t}: mean reward of the OTHER episodes with more than t turns (all others if none).
+    assert got[0] == pytest.approx([0.0 - (1.0 + 0.5 + 0.0 + 1.0) / 4])
+    assert got[1] == pytest.approx([1.0 - (0.0 + 0.5 + 0.0 + 1.0) / 4, 1.0 - (0.5 + 0.0) / 2, 1.0 - 0.0])
+    assert got[2] == pytest.approx([0.5 - 2.0 / 4, 0.5 - (1.0 + 0.0) / 2])
+    assert got[3] == pytest.approx([0.0 - 2.5 / 4, 0.0 - (1.0 + 0.5) / 2, 0.0 - 1.0])
+    assert got[4] == pytest.approx([1.0 - 1.5 / 4])
+    # grpo scales every turn of the group by one factor, the population std + eps.
+    std = math.sqrt(sum((r - 0.5) ** 2 for r in rewards) / 5)
+    scaled = turn_advantages(rewards, turns, "grpo")
+    assert [a for ep in scaled for a in ep] == pytest.approx([a / (std + 1e-6) for ep in got for a in ep])
+
+
+def test_turn_advantages_are_zero_for_a_tied_group_and_a_group_of_one():
+    assert turn_advantages([1.0, 1.0], [2, 1]) == [[0.0, 0.0], [0.0]]
+    assert turn_advantages([1.0], [3]) == [[0.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="reinforce_pp"):
+        turn_advantages([1.0, 0.0], [1, 1], "reinforce_pp")
+
+
+def test_the_naive_per_turn_baseline_that_includes_the_episode_itself_loses_the_credit_the_estimator_keeps():
+    # Only episode 1 reached turn 2: a baseline over the episodes that reached it, itself included, is
+    # its own reward, so its third turn (and its choice to go on) would get no credit at all.
+    rewards, turns = [0.0, 1.0, 0.0], [1, 3, 1]
+    naive_turn_2 = rewards[1] - rewards[1]
+    assert naive_turn_2 == 0.0
+    assert turn_advantages(rewards, turns, "rloo")[1][2] == pytest.approx(1.0)

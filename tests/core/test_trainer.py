@@ -17,6 +17,7 @@ import core.train.trainer as trainer_module
 from core.config import LoraConfig, TrainerConfig
 from core.models import build_tiny, byte_tokenizer, prepare_policy
 from core.records import Call, Episode
+from core.train.mismatch import MismatchExceeded
 from core.train.trainer import Trainer, seed_everything
 
 MODEL = "policy"
@@ -363,3 +364,68 @@ def test_a_step_builds_each_episodes_trie_once_and_reads_each_micro_batch_in_one
     assert len(builds) == sum(len(g) for g in groups)  # one build per episode, not one per use
     assert len(micro_batches) > 1
     assert len(syncs) == len(micro_batches), syncs
+
+
+def hot_episodes(model: torch.nn.Module, temperature: float) -> list[list[Episode]]:
+    """Episodes as an engine that samples at `temperature` but records its calls as T = 1 would log them:
+    the logprobs are of softmax(logits / temperature), the calls say temperature 1."""
+    def at(prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt_ids + completion_ids])).logits[0].float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        return [logp[len(prompt_ids) + i - 1, t].item() for i, t in enumerate(completion_ids)]
+
+    group = []
+    for i, text in enumerate(CANDIDATES):
+        episode = make_episode(model, f"hot-{i}", [text], text.count("x") / len(text))
+        call = episode.calls[0]
+        call.completion_logprobs = at(call.prompt_ids, call.completion_ids)
+        group.append(episode)
+    return [group]
+
+
+def test_the_mismatch_warning_fires_when_the_engine_samples_at_another_temperature_than_it_records(
+        caplog: pytest.LogCaptureFixture):
+    trainer = tiny_trainer(mismatch_kl_bound=0.01)
+    with caplog.at_level(logging.WARNING, logger="core.train.mismatch"):
+        honest = trainer.step(x_groups(trainer.policy))
+    assert honest["train/mismatch_kl"] < 1e-6 and honest["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert "mismatch KL" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="core.train.mismatch"):
+        hot = trainer.step(hot_episodes(trainer.policy, temperature=0.5))
+    assert hot["train/mismatch_kl"] > 0.01
+    assert "mismatch KL" in caplog.text and "exceeds trainer.mismatch_kl_bound 0.01" in caplog.text
+    assert hot["train/updated"] == 1.0  # `warn` only warns
+
+
+def test_mismatch_action_stop_fails_the_step_before_the_weights_change():
+    trainer = tiny_trainer(mismatch_kl_bound=0.01, mismatch_action="stop")
+    before = weights(trainer.policy)
+    with pytest.raises(MismatchExceeded, match="mismatch_action is stop"):
+        trainer.step(hot_episodes(trainer.policy, temperature=0.5))
+    assert changed(before, trainer.policy) == set()
+
+
+def test_token_mis_counts_its_dropped_tokens_in_the_step_metrics():
+    trainer = tiny_trainer(correction="token_mis", tis_cap=1.05)
+    metrics = trainer.step(hot_episodes(trainer.policy, temperature=0.5))
+    assert 0.0 < metrics["train/masked_frac"] <= 1.0
+    plain = tiny_trainer().step(hot_episodes(tiny_trainer().policy, temperature=0.5))
+    assert plain["train/masked_frac"] == 0.0
+
+
+def test_turn_credit_gives_each_turn_its_own_advantage_and_trains():
+    trainer = tiny_trainer(credit="turn", advantage="rloo")
+    # Episodes 0 and 1 ran two turns, 2 and 3 one; rewards 1, 0, 0, 0.5 (docs/architecture.md's estimator).
+    texts = [["xxab", "xbxa"], ["abab", "baba"], ["baba"], ["xbab"]]
+    group = [make_episode(trainer.policy, f"e{i}", t, r) for i, (t, r) in enumerate(zip(texts, [1.0, 0.0, 0.0, 0.5]))]
+    prepared = trainer.prepare([group])
+    by_episode: dict[str, list[float]] = {}
+    for s in prepared.samples:
+        by_episode.setdefault(s.episode_id, []).append(s.advantage)
+    # Turn 0: the mean of the three others; turn 1: of the others that reached turn 1 (episode 0 <-> 1).
+    assert by_episode["e0"] == pytest.approx([1.0 - 0.5 / 3, 1.0 - 0.0])
+    assert by_episode["e1"] == pytest.approx([0.0 - 1.5 / 3, 0.0 - 1.0])
+    assert by_episode["e3"] == pytest.approx([0.5 - 1.0 / 3])
+    trainer.backward(prepared)
+    assert trainer.apply(prepared)
