@@ -34,6 +34,10 @@ from researcher.evidence.matching import (
 from researcher.records import Decision, ExperimentResult, Proposal
 
 REASON = "the study's baseline (base config at the base commit): approved by the study's baseline rule"
+# Arms of one reference a study runs for candidates of earlier rounds that wait on it (the first and one
+# more): a baseline that fails every seed twice is a broken setup, not bad luck, and rounds of nothing but
+# baselines would otherwise spend the budget on it. Those candidates stay `incomplete` and say why.
+WAITING_ATTEMPTS = 2
 
 # (steps, seeds, config key, parent id or None): what one reference arm runs.
 Need = tuple[int, tuple[int, ...] | None, str, str | None]
@@ -52,7 +56,8 @@ def _usable(q: Proposal, vetoed: set[str], results: dict[str, ExperimentResult])
 def needed(fresh: Sequence[Proposal], earlier: Sequence[Proposal], decisions: Sequence[Decision],
            base_values: dict[str, Any], default_steps: int, number: int,
            results: Sequence[ExperimentResult] = ()) -> list[Proposal]:
-    """Reference arms to add to round `number` so every proposal in `fresh` has its own (none already there).
+    """Reference arms to add to round `number` so every proposal in `fresh` has its own (none already there),
+    and so does every earlier candidate still waiting on a baseline that failed every seed (`_waiting`).
 
     Hot swaps are judged inside the live run, not against runs, and need none; confirmation rounds and
     replication stages bring their own references.
@@ -69,7 +74,7 @@ def needed(fresh: Sequence[Proposal], earlier: Sequence[Proposal], decisions: Se
         elif q.reference and q.parent is not None:
             have.add((steps_of(q, default_steps), _seeds(q), key(changed(q, base_values)), q.parent))
     wanted: dict[Need, dict[str, object]] = {}
-    for p in fresh:
+    for p in [*fresh, *_waiting(earlier, done, base_values, default_steps)]:
         if is_reference(p, base_values) or p.mode == "hot_swap" or p.confirms or p.extends:
             continue
         runs = (steps_of(p, default_steps), _seeds(p))
@@ -99,6 +104,26 @@ def needed(fresh: Sequence[Proposal], earlier: Sequence[Proposal], decisions: Se
                        f"trained {steps} steps on {on}"),
             expected_effect="the reference the proposals of this length, seeds and config are judged against",
             overrides={**config, "trainer.steps": steps}, priority=1, reference=True, parent=parent))
+    return out
+
+
+def _waiting(earlier: Sequence[Proposal], done: dict[str, ExperimentResult], base_values: dict[str, Any],
+             default_steps: int) -> list[Proposal]:
+    """Earlier candidates judged while their baseline had no score on any seed (`judging._baseline_failed`),
+    whose baseline has been tried fewer than `WAITING_ATTEMPTS` times: the next round runs it again for them."""
+    out = []
+    for p in earlier:
+        r = done.get(p.id)
+        if r is None or r.verdict is None or r.verdict.result != "incomplete" or is_reference(p, base_values):
+            continue
+        base = next((q for q in earlier if q.id == r.verdict.baseline), None)
+        if base is None or done.get(base.id) is None or done[base.id].status == "ok":
+            continue
+        need = (steps_of(base, default_steps), _seeds(base), key(changed(base, base_values)))
+        tried = [q for q in earlier if at_base_code(q)
+                 and (steps_of(q, default_steps), _seeds(q), key(changed(q, base_values))) == need]
+        if len(tried) < WAITING_ATTEMPTS:
+            out.append(p)
     return out
 
 

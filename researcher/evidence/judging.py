@@ -71,6 +71,8 @@ def judge(results: list[ExperimentResult], proposals: list[Proposal], base_value
         if base_result is None:
             verdicts = decision.judge_round({r.proposal_id: r.seed_scores for r in group}, None, direction,
                                             incomplete={r.proposal_id: _incomplete(r) for r in group})
+        elif base_result.status != "ok":
+            verdicts = {r.proposal_id: _baseline_failed(r, base_result) for r in group}
         else:
             raw, notes = {}, {}
             for r in group:
@@ -90,6 +92,37 @@ def judge(results: list[ExperimentResult], proposals: list[Proposal], base_value
         out[r.proposal_id] = r.model_copy(update={"verdict": _look(r, by_id, every, base_values, default_steps,
                                                                    direction, score_at, boundary)})
     return [out[r.proposal_id] for r in results]
+
+
+def _baseline_failed(r: ExperimentResult, base: ExperimentResult) -> decision.Verdict:
+    """A candidate whose baseline has no score on any seed after its re-run: not `inconclusive` (that says the
+    two were compared and no difference found) but `incomplete`, until a later round runs the baseline again
+    (`researcher.evidence.baselines.needed`) and `waiting` has it judged again."""
+    return decision.Verdict(result="incomplete", test=decision.NO_TEST, n=len(r.seed_scores), baseline=base.proposal_id,
+                            reason=f"its baseline {base.proposal_id} has no score on any seed ({base.note or base.status}); "
+                                   "it is judged again when a later round runs that baseline")
+
+
+def waiting(new: Sequence[ExperimentResult], known: Sequence[ExperimentResult], proposals: list[Proposal],
+            base_values: dict[str, object], default_steps: int) -> list[ExperimentResult]:
+    """Earlier results to judge again now that `new` holds their reference: a baseline (or a parent's reference)
+    run again after the arm they were judged against failed. A comparison with looks (a stage, a confirmation
+    with planned looks) keeps its design and is not judged again here."""
+    fresh = {r.proposal_id for r in new}
+    by_id = {p.id: p for p in proposals}
+    out = []
+    for r in known:
+        p = by_id.get(r.proposal_id)
+        if (p is None or r.proposal_id in fresh or r.verdict is None or r.stages or p.looks or p.extends
+                or is_reference(p, base_values)):
+            continue
+        base = baseline_for(p, proposals, base_values, default_steps)
+        parent = parent_reference_for(p, proposals, base_values, default_steps)
+        if (base is not None and base.id in fresh and r.verdict.baseline != base.id) or (
+                parent is not None and parent.id in fresh and (r.parent_verdict is None
+                                                               or r.parent_verdict.baseline != parent.id)):
+            out.append(r)
+    return out
 
 
 def _look(r: ExperimentResult, by_id: dict[str, Proposal], every: dict[str, ExperimentResult],

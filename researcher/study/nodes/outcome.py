@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from researcher.budget import Spent
-from researcher.evidence import analysis, confirmation, matching, pairing, stages
+from researcher.evidence import analysis, confirmation, judging, matching, pairing, stages
 from researcher.records import ExperimentResult, Launch, Proposal
 from researcher.review.report import write_report
 from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
@@ -84,8 +84,15 @@ class OutcomeNodes(NodeBase):
             return {"launches": dump([*launches, *reruns])}
         new = [analysis.experiment_result(pid, mine[pid], outcomes).model_copy(
             update={"curve": analysis.curve_summary(curves.get(pid, []), brief.objective)}) for pid in pending]
-        new = analysis.judge(new, proposals, self.base_values, self.base_steps, brief.objective, known=results,
-                             score_at=self._score_at(launches), boundary=brief.replicate.boundary)
+        # A baseline run again (its earlier arm failed) is the reference of candidates that waited on it: they
+        # are judged again with the round's own, in one Holm family per reference.
+        again = judging.waiting(new, results, proposals, self.base_values, self.base_steps)
+        judged = analysis.judge([*new, *again], proposals, self.base_values, self.base_steps, brief.objective,
+                                known=results, score_at=self._score_at(launches), boundary=brief.replicate.boundary)
+        new, rejudged = judged[:len(new)], {r.proposal_id: r for r in judged[len(new):]}
+        for r in rejudged.values():
+            ctx.emit("result.rejudged", proposal_id=r.proposal_id, verdict=r.verdict.fmt() if r.verdict else "")
+        results = [rejudged.get(r.proposal_id, r) for r in results]
         results = stages.attach(confirmation.attach([*results, *new], proposals, self.base_values), proposals)
         for r in new:
             verdict = r.verdict.fmt() if r.verdict else ""
