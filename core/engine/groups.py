@@ -17,6 +17,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from core.engine.devices import nccl_env
+
 
 def free_port() -> int:
     """A TCP port free on this machine now (for a group's store)."""
@@ -37,6 +39,7 @@ def process_group(backend: str, port: int, rank: int, world: int, timeout_s: flo
     timeout = datetime.timedelta(seconds=timeout_s)
     store = tcp_store(port, rank, world, timeout_s)
     if backend == "nccl":
+        nccl_env()  # the same NCCL settings as the peer, which got them in its start environment
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world, opts)

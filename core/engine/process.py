@@ -24,6 +24,7 @@ policy (the router's), and anything of the trainer.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
+from core.engine.devices import local_device, spawn_pinned
 from core.engine.groups import free_port
 from core.engine.replica_child import SYNC_S, ReplicaSpec, replica_main
 from core.engine.weight_sync import WeightSender, layout_of
@@ -47,6 +49,11 @@ log = logging.getLogger(__name__)
 SILENT_S = 60.0
 # How long a replica may take to start (spawn, import torch and transformers, load the model).
 START_S = 300.0
+
+
+def pinned_spec(spec: ReplicaSpec) -> ReplicaSpec:
+    """`spec` as its pinned child sees it: its device named as the child's only one (cuda:0)."""
+    return dataclasses.replace(spec, model={**spec.model, "device": local_device(spec.model["device"])})
 
 
 class ReplicaLost(GenerationError):
@@ -118,9 +125,8 @@ class ProcessEngine(ReplicaHandle):
         self._load = EngineLoad(queued=0, active=0, admitting=True, oldest_s=None)
         here, there = multiprocessing.get_context("spawn").Pipe()
         self._conn = here
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=replica_main, args=(there, spec), name=f"swarm-replica-{spec.index}", daemon=True)
-        self.proc.start()
+        # The child sees its device alone, as cuda:0 (`core.engine.devices`): vLLM's executor takes local rank 0.
+        self.proc = spawn_pinned(self.device, replica_main, (there, pinned_spec(spec)), f"swarm-replica-{spec.index}")
         there.close()
         self._beat = time.monotonic()
         self._ready = threading.Event()

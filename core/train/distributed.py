@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from core import models
 from core.config import ModelConfig, RunConfig, TrainerConfig, model_devices
+from core.engine.devices import local_device
 from core.engine.groups import process_group
 from core.models import prepare_policy
 from core.train.memory import sharding_of
@@ -126,7 +127,7 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     """A rank process: build the model and trainer, join the group, then obey rank 0 until it hangs up."""
     mc, cfg = ModelConfig.model_validate(mc_data), TrainerConfig.model_validate(trainer_data)
     seed_everything(cfg.seed)
-    device = devices[rank]
+    device = local_device(devices[rank])  # this process sees its GPU alone (`core.engine.devices`)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     trainer = Trainer(_build_policy(mc, device), cfg, mc.name, lora=mc.lora is not None)
@@ -157,7 +158,7 @@ class DistributedTrainer(Trainer):
         if self.world < 2:
             raise ValueError(f"a data-parallel trainer needs world_size >= 2, got {self.world}")
         backend, port = backend_of(devices[0]), free_port()
-        self.workers = RankProcesses(mc.name, self.world, _rank_main,
+        self.workers = RankProcesses(mc.name, devices, _rank_main,
                                      (mc.model_dump(), cfg.model_dump(), self.world, port, backend, devices))
         self.procs = self.workers.procs
         self.ranks = _Collectives(self, process_group(backend, port, 0, self.world, RANK_TIMEOUT_S))

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from core.engine import groups
+from core.engine.devices import spawn_pinned
 from core.train.timelines import Sample
 
 # How long a collective (and rank 0 waiting for a rank's answer) may take before it fails: far
@@ -132,16 +133,16 @@ class RankProcesses:
 
     `target(conn, rank, *args)` runs in each; it must end in `serve`."""
 
-    def __init__(self, model_name: str, world: int, target: Callable[..., None], args: tuple):
+    def __init__(self, model_name: str, devices: list[str], target: Callable[..., None], args: tuple):
+        """One process for each of `devices[1:]`, started seeing its device alone (`core.engine.devices`:
+        inside, a GPU is cuda:0, `local_device`)."""
         self.model_name = model_name
         ctx = multiprocessing.get_context("spawn")  # a fork of a process with torch threads may hang
         self.conns: list[Any] = []
         self.procs: list[Any] = []
-        for rank in range(1, world):
+        for rank in range(1, len(devices)):
             here, there = ctx.Pipe()
-            proc = ctx.Process(target=target, name=f"swarm-rank-{model_name}-{rank}", daemon=True,
-                               args=(there, rank, *args))
-            proc.start()
+            proc = spawn_pinned(devices[rank], target, (there, rank, *args), f"swarm-rank-{model_name}-{rank}")
             there.close()
             self.conns.append(here)
             self.procs.append(proc)

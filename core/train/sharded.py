@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import models
 from core.config import ModelConfig, TrainerConfig
+from core.engine.devices import local_device, nccl_env
 from core.train.packing import micro_batch_count, pack, token_logprobs
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
                               same_outcome, serve, tcp_store)
@@ -254,6 +255,7 @@ def _join(backend: str, port: int, rank: int, world: int, device: str) -> Device
     """Join the trainer's default process group and its 1-D device mesh."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+        nccl_env()  # rank 0 is the run process; the others got the same settings in their start environment
     dist.init_process_group(backend, store=tcp_store(port, rank, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
     return init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
@@ -264,8 +266,9 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     """A rank process: join the group, build and shard the model, take rank 0's weights, obey rank 0."""
     mc, cfg = ModelConfig.model_validate(mc_data), TrainerConfig.model_validate(trainer_data)
     seed_everything(cfg.seed)
-    mesh = _join(backend, port, rank, world, devices[rank])
-    model, _ = models.load(mc.model_copy(update={"device": devices[rank]}))
+    device = local_device(devices[rank])  # this process sees its GPU alone (`core.engine.devices`)
+    mesh = _join(backend, port, rank, world, device)
+    model, _ = models.load(mc.model_copy(update={"device": device}))
     trainer = _Shard(model, cfg, mc.name, mesh)
     trainer.take_weights(None)
     trainer.take_reference()
@@ -315,7 +318,7 @@ class ShardedTrainer(Trainer):
             raise RuntimeError("this process already holds torch.distributed's default process group (another fsdp2 "
                                "trainer or an in-process vLLM engine); fsdp2 needs it: one fsdp2 model a process")
         backend, port = backend_of(devices[0]), free_port()
-        self.workers = RankProcesses(mc.name, self.world, _rank_main,
+        self.workers = RankProcesses(mc.name, devices, _rank_main,
                                      (mc.model_dump(), cfg.model_dump(), self.world, port, backend, devices))
         self.procs = self.workers.procs
         try:

@@ -14,6 +14,7 @@ import signal
 import pytest
 import torch
 
+from core.engine.devices import NCCL_ENV
 from core.train.ranks import RankError, RankProcesses, serve
 
 
@@ -33,7 +34,7 @@ def _rank(conn, rank: int) -> None:
 
 @pytest.fixture
 def ranks():
-    procs = RankProcesses("policy", 2, _rank, ())
+    procs = RankProcesses("policy", ["cpu", "cpu"], _rank, ())
     procs.wait_ready()
     yield procs
     procs.close()
@@ -51,3 +52,18 @@ def test_a_rank_error_and_a_dead_rank_fail_loudly_with_the_rank(ranks):
         ranks.command("fail")
     with pytest.raises(RankError, match="rank 1 of 'policy' (died|hung up)"):
         ranks.command("die")
+
+
+def _environment(conn, rank: int) -> None:
+    serve(conn, rank, {"env": lambda: {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", *NCCL_ENV)}})
+
+
+def test_a_rank_process_starts_seeing_its_own_gpu_alone_with_the_runs_nccl_settings(monkeypatch):
+    """Its environment is pinned before it runs anything (no CUDA is touched here: the check runs on CPU)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    procs = RankProcesses("policy", ["cuda:0", "cuda:3"], _environment, ())
+    try:
+        procs.wait_ready()
+        assert procs.command("env") == [{"CUDA_VISIBLE_DEVICES": "3", **NCCL_ENV}]
+    finally:
+        procs.close()
