@@ -5,11 +5,20 @@ mix quota through `core.episodes.mix.next_group`), drops episodes generated more
 weight versions ago, and says which groups the batch trains and which it consumes. It is
 deliberately not the registry: it holds no lock, keeps no state and counts nothing; the registry
 calls it under its lock and applies the outcome to its books.
+
+Dynamic sampling (`trainer.dynamic_sampling: filter`, DAPO's): a group whose rewards tie, for every
+model it has rewards for, has zero advantage and teaches nothing, so `assemble` takes it off the ready
+queue without giving it a slot; the slot stays open for the groups that keep arriving, so a step trains
+`batch_groups` groups with signal. `Sieve` is the one piece of state this needs: how many tied groups
+were kept out since the last batch (the cap on consecutive refills, `trainer.max_refills`: past it,
+tied groups fill slots again and the batch says so) and of which sandboxes, which the batch carries
+to the run's metrics (`Batch.metrics`). Filtering happens after an episode finished, so it decides
+training only: an A/B cell (`core.episodes.pairing`) has already counted the episode at its finish.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.episodes.mix import next_group
 from core.records import Episode
@@ -19,6 +28,24 @@ from core.records import Episode
 class Batch:
     groups: list[list[Episode]]
     dropped_stale: int = 0
+    # Dynamic sampling: tied groups kept out of the trainer since the previous batch, by sandbox, and
+    # whether the refill cap let tied groups into this batch.
+    filtered: dict[str, int] = field(default_factory=dict)
+    capped: bool = False
+
+    def metrics(self) -> dict[str, float]:
+        """`train/groups_filtered` and each sandbox's filtered share (of its groups this batch saw); empty
+        without dynamic sampling."""
+        if not self.filtered and not self.capped:
+            return {}
+        trained: dict[str, int] = {}
+        for g in self.groups:
+            trained[g[0].sandbox] = trained.get(g[0].sandbox, 0) + 1
+        out = {"train/groups_filtered": float(sum(self.filtered.values())), "train/filter_capped": float(self.capped)}
+        for sandbox in sorted(set(trained) | set(self.filtered)):
+            kept_out = self.filtered.get(sandbox, 0)
+            out[f"train/{sandbox}/filtered_share"] = kept_out / (kept_out + trained.get(sandbox, 0))
+        return out
 
     @property
     def episodes(self) -> list[Episode]:
@@ -40,15 +67,53 @@ class Assembly:
     consumed: list[list[Episode]]  # ready groups (as queued) to take off the ready queue
     dropped: int  # stale episodes dropped
     taken: dict[str, int]  # groups trained per sandbox once this batch trains (the mix quotas' ledger)
+    filtered: list[list[Episode]] = field(default_factory=list)  # tied groups kept out (also in `consumed`)
+    capped: bool = False  # the refill cap was reached: tied groups took slots
+
+
+class Sieve:
+    """Dynamic sampling's state across `assemble` calls: tied groups kept out since the last batch.
+
+    `tied` says whether a group has no signal; `record` applies an assembly's outcome (the registry
+    calls it with the plan it applies, so a plan that is dropped changes nothing); `take` hands the
+    count to the batch that trains and starts a new run of refills."""
+
+    def __init__(self, tolerance: float, max_refills: int):
+        self.tolerance = tolerance
+        self.max_refills = max_refills
+        self.filtered: dict[str, int] = {}  # sandbox -> tied groups kept out since the last batch
+
+    @property
+    def refills(self) -> int:
+        return sum(self.filtered.values())
+
+    def tied(self, group: list[Episode]) -> bool:
+        """No model can learn from it: for each model with rewards, they lie within `tolerance` of each other."""
+        rewards: dict[str, list[float]] = {}
+        for e in group:
+            for model, r in (e.reward or {}).items():
+                rewards.setdefault(model, []).append(r)
+        return all(max(rs) - min(rs) <= self.tolerance for rs in rewards.values())
+
+    def record(self, plan: Assembly) -> None:
+        for g in plan.filtered:
+            self.filtered[g[0].sandbox] = self.filtered.get(g[0].sandbox, 0) + 1
+
+    def take(self, batch: Batch, capped: bool) -> Batch:
+        batch.filtered, batch.capped, self.filtered = self.filtered, capped, {}
+        return batch
 
 
 def assemble(ready: list[list[Episode]], trained: dict[str, int], batch_groups: int, mix: dict[str, float],
-             coming: set[str], current_versions: dict[str, int], max_staleness: int) -> Assembly | None:
+             coming: set[str], current_versions: dict[str, int], max_staleness: int,
+             sieve: Sieve | None = None) -> Assembly | None:
     """Plan a batch of `batch_groups` groups from `ready`; None while it waits for a sandbox owed its share.
 
-    `coming`: the sandboxes able to deliver a group soon (`next_group` waits only for those)."""
+    `coming`: the sandboxes able to deliver a group soon (`next_group` waits only for those).
+    `sieve`: dynamic sampling; a tied group is consumed without a slot until `sieve.max_refills`
+    tied groups have been kept out in a row (it reads the sieve, `Sieve.record` applies the plan)."""
     candidates, taken = list(ready), dict(trained)
-    groups, consumed, stale_whole, dropped = [], [], [], 0
+    groups, consumed, stale_whole, filtered, dropped, capped = [], [], [], [], 0, False
     while candidates and len(groups) < batch_groups:
         group = next_group(candidates, taken, mix, coming)
         if group is None:
@@ -57,6 +122,12 @@ def assemble(ready: list[list[Episode]], trained: dict[str, int], batch_groups: 
         consumed.append(group)
         fresh = [e for e in group if staleness(e, current_versions) <= max_staleness]
         dropped += len(group) - len(fresh)
+        if fresh and sieve is not None and sieve.tied(fresh):
+            if sieve.refills + len(filtered) < sieve.max_refills:
+                filtered.append(group)  # consumed, no slot, no quota: the slot waits for a group with signal
+                dropped -= len(group) - len(fresh)  # its stale episodes are filtered with it, not counted stale
+                continue
+            capped = True
         if fresh:  # a group dropped whole as stale fills no slot and counts for no quota
             groups.append(fresh)
             taken[group[0].sandbox] = taken.get(group[0].sandbox, 0) + 1
@@ -65,9 +136,10 @@ def assemble(ready: list[list[Episode]], trained: dict[str, int], batch_groups: 
     if len(groups) < batch_groups:
         # Stale groups left too few fresh ones: drop only the stale, keep the fresh ready for the
         # next call, so that every step trains `batch_groups` groups and none is consumed short.
-        consumed, groups = stale_whole, []
+        # Filtered groups go either way: they never train.
+        consumed, groups = stale_whole + filtered, []
         dropped = sum(len(g) for g in stale_whole)
-    return Assembly(groups, consumed, dropped, taken)
+    return Assembly(groups, consumed, dropped, taken, filtered, capped)
 
 
 def staleness(ep: Episode, current: dict[str, int]) -> int:

@@ -1,0 +1,93 @@
+"""Dynamic sampling in batch assembly (`trainer.dynamic_sampling: filter`): a tied group never reaches the
+trainer, its slot is refilled from the groups that arrive after it, a cap on refills keeps a saturated
+task from stalling the run, and the batch reports what was kept out per sandbox."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from core.episodes.batching import Batch, Sieve, assemble
+from core.records import Call, Episode
+
+_ids = itertools.count()
+
+
+def group(rewards: list[float], sandbox: str = "s", version: int = 0) -> list[Episode]:
+    task = f"t{next(_ids)}"
+    return [Episode(id=f"{task}-{i}", sandbox=sandbox, task_id=task, group_size=len(rewards), state="finished",
+                    opened_at=0.0, lease_expires_at=60.0, reward={"policy": r},
+                    calls=[Call(model="policy", version=version, prompt_ids=[1], completion_ids=[2],
+                                completion_logprobs=[-0.1])])
+            for i, r in enumerate(rewards)]
+
+
+class Queue:
+    """The registry's part, as it applies a plan: the ready queue, the quota ledger and the sieve."""
+
+    def __init__(self, batch_groups: int, sieve: Sieve | None):
+        self.ready: list[list[Episode]] = []
+        self.trained: dict[str, int] = {}
+        self.batch_groups, self.sieve = batch_groups, sieve
+
+    def take(self) -> Batch | None:
+        plan = assemble(list(self.ready), self.trained, self.batch_groups, {}, set(), {"policy": 0}, 0, self.sieve)
+        assert plan is not None  # no mix: it never waits for a sandbox
+        gone = {id(g) for g in plan.consumed}
+        self.ready = [g for g in self.ready if id(g) not in gone]
+        if self.sieve is not None:
+            self.sieve.record(plan)
+        if not plan.groups:
+            return None
+        self.trained = plan.taken
+        batch = Batch(plan.groups, plan.dropped)
+        return self.sieve.take(batch, plan.capped) if self.sieve is not None else batch
+
+
+def test_a_tied_group_never_reaches_the_trainer_and_its_slot_is_refilled_by_a_later_group():
+    queue = Queue(batch_groups=2, sieve=Sieve(tolerance=1e-6, max_refills=8))
+    signal, tied, later = group([1.0, 0.0]), group([1.0, 1.0 + 1e-9]), group([0.0, 1.0])
+    queue.ready += [signal, tied]
+    assert queue.take() is None  # one slot with signal: the step waits, the tied group is gone
+    assert queue.ready == [signal]
+    queue.ready.append(later)
+    batch = queue.take()
+    assert batch is not None and batch.groups == [signal, later]
+    assert all(g is not tied for g in batch.groups)
+    assert batch.metrics() == {"train/groups_filtered": 1.0, "train/filter_capped": 0.0,
+                               "train/s/filtered_share": pytest.approx(1 / 3)}
+
+
+def test_without_the_filter_a_tied_group_takes_a_slot():
+    queue = Queue(batch_groups=2, sieve=None)
+    signal, tied = group([1.0, 0.0]), group([1.0, 1.0])
+    queue.ready += [signal, tied]
+    batch = queue.take()
+    assert batch is not None and batch.groups == [signal, tied] and batch.metrics() == {}
+
+
+def test_after_max_refills_tied_groups_in_a_row_the_batch_trains_what_it_has_and_says_so():
+    queue = Queue(batch_groups=2, sieve=Sieve(tolerance=1e-6, max_refills=3))
+    tied = [group([0.0, 0.0]) for _ in range(5)]
+    queue.ready += tied
+    batch = queue.take()
+    assert batch is not None and batch.groups == tied[3:5]  # three kept out, then the cap
+    assert batch.capped and batch.metrics()["train/groups_filtered"] == 3.0
+    queue.ready += [group([1.0, 1.0])]
+    assert queue.take() is None  # a new run of refills starts after a batch
+
+
+def test_the_filtered_share_is_per_sandbox_and_a_group_ties_only_if_every_models_rewards_tie():
+    sieve = Sieve(tolerance=0.01, max_refills=8)
+    two_models = group([1.0, 1.0])
+    two_models[1].reward = {"policy": 1.0, "judge": 0.5}
+    two_models[0].reward = {"policy": 1.0, "judge": 0.0}
+    assert not sieve.tied(two_models)  # the judge model still has signal
+    assert sieve.tied(group([0.5, 0.505]))  # within the tolerance
+    queue = Queue(batch_groups=2, sieve=sieve)
+    queue.ready += [group([1.0, 1.0], "a"), group([0.0, 1.0], "a"), group([0.0, 0.0], "b"), group([1.0, 0.0], "b")]
+    batch = queue.take()
+    assert batch is not None
+    metrics = batch.metrics()
+    assert metrics["train/a/filtered_share"] == 0.5 and metrics["train/b/filtered_share"] == 0.5
