@@ -139,8 +139,7 @@ class Validator:
                     return CodeVersion(proposal_id=p.id, parent_commit=parent_commit, passed=False,
                                        failed_step=name, steps=steps, diff=diff)
                 if name == "apply":
-                    diff = subprocess.run(["git", "diff", "--cached", "--no-color", "--no-renames"], cwd=tree,
-                                          capture_output=True, text=True).stdout
+                    diff = self.workspace.staged_diff(tree)
             commit = self.workspace.commit_trial(tree, p.id, f"{p.id}: {p.hypothesis}")
             return CodeVersion(proposal_id=p.id, parent_commit=parent_commit, passed=True, commit=commit,
                                steps=steps, diff=diff, pending=[] if execute else list(EXECUTING_STEPS))
@@ -174,6 +173,13 @@ class Validator:
         except StepFailed as e:
             steps.append(StepResult(step=name, passed=False, log=tail(e.log), seconds=time.monotonic() - started))
             return False
+        # Contained code could write the trial tree, its `.git` too: the study's git never follows it
+        # (researcher.code.study_git), and a changed one fails the step that changed it, saying so.
+        tampered = self.workspace.tampered(tree) if name in EXECUTING_STEPS else None
+        if tampered is not None:
+            steps.append(StepResult(step=name, passed=False, log=tail(f"{log}\n{tampered}"),
+                                    seconds=time.monotonic() - started))
+            return False
         steps.append(StepResult(step=name, passed=True, log=tail(log), seconds=time.monotonic() - started))
         return True
 
@@ -191,9 +197,7 @@ class Validator:
         return "\n".join(f"{status} {rel}" for status, rel in changes)
 
     def _changed(self, tree: Path) -> list[str]:
-        out = subprocess.run(["git", "diff", *self._against, "--name-only", "--no-renames", "--diff-filter=AM"],
-                             cwd=tree, capture_output=True, text=True).stdout
-        return [line for line in out.splitlines() if line]
+        return self.workspace.changed(tree, self._against)
 
     def _contract(self, p: Proposal, tree: Path) -> str:
         """Without running anything: each edited sandbox's entry still defines `tasks` and `async def

@@ -19,6 +19,9 @@ whose editable paths hold a symlink resolving outside them (`data -> ../outside/
 link, it would let an edit write through it. Nothing outside the workspace (and the folders it is
 asked to write) ever changes: not the project, not another study.
 
+Every git command runs through `researcher.code.study_git`: a worktree's git dir is the one this repository
+records for it, never the worktree's own `.git` (contained code may have replaced it), and nothing a
+repository's config names (fsmonitor, hooks, external diff) runs; `tampered` says when that `.git` changed.
 It does not validate behaviour (researcher/code/validation.py does) and knows nothing of MLflow.
 """
 
@@ -26,20 +29,16 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 import tomllib
 from pathlib import Path, PurePosixPath
 
 from researcher.brief.judges import judge_paths, protected_by_judge, sandboxes_under
+from researcher.code import study_git
+from researcher.code.study_git import DIFF_SAFE, GitError, dotgit_problem, worktree_admin
 from researcher.brief.schema import CodeSpec
 from researcher.records import Edit
 
-# Commits carry this identity and date so the same change on the same parent is the same commit.
-_GIT_ENV = {"GIT_AUTHOR_NAME": "swarmrl researcher", "GIT_AUTHOR_EMAIL": "researcher@swarmrl.invalid",
-            "GIT_COMMITTER_NAME": "swarmrl researcher", "GIT_COMMITTER_EMAIL": "researcher@swarmrl.invalid",
-            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
-            "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull, "GIT_TERMINAL_PROMPT": "0"}
 # Copies leave out what a sandbox folder may hold that is not code.
 _IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".venv")
 BASE_REF = "refs/heads/base"
@@ -57,12 +56,12 @@ class EditError(WorkspaceError):
         self.file, self.current = file, current
 
 
-def _git(cwd: Path, *args: str, input_text: str | None = None, check: bool = True) -> str:
-    done = subprocess.run(["git", *args], cwd=cwd, input=input_text, capture_output=True, text=True,
-                          env={**os.environ, **_GIT_ENV})
-    if check and done.returncode != 0:
-        raise WorkspaceError(f"git {' '.join(args)} failed: {(done.stderr or done.stdout).strip()}")
-    return done.stdout
+def _git(repo: Path, *args: str, input_text: str | None = None, check: bool = True) -> str:
+    """git on the repository whose main worktree is `repo` (`researcher.code.study_git`)."""
+    try:
+        return study_git.run(repo / ".git", repo, *args, input_text=input_text, check=check)
+    except GitError as e:
+        raise WorkspaceError(str(e)) from None
 
 
 def sandbox_folders(editable: list[str], project: Path) -> list[str]:
@@ -106,7 +105,7 @@ class Workspace:
                 shutil.copytree(src, dst, ignore=_IGNORED, symlinks=True, dirs_exist_ok=True)
             elif not dst.exists():
                 shutil.copy2(src, dst)
-        _git(tmp, "init", "-q", "-b", "base")
+        _git(tmp, "init", "-q", "-b", "base")  # GIT_DIR given: git makes it here
         _git(tmp, "add", "-A")
         _git(tmp, "commit", "-q", "-m", "base: the project's editable paths")
         if self.root.exists():
@@ -143,7 +142,7 @@ class Workspace:
         return {line.split()[0].removeprefix("refs/proposals/"): line.split()[1] for line in out.splitlines() if line}
 
     def diff(self, parent: str, commit: str) -> str:
-        return _git(self.root, "diff", "--no-color", "--no-renames", parent, commit)
+        return _git(self.root, "diff", "--no-color", "--no-renames", *DIFF_SAFE, parent, commit)
 
     def files(self, commit: str) -> dict[str, str]:
         """Text of every file at `commit` (what the llm planner sees of the code)."""
@@ -152,9 +151,11 @@ class Workspace:
 
     # -- folders at a commit ----------------------------------------------------------------
     def checkout(self, commit: str, folder: Path) -> Path:
-        """Write the code at `commit` to `folder` (a detached worktree); reuses one already there."""
-        if (folder / ".git").exists():
-            if _git(folder, "rev-parse", "HEAD", check=False).strip() == commit:
+        """Write the code at `commit` to `folder` (a detached worktree); reuses one already there, when its
+        `.git` is still the link git wrote (contained code may have written the folder)."""
+        admin = worktree_admin(self.root, folder) if folder.exists() else None
+        if admin is not None and dotgit_problem(folder, admin) is None:
+            if self.tree_git(folder, "rev-parse", "HEAD", check=False).strip() == commit:
                 return folder
         self.remove(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
@@ -162,11 +163,46 @@ class Workspace:
         return folder
 
     def remove(self, folder: Path) -> None:
-        """Drop a worktree (and whatever a killed process left of one)."""
-        if folder.exists():
-            _git(self.root, "worktree", "remove", "--force", str(folder), check=False)
-            shutil.rmtree(folder, ignore_errors=True)
+        """Drop a worktree (and whatever a killed process left of one): the folder is deleted without git
+        looking into it (a `git worktree remove` would read its `.git`), then git forgets it (`prune`)."""
+        if folder.exists() or folder.is_symlink():
+            if folder.is_symlink():
+                folder.unlink()
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
         _git(self.root, "worktree", "prune")
+
+    def tree_git(self, tree: Path, *args: str, input_text: str | None = None, check: bool = True) -> str:
+        """git on the worktree `tree` of this workspace, through the git dir the repository keeps for it, never
+        through `tree/.git`; refused (WorkspaceError) when that `.git` changed (`tampered`)."""
+        admin = worktree_admin(self.root, tree)
+        if admin is None:
+            raise WorkspaceError(f"{tree} is no worktree of the study's workspace {self.root}")
+        problem = dotgit_problem(tree, admin)
+        if problem is not None:
+            raise WorkspaceError(f"the trial tree's .git was changed: {problem}; the study runs no git in it")
+        try:
+            return study_git.run(admin, tree, *args, input_text=input_text, check=check)
+        except GitError as e:
+            raise WorkspaceError(str(e)) from None
+
+    def tampered(self, tree: Path) -> str | None:
+        """Why `tree`'s `.git` is no longer the link to this workspace that git wrote (contained code changed
+        it), or None when it is."""
+        admin = worktree_admin(self.root, tree)
+        if admin is None:
+            return f"the trial tree's .git: {tree} is no longer a worktree of the study's workspace"
+        problem = dotgit_problem(tree, admin)
+        return None if problem is None else f"the trial tree's .git was changed by the proposal's code: {problem}"
+
+    def staged_diff(self, tree: Path) -> str:
+        """The diff of what is staged in a trial tree (what the reviewer reads and the commit holds)."""
+        return self.tree_git(tree, "diff", "--cached", "--no-color", "--no-renames", *DIFF_SAFE)
+
+    def changed(self, tree: Path, against: list[str]) -> list[str]:
+        """The files added or modified in a trial tree, against `against` (`--cached`, or two commits)."""
+        out = self.tree_git(tree, "diff", *against, "--name-only", "--no-renames", "--diff-filter=AM", *DIFF_SAFE)
+        return [line for line in out.splitlines() if line]
 
     # -- path rules -------------------------------------------------------------------------
     def check_path(self, rel: str, action: str) -> str:
@@ -214,10 +250,10 @@ class Workspace:
 
     def check_changes(self, tree: Path) -> list[tuple[str, str]]:
         """Stage everything in a trial tree and refuse what the rules forbid. -> [(status, path)]."""
-        _git(tree, "add", "-A")
+        self.tree_git(tree, "add", "-A")
         # A file the edit wrote that git ignores (a `.gitignore` it adds, even one listing itself) stays out of
         # the diff, the review and the commit, yet sits in the trial tree the executing steps run in: refused.
-        hidden = [rel for rel in _git(tree, "ls-files", "-z", "--others", "--ignored", "--exclude-standard").split("\0")
+        hidden = [rel for rel in self.tree_git(tree, "ls-files", "-z", "--others", "--ignored", "--exclude-standard").split("\0")
                   if rel]
         if hidden:
             where = ", ".join(f"{rel} ({'editable' if _inside(rel, self.spec.editable) else 'outside the editable paths'})"
@@ -225,7 +261,7 @@ class Workspace:
             raise WorkspaceError(f"the change writes {len(hidden)} file(s) git ignores: {where}; ignored files would "
                                  "stay out of the diff a reviewer reads and of the commit, so they are refused "
                                  "(remove them or the .gitignore pattern that hides them)")
-        out = _git(tree, "diff", "--cached", "--name-status", "--no-renames")
+        out = self.tree_git(tree, "diff", "--cached", "--name-status", "--no-renames", *DIFF_SAFE)
         changes = [(line.split("\t", 1)[0], line.split("\t", 1)[1]) for line in out.splitlines() if line]
         if not changes:
             raise WorkspaceError("the edit changes nothing")
@@ -285,15 +321,15 @@ class Workspace:
         for rel in patch_paths(patch):
             if rel.startswith("/") or ".." in PurePosixPath(rel).parts:
                 self.check_path(rel, "modify")  # raises with the path and the reason
-        done = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=tree, input=patch,
-                              capture_output=True, text=True, env={**os.environ, **_GIT_ENV})
-        if done.returncode != 0:
-            raise WorkspaceError(f"the patch does not apply: {(done.stderr or done.stdout).strip()}")
+        try:
+            self.tree_git(tree, "apply", "--whitespace=nowarn", "-", input_text=patch)
+        except WorkspaceError as e:
+            raise WorkspaceError(f"the patch does not apply: {str(e).split(' failed: ', 1)[-1]}") from None
 
     def commit_trial(self, tree: Path, proposal_id: str, message: str) -> str:
         """Commit the staged trial and pin it with refs/proposals/<id>. -> the commit id."""
-        _git(tree, "commit", "-q", "--no-verify", "-m", message)
-        commit = _git(tree, "rev-parse", "HEAD").strip()
+        self.tree_git(tree, "commit", "-q", "--no-verify", "-m", message)
+        commit = self.tree_git(tree, "rev-parse", "HEAD").strip()
         _git(self.root, "update-ref", f"refs/proposals/{proposal_id}", commit)
         return commit
 

@@ -16,7 +16,8 @@ from core.contain import contained as contain
 from core.config import ContainLimits as Limits
 from researcher.records import Edit
 from tests.researcher.test_contain import SECRETS
-from tests.researcher.test_workspace import _proposal, _validator, project, ws  # noqa: F401 (fixtures)
+from researcher.brief.loader import parse_brief
+from tests.researcher.test_workspace import BRIEF, _proposal, _validator, project, ws  # noqa: F401 (fixtures)
 
 HOOK = "MAX_TOKENS = 12"
 
@@ -79,3 +80,53 @@ def test_the_studys_warm_socket_is_masked_from_proposal_code(ws, project, tmp_pa
         with pytest.raises(TimeoutError):
             listener.accept()  # nothing connected
     assert version.failed_step == "import" and "WARM FileNotFoundError" in version.log(), version.log()
+
+
+SWAP_DOTGIT = """
+import os as _os, pathlib as _pathlib, subprocess as _subprocess
+_tree = _pathlib.Path(__file__).resolve().parents[2]
+if (_tree / ".git").is_file():  # the trial worktree's link to the study's repository
+    (_tree / ".git").unlink()
+    _subprocess.run(["git", "init", "-q", str(_tree)], check=True)
+    (_tree / "fsmonitor.sh").write_text("#!/bin/sh\\nenv > {marker}\\necho '{{}}'\\n")
+    _os.chmod(_tree / "fsmonitor.sh", 0o755)
+    for _key, _value in (("core.fsmonitor", str(_tree / "fsmonitor.sh")), ("core.hooksPath", str(_tree))):
+        _subprocess.run(["git", "-C", str(_tree), "config", _key, _value], check=True)
+    for _hook in ("post-commit", "post-checkout", "reference-transaction"):
+        (_tree / _hook).write_text("#!/bin/sh\\nenv > {marker}\\n")
+        _os.chmod(_tree / _hook, 0o755)
+"""
+
+
+@pytest.mark.skipif(contain.bwrap() is None, reason="bubblewrap is not installed (apt-get install bubblewrap)")
+@pytest.mark.parametrize("mode", ["execute_before_review", "approval_auto", "after_human_approval"])
+def test_a_dotgit_swapped_inside_the_trial_tree_runs_nothing_on_the_host(ws, project, tmp_path, monkeypatch, mode):
+    # The trial tree is writable to proposal code and held the link to the study's repository: code replaced it
+    # by a repository whose core.fsmonitor was its own script, and the study's uncontained `git diff --cached`
+    # and `git commit` ran that script on the host, with the study's OPENAI_API_KEY in its environment.
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-the-studys-key")
+    (tmp_path / "trials").mkdir()
+    marker = tmp_path / "ran-on-the-host"
+    brief_flags = {"execute_before_review": "execute_before_review: true", "approval_auto": "",
+                   "after_human_approval": ""}[mode]
+    text = BRIEF.replace("readonly: [sandboxes/letters/reward.py]}",
+                         f"readonly: [sandboxes/letters/reward.py]{', ' + brief_flags if brief_flags else ''}}}")
+    if mode == "approval_auto":
+        text = text.replace("---\n", "---\napproval: {code_change: auto}\n", 1)
+    brief = parse_brief(text, workdir=project)
+    validator = _validator(ws, project, tmp_path)
+    validator.brief = brief
+    monkeypatch.setattr(validator, "_smoke", lambda p, tree: "smoke: not run by this test")
+    execute_first = brief.approval.code_change == "auto" or bool(brief.code.execute_before_review)  # the study's rule
+    assert execute_first == (mode != "after_human_approval")
+    proposal = _proposal("swap", _edit(SWAP_DOTGIT.format(marker=marker)))
+    version = validator.validate(proposal, ws.base(), lambda *a, **k: None, execute=execute_first)
+    if not execute_first:  # approved by a person: its executing steps run now, on its commit
+        assert version.passed and version.pending, version.log()
+        version = validator.execute(proposal, version, lambda *a, **k: None)
+    assert not marker.exists(), marker.read_text()[:2000]
+    assert (version.passed, version.failed_step) == (False, "import"), version.log()
+    assert "the trial tree's .git" in version.log(), version.log()
+    assert ws.commit_of("swap") is None
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=ws.root, capture_output=True, text=True).stdout
+    assert len(worktrees.splitlines()) == 1, worktrees
