@@ -7,21 +7,25 @@ trains on the tokens it produced rather than on a re-tokenisation. Each render r
 fresh tokenisation would have drifted from the reused ids, and whether the history was edited so
 that no reuse was possible.
 
+Echoed tool calls are rendered in one canonical text (`core.serve.tool_calls`), so the prompt does
+not depend on how a harness re-serialises JSON.
 This module knows the chat template and the tokenizer; it does not generate or store anything.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from core.records import Call
+from core.serve.tool_calls import canonical, normalize, parse_reply
 
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 SENTINEL = "\x00swarmrl-sentinel\x00"  # cannot occur in real content, so it splits a rendering cleanly
+# A tool name no client sends (and that `tojson` writes as itself): where a template puts a call's name.
+NAME_SENTINEL = "swarmrl_sentinel_tool_name"
+# How a failed tool result (`is_error`) reads when the chat template has no place of its own for it:
+# the model must see that the call failed, and a template that never mentions `is_error` would drop it.
+ERROR_MARK = "Error: "
 
 
 class TemplateError(ValueError):
@@ -42,6 +46,9 @@ class Rendered:
     reused_prefix: int  # leading ids copied from an earlier call
     drift: bool  # a fresh tokenisation would have given different ids than the reused ones
     broken: bool  # the messages extend the episode's history only after an edit: no reuse possible
+    # The messages as rendered, echoed tool calls in canonical text (`core.serve.tool_calls.canonical`):
+    # what the call records, so a later turn finds it whatever JSON its harness writes.
+    messages: list[dict] = field(default_factory=list)
 
 
 class ChatRenderer:
@@ -55,6 +62,9 @@ class ChatRenderer:
         # of B bytes is at least B / this many tokens: what `at_least_tokens` proves before tokenizing.
         # It assumes the tokenizer's normaliser does not delete text (none of the causal LMs' do).
         self.max_token_bytes = max((len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()), default=1) or 1
+        template = tokenizer.chat_template
+        # Whether the template renders a tool message's `is_error` itself (else `ERROR_MARK` shows it).
+        self.error_place = "is_error" in (template if isinstance(template, str) else str(template or ""))
 
     def _template(self, messages: list[dict], tools: list[dict] | None, generation_prompt: bool) -> str:
         try:
@@ -87,11 +97,32 @@ class ChatRenderer:
         if max_context is not None and (at_least := already + self.at_least_tokens(text)) > max_context:
             raise PromptTooLong(at_least, max_context)
 
+    def call_prefix(self, name: str | None) -> str | None:
+        """The text the template writes at the start of an assistant turn that is one tool call, up to
+        where the model must go on: before the name (`name` None: any call), or before the arguments
+        (a named tool). Forcing it constrains a reply's first tokens to a call (`tool_choice`). None
+        when this template writes no call there (content first, or no calls at all)."""
+        user = [{"role": "user", "content": "x"}]
+        head = self._template(user, None, True)
+        call = {"id": "c", "type": "function", "function": {"name": name or NAME_SENTINEL, "arguments": SENTINEL}}
+        try:
+            turn = self._template(user + [{"role": "assistant", "content": None, "tool_calls": [call]}], None, False)
+        except TemplateError:
+            return None
+        if not turn.startswith(head) or SENTINEL not in turn:
+            return None
+        written = turn[len(head) :]
+        cut = written.find(SENTINEL) if name else written.find(NAME_SENTINEL)
+        return written[:cut] if cut > 0 else None
+
     def render(self, messages: list[dict], tools: list[dict] | None, history: list[Call] = (),
-               max_context: int | None = None) -> Rendered:
-        """Prompt ids for `messages`; with `max_context`, a prompt whose text alone proves it longer is
-        refused (`PromptTooLong`) before any tokenization."""
-        full_text = self._template(messages, tools, True)
+               max_context: int | None = None, forced: str = "") -> Rendered:
+        """Prompt ids for `messages`, echoed tool calls in canonical text (their stored replies' where
+        they match one), then `forced` (text the reply must start with, already decided); with
+        `max_context`, a prompt whose text alone proves it longer is refused (`PromptTooLong`) before
+        any tokenization."""
+        messages = canonical(self._errors_shown(messages), [c.reply for c in history if c.reply is not None])
+        full_text = self._template(messages, tools, True) + forced
         self.check_length(full_text, max_context)
         fresh: list[int] | None = None
         earlier, edited = _find_extended_call(messages, history)
@@ -107,56 +138,22 @@ class ChatRenderer:
                 self.check_length(suffix, max_context, already=len(reused))
                 ids = reused + self.encode(suffix)
                 fresh = self.encode(full_text)
-                return Rendered(ids, len(reused), drift=fresh != ids, broken=False)
+                return Rendered(ids, len(reused), drift=fresh != ids, broken=False, messages=messages)
             edited = True  # same messages, different rendering (tools changed): not append-only
         fresh = self.encode(full_text)
-        return Rendered(fresh, 0, drift=False, broken=edited)
+        return Rendered(fresh, 0, drift=False, broken=edited, messages=messages)
+
+    def _errors_shown(self, messages: list[dict]) -> list[dict]:
+        """Failed tool results as the model sees them: the `is_error` key where the template has a place
+        for it, else `ERROR_MARK` before the content."""
+        if self.error_place or not any(m.get("is_error") for m in messages):
+            return messages
+        return [{**{k: v for k, v in m.items() if k != "is_error"}, "content": ERROR_MARK + (m.get("content") or "")}
+                if m.get("is_error") else m for m in messages]
 
     def parse_reply(self, text: str, tools_offered: bool) -> dict[str, Any]:
-        """The OpenAI assistant message for a completion's text, tool calls parsed out when tools were offered."""
-        calls = []
-        if tools_offered:
-            for block in TOOL_CALL_RE.findall(text):
-                call = _parse_tool_call(block)
-                if call is not None:
-                    calls.append(call)
-        if not calls:
-            return {"role": "assistant", "content": text}
-        content = TOOL_CALL_RE.sub("", text).strip()
-        return {"role": "assistant", "content": content or None, "tool_calls": calls}
-
-
-def _parse_tool_call(block: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads(block)
-    except json.JSONDecodeError:
-        return None  # a malformed call stays visible as text rather than vanishing
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
-    args = data.get("arguments", {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    return {
-        "id": "call_" + secrets.token_hex(8),
-        "type": "function",
-        "function": {"name": data["name"], "arguments": json.dumps(args)},
-    }
-
-
-def normalize(message: dict[str, Any]) -> tuple:
-    """What makes two messages the same turn: role, text and tool calls (arguments compared as JSON)."""
-    calls = []
-    for c in message.get("tool_calls") or []:
-        fn = c.get("function") or {}
-        try:
-            args = json.loads(fn.get("arguments") or "{}")
-        except (json.JSONDecodeError, TypeError):
-            args = fn.get("arguments")
-        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-    return (message.get("role"), message.get("content") or "", tuple(calls))
+        """The OpenAI assistant message for a completion's text (`core.serve.tool_calls.parse_reply`)."""
+        return parse_reply(text, tools_offered)
 
 
 def _find_extended_call(messages: list[dict], history: list[Call]) -> tuple[Call | None, bool]:

@@ -42,7 +42,7 @@ from core.records import Call, Episode
 from core.serve.protocol import call_sampling, start_calls
 from core.serve.state import Policy, ServerState
 from core.serve.messages import MessagesAPI
-from core.serve.messages_wire import MessagesRequest
+from core.serve.messages_wire import CountTokensRequest, MessagesRequest
 from core.serve.responses import ResponsesAPI
 from core.serve.responses_wire import ResponsesRequest
 from core.serve.streaming import PreparedChat, stream_chat
@@ -100,9 +100,12 @@ def build_app(server: ServerState) -> FastAPI:
     # Each API on two routes, keyed and path form. Bodies are read raw and parsed by `gw.bodies`
     # (large ones off the event loop); `body_schema` keeps them in the OpenAPI document.
     apis = ((ChatRequest, "chat/completions", gw.chat), (CompletionRequest, "completions", gw.complete),
-            (ResponsesRequest, "responses", gw.responses.create), (MessagesRequest, "messages", gw.messages.create))
+            (ResponsesRequest, "responses", gw.responses.create), (MessagesRequest, "messages", gw.messages.create),
+            # exact prompt lengths, rendered as the create routes render (LangChain and Claude-Code-style harnesses ask)
+            (ResponsesRequest, "responses/input_tokens", gw.responses.input_tokens),
+            (CountTokensRequest, "messages/count_tokens", gw.messages.count_tokens))
     for wire, path, handle in apis:
-        keyed, by_path = _routes(gw, wire, handle, x_api_key=wire is MessagesRequest)  # the anthropic SDK's header
+        keyed, by_path = _routes(gw, wire, handle, x_api_key=path.startswith("messages"))  # the anthropic SDK's header
         app.add_api_route(f"/v1/{path}", keyed, methods=["POST"], openapi_extra=body_schema(wire),
                           name=path.replace("/", "_"))
         app.add_api_route(f"/episodes/{{secret}}/v1/{path}", by_path, methods=["POST"],

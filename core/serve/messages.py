@@ -7,7 +7,8 @@ call, with `stop_reason` `tool_use`, `max_tokens`, `stop_sequence` (naming it) o
 Streaming formats the chat path's events (`core.serve.streaming.chat_events`) as the Messages events
 (`message_start`, `content_block_start`/`_delta`/`_stop`, `message_delta`, `message_stop`), each
 named on its `event:` line as the anthropic SDK reads them; a failure is an `error` event.
-Errors before the stream are the gateway's OpenAI-shaped JSON (the anthropic SDK raises on the status).
+`count_tokens` renders a request as `create` does and counts it. A `max_tokens` past the context is
+cut to fit, and the response says so in `CAPPED_HEADER`.
 This module does not render, generate or record; the gateway does.
 """
 
@@ -18,21 +19,27 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from core.engine import Generation
 from core.records import Episode
-from core.serve.messages_wire import MessagesRequest, to_chat
+from core.serve.messages_wire import CountTokensRequest, MessagesRequest, to_chat
 from core.serve.streaming import ChoiceFailed, PreparedChat, TextDelta, chat_events, sse
 
 
-def stop_reason(reply: dict[str, Any], gen: Generation) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a reply, in Anthropic's terms."""
+# The response header that says a `max_tokens` past the context was cut to fit: a Messages client must
+# always send one (ChatAnthropic sends 4096), so it is capped rather than refused; the value is the
+# number of tokens the reply could take.
+CAPPED_HEADER = "x-swarmrl-max-tokens-capped"
+
+
+def stop_reason(prep: PreparedChat, reply: dict[str, Any], gen: Generation) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a reply, in Anthropic's terms (only the client's stop sequences named)."""
     if reply.get("tool_calls"):
         return "tool_use", None
     if gen.finish_reason == "length":
         return "max_tokens", None
-    if gen.stop_string:
+    if prep.stopped_by_client(gen):
         return "stop_sequence", gen.stop_string
     return "end_turn", None
 
@@ -47,6 +54,10 @@ def _usage(prep: PreparedChat, output_tokens: int) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
+def _headers(prep: PreparedChat) -> dict[str, str] | None:
+    return {CAPPED_HEADER: str(prep.params[0].max_tokens)} if prep.capped_from is not None else None
+
+
 class MessagesAPI:
     """The route's work, given the gateway (`prepare_chat`, `run_chat`, and what `chat_events` needs)."""
 
@@ -54,16 +65,23 @@ class MessagesAPI:
         self.gw = gw
 
     async def create(self, body: MessagesRequest, episode: Episode | None):
-        prep = await self.gw.prepare_chat(to_chat(body), episode)
+        prep = await self.gw.prepare_chat(to_chat(body), episode, cap_max_tokens=True)
         message_id = "msg_" + secrets.token_hex(12)
         if body.stream:
-            return StreamingResponse(self._stream(prep, episode, message_id), media_type="text/event-stream")
+            return StreamingResponse(self._stream(prep, episode, message_id), media_type="text/event-stream",
+                                     headers=_headers(prep))
         [(reply, gen)] = await self.gw.run_chat(prep, episode)
         content = ([{"type": "text", "text": reply["content"]}] if reply.get("content") else []) + tool_use_blocks(reply)
-        reason, sequence = stop_reason(reply, gen)
-        return {"id": message_id, "type": "message", "role": "assistant", "model": prep.policy.name,
-                "content": content, "stop_reason": reason, "stop_sequence": sequence,
-                "usage": _usage(prep, len(gen.token_ids))}
+        reason, sequence = stop_reason(prep, reply, gen)
+        return JSONResponse({"id": message_id, "type": "message", "role": "assistant", "model": prep.policy.name,
+                             "content": content, "stop_reason": reason, "stop_sequence": sequence,
+                             "usage": _usage(prep, len(gen.token_ids))}, headers=_headers(prep))
+
+    async def count_tokens(self, body: CountTokensRequest, episode: Episode | None) -> dict[str, int]:
+        """`POST /v1/messages/count_tokens`: the prompt's exact length, rendered as `create` renders it
+        (token reuse included); nothing generated, counted or recorded."""
+        _, rendered, _, _ = await self.gw.render_turn(to_chat(body), episode)
+        return {"input_tokens": len(rendered.prompt_ids)}
 
     async def _stream(self, prep: PreparedChat, episode: Episode | None, message_id: str) -> AsyncIterator[bytes]:
         def event(kind: str, **fields) -> bytes:
@@ -88,12 +106,13 @@ class MessagesAPI:
                 else:
                     if text_open:
                         yield event("content_block_stop", index=0)
-                    for k, block in enumerate(tool_use_blocks(ev.reply), int(text_open)):
-                        yield event("content_block_start", index=k, content_block={**block, "input": {}})
-                        yield event("content_block_delta", index=k,
-                                    delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                    for k, call in enumerate(ev.reply.get("tool_calls") or [], int(text_open)):
+                        block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
+                        yield event("content_block_start", index=k, content_block=block)
+                        yield event("content_block_delta", index=k,  # the model's own argument text
+                                    delta={"type": "input_json_delta", "partial_json": call["function"]["arguments"]})
                         yield event("content_block_stop", index=k)
-                    reason, sequence = stop_reason(ev.reply, ev.gen)
+                    reason, sequence = stop_reason(prep, ev.reply, ev.gen)
                     yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                                 usage={"output_tokens": len(ev.gen.token_ids)})
                     yield event("message_stop")

@@ -44,6 +44,8 @@ class MessagesRequest(_Open):
     metadata: dict[str, Any] | None = None  # accepted (user_id); not used
     thinking: dict[str, Any] | None = None  # refused unless disabled: no separate reasoning
     output_config: dict[str, Any] | None = None  # refused with a `format` (structured output); effort ignored
+    mcp_servers: list[Any] | None = None  # refused unless empty: the server calls no tools itself
+    container: str | dict[str, Any] | None = None  # refused: no code-execution container
 
     @field_validator("stop_sequences")
     @classmethod
@@ -69,7 +71,7 @@ class ToolResultBlock(_Open):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[dict[str, Any]] = ""
-    is_error: bool = False  # not shown to the model apart from the content (which usually says so)
+    is_error: bool = False  # shown to the model: in the template's own place, else in the content (`core.serve.chat`)
 
 
 class CustomTool(_Open):
@@ -100,7 +102,7 @@ def _only(block: dict[str, Any], kinds: tuple[str, ...], where: str) -> dict[str
     return block
 
 
-def _user(msg: InputMessage, where: str) -> list[dict[str, Any]]:
+def _user(msg: InputMessage, where: str, used: set[str]) -> list[dict[str, Any]]:
     if isinstance(msg.content, str):
         return [{"role": "user", "content": msg.content}]
     out: list[dict[str, Any]] = []
@@ -109,7 +111,11 @@ def _user(msg: InputMessage, where: str) -> list[dict[str, Any]]:
         block = _only(raw, ("text", "tool_result"), at)
         if block["type"] == "tool_result":
             result = _parse(ToolResultBlock, block, at)
-            out.append({"role": "tool", "tool_call_id": result.tool_use_id, "content": _texts(result.content, f"{at}.content")})
+            if result.tool_use_id not in used:
+                raise WireError(f"{at}.tool_use_id: {result.tool_use_id!r} names no tool_use block of an earlier "
+                                "assistant message", "invalid_block")
+            out.append({"role": "tool", "tool_call_id": result.tool_use_id, "content": _texts(result.content, f"{at}.content"),
+                        **({"is_error": True} if result.is_error else {})})
         elif out and out[-1]["role"] == "user":
             out[-1]["content"] += _parse(TextBlock, block, at).text  # a run of text blocks is one user turn
         else:
@@ -128,7 +134,9 @@ def _assistant(msg: InputMessage, where: str) -> dict[str, Any]:
             text.append(_parse(TextBlock, block, at).text)
         else:
             use = _parse(ToolUseBlock, block, at)
-            calls.append({"id": use.id, "type": "function", "function": {"name": use.name, "arguments": json.dumps(use.input)}})
+            # The canonical text (`core.serve.tool_calls.canonical_arguments`): as Chat and Responses render it
+            calls.append({"id": use.id, "type": "function",
+                          "function": {"name": use.name, "arguments": json.dumps(use.input, ensure_ascii=False)}})
     out: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
     if calls:
         out["tool_calls"] = calls
@@ -171,14 +179,25 @@ def to_chat(body: MessagesRequest) -> ChatRequest:
         raise WireError("thinking is not supported (the policies do not reason separately)", "unsupported")
     if body.output_config and body.output_config.get("format") is not None:
         raise WireError("output_config.format is not supported (plain text and tool calls only)", "unsupported")
+    if body.mcp_servers:
+        raise WireError("mcp_servers is not supported (the server calls no tools itself)", "unsupported")
+    if body.container is not None:
+        raise WireError("container is not supported (no code-execution container)", "unsupported")
     messages: list[dict[str, Any]] = []
     if body.system is not None:
         messages.append({"role": "system", "content": _texts(body.system, "system")})
+    used: set[str] = set()  # the tool_use ids so far: what a tool_result may answer
     for k, msg in enumerate(body.messages):
         at = f"messages[{k}]"
-        messages += _user(msg, at) if msg.role == "user" else [_assistant(msg, at)]
+        if msg.role == "user":
+            messages += _user(msg, at, used)
+        else:
+            messages.append(_assistant(msg, at))
+            used.update(c["id"] for c in messages[-1].get("tool_calls") or ())
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
                             "stream": body.stream}
+    if (body.tool_choice or {}).get("disable_parallel_tool_use"):
+        chat["parallel_tool_calls"] = False
     for field, value in (("tools", _tools(body.tools)), ("tool_choice", _tool_choice(body.tool_choice)),
                          ("stop", body.stop_sequences), ("temperature", body.temperature), ("top_p", body.top_p)):
         if value is not None:
@@ -187,3 +206,9 @@ def to_chat(body: MessagesRequest) -> ChatRequest:
         return ChatRequest.model_validate(chat)
     except ValidationError as e:
         raise WireError(first_error(e), "invalid_request") from None
+
+
+class CountTokensRequest(MessagesRequest):
+    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens` (nothing is generated)."""
+
+    max_tokens: int | None = Field(None, ge=1)

@@ -85,6 +85,9 @@ class Message(_Open):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # A tool message whose call failed (Anthropic's tool_result `is_error`, also taken here): shown to the
+    # model where the chat template has a place for it, else in the content (`core.serve.chat`).
+    is_error: bool | None = None
 
     def to_template(self) -> dict[str, Any]:
         """The plain dict the chat template sees: text content, `developer` read as `system`."""
@@ -99,6 +102,8 @@ class Message(_Open):
             ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.is_error:
+            out["is_error"] = True
         return out
 
 

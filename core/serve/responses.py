@@ -70,10 +70,12 @@ class ResponseStore:
 
 
 def output_items(reply: dict[str, Any], message_id: str) -> list[dict[str, Any]]:
-    """The chat reply as Responses output items: its text as a message, its tool calls as function calls."""
+    """The chat reply as Responses output items: its text as a message, its tool calls as function calls.
+    An empty reply is an empty message, not no output: a client that resends its input items (the
+    Agents SDK does) then carries the turn back, and the next call reuses its tokens."""
     items: list[dict[str, Any]] = []
-    if reply.get("content"):
-        items.append(_message_item(message_id, reply["content"], "completed"))
+    if reply.get("content") or not reply.get("tool_calls"):
+        items.append(_message_item(message_id, reply.get("content") or "", "completed"))
     for call in reply.get("tool_calls") or []:
         items.append(_call_item(call, "completed"))
     return items
@@ -107,6 +109,14 @@ class ResponsesAPI:
         [(reply, gen)] = await self.gw.run_chat(prep, episode)
         return self._finish(body, prep, episode, response_id, new_turns, reply, gen.finish_reason, len(gen.token_ids))
 
+    async def input_tokens(self, body: ResponsesRequest, episode: Episode | None) -> dict[str, Any]:
+        """`POST /v1/responses/input_tokens`: the prompt's exact length, rendered as `create` renders it
+        (previous_response_id and token reuse included); nothing generated, counted or recorded."""
+        earlier = self.store.conversation(body.previous_response_id, episode) if body.previous_response_id else []
+        chat_body, _ = to_chat(body, earlier)
+        _, rendered, _, _ = await self.gw.render_turn(chat_body, episode)
+        return {"object": "response.input_tokens", "input_tokens": len(rendered.prompt_ids)}
+
     def _envelope(self, body: ResponsesRequest, prep: PreparedChat, response_id: str, status: str,
                   output: list, usage: dict | None, created: int) -> dict[str, Any]:
         params = prep.params[0]
@@ -114,7 +124,7 @@ class ResponsesAPI:
             "id": response_id, "object": "response", "created_at": created, "status": status,
             "model": prep.policy.name, "output": output, "instructions": body.instructions,
             "previous_response_id": body.previous_response_id, "tools": body.tools or [],
-            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": True,
+            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": not prep.one_call,
             "temperature": params.temperature, "top_p": params.top_p, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {}, "text": {"format": {"type": "text"}}, "truncation": "disabled",
             "store": body.store, "error": None,
@@ -168,6 +178,9 @@ class ResponsesAPI:
                     failed["error"] = {"code": "server_error", "message": ev.message}
                     yield event("response.failed", response=failed)
                 else:
+                    if not texts and not ev.reply.get("tool_calls"):  # an empty reply: still a message item
+                        for b in text_open():
+                            yield b
                     for b in self._close_items(ev, texts, msg_id, event):
                         yield b
                     done = self._finish(body, prep, episode, response_id, new_turns, ev.reply, ev.gen.finish_reason,
@@ -181,7 +194,7 @@ class ResponsesAPI:
     def _close_items(ev: ChoiceDone, texts: list[str], msg_id: str, event) -> list[bytes]:
         """The done events of the text item, then each function call whole (known only at the end)."""
         out, text, index = [], "".join(texts), 0
-        if text:
+        if text or not ev.reply.get("tool_calls"):
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
             out += [event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text,
                           logprobs=[]),

@@ -39,6 +39,7 @@ class ResponsesRequest(_Open):
     previous_response_id: str | None = None  # continue a response this server kept for the same episode
     tools: list[dict[str, Any]] | None = None  # function tools only
     tool_choice: str | dict[str, Any] | None = None  # "auto", "none", "required" or {"type": "function", "name"}
+    parallel_tool_calls: bool | None = None  # False: generation stops after the first call
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -52,6 +53,8 @@ class ResponsesRequest(_Open):
     conversation: str | dict[str, Any] | None = None  # refused: the server keeps responses, not conversations
     prompt: dict[str, Any] | None = None  # refused: no stored prompt templates
     truncation: Literal["auto", "disabled"] | None = None  # a prompt past the context is a 400 either way
+    top_logprobs: int | None = None  # refused unless 0: only the sampled token's logprob is kept, and not sent
+    max_tool_calls: int | None = None  # refused: a response is one model turn (use parallel_tool_calls: false)
 
 
 class MessageItem(_Open):
@@ -80,7 +83,7 @@ class FunctionTool(_Open):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; arguments are parsed, not constrained while sampling
+    strict: bool | None = None  # accepted, not shown to the model; arguments are parsed, not constrained while sampling
 
 
 TEXT_PARTS = ("input_text", "output_text", "text")  # the text content parts; images, files, audio are refused
@@ -108,11 +111,14 @@ def _parse(model: type[BaseModel], item: dict[str, Any], where: str):
         raise WireError(f"{where}.{first_error(e)}", "invalid_item") from None
 
 
-def items_to_messages(items: str | list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
-    """Responses input items as chat messages (the template's form)."""
+def items_to_messages(items: str | list[dict[str, Any]], where: str = "input",
+                      earlier: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """Responses input items as chat messages (the template's form), after `earlier` (the previous
+    responses' turns): a `function_call_output` must answer a call made in them or before it here."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
+    calls = {c["id"] for m in earlier for c in m.get("tool_calls") or ()}
     for k, item in enumerate(items):
         at = f"{where}[{k}]"
         kind = item.get("type", "message")
@@ -122,6 +128,7 @@ def items_to_messages(items: str | list[dict[str, Any]], where: str = "input") -
                         "content": _text(msg.content, f"{at}.content")})
         elif kind == "function_call":
             call = _parse(FunctionCall, item, at)
+            calls.add(call.call_id)
             tool_call = {"id": call.call_id, "type": "function",
                          "function": {"name": call.name, "arguments": call.arguments}}
             if out and out[-1]["role"] == "assistant" and items[k - 1].get("type", "message") in ("message", "function_call"):
@@ -130,6 +137,9 @@ def items_to_messages(items: str | list[dict[str, Any]], where: str = "input") -
                 out.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
         elif kind == "function_call_output":
             result = _parse(FunctionCallOutput, item, at)
+            if result.call_id not in calls:
+                raise WireError(f"{at}.call_id: {result.call_id!r} names no function_call before it (in this input "
+                                "or the previous response)", "invalid_item")
             out.append({"role": "tool", "tool_call_id": result.call_id, "content": _text(result.output, f"{at}.output")})
         else:
             raise WireError(f"{at}: item type {kind!r} is not supported (message, function_call, "
@@ -169,6 +179,11 @@ def refuse_unsupported(body: ResponsesRequest) -> None:
     for name in ("include", "reasoning"):
         if getattr(body, name):
             raise WireError(f"{name} is not supported", "unsupported")
+    if body.top_logprobs:
+        raise WireError("top_logprobs is not supported (only the sampled token's logprob is kept)", "unsupported")
+    if body.max_tool_calls is not None:
+        raise WireError("max_tool_calls is not supported (a response is one model turn); send "
+                        "parallel_tool_calls: false for at most one call", "unsupported")
     for name in ("background", "conversation", "prompt"):
         if getattr(body, name):
             raise WireError(f"{name} is not supported: responses are answered in their request and kept by id "
@@ -179,12 +194,12 @@ def to_chat(body: ResponsesRequest, earlier: list[dict[str, Any]]) -> tuple[Chat
     """The chat request for `body` after `earlier` (the previous responses' turns), and this request's
     own new turns (its input items as messages: kept with the reply for a later previous_response_id)."""
     refuse_unsupported(body)
-    new = items_to_messages(body.input)
+    new = items_to_messages(body.input, earlier=earlier)
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     chat: dict[str, Any] = {"model": body.model, "messages": system + earlier + new, "stream": body.stream}
     for field, value in (("tools", _tools(body)), ("tool_choice", _tool_choice(body.tool_choice)),
                          ("max_tokens", body.max_output_tokens), ("temperature", body.temperature),
-                         ("top_p", body.top_p)):
+                         ("top_p", body.top_p), ("parallel_tool_calls", body.parallel_tool_calls)):
         if value is not None:
             chat[field] = value
     try:
