@@ -45,7 +45,7 @@ _WAIT_POLL_S = 1.0
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(Text("error: ", style="red") + Text(plain(message)))  # data in it is never markup
     return typer.Exit(2)
 
 

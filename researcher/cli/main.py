@@ -88,7 +88,7 @@ def _study(ctx: typer.Context, studies_dir: Path = typer.Option(
 
 
 def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(Text("error: ", style="red") + Text(plain(message)))  # data in it is never markup
     return typer.Exit(2)
 
 

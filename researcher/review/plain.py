@@ -5,8 +5,9 @@ notes, a proposal's diff, a validation log, a tag anyone with MLflow access type
 on some of those bytes (ESC sequences erase lines, move the cursor, rewrite the title; a carriage
 return overwrites the line it ends), and a bidirectional override makes code read in another order
 than it runs ("Trojan Source"). `plain` turns each such character into a visible escape (`\\x1b`,
-`\\u202e`), keeping newlines and tabs where a multi-line text may hold them; `cell` does the same
-for one-line table cells. `text` gives rich a `Text`, so `[bold]` or `[link=...]` in LLM text stays
+`\\u202e`), and so every character a reader cannot see (format characters such as U+200B or U+FEFF,
+the Hangul fillers that render as blank space, unassigned and private-use code points), keeping
+newlines and tabs where a multi-line text may hold them; `cell` does the same for one-line table cells. `text` gives rich a `Text`, so `[bold]` or `[link=...]` in LLM text stays
 literal; `plain_record` is the logging filter that does it to every log line the CLI prints. Every
 surface a person reads (the CLI, the Markdown/HTML report, the MLflow note) passes its untrusted text
 through here.
@@ -19,34 +20,45 @@ from __future__ import annotations
 
 import logging
 import re
+import unicodedata
 
 from rich.text import Text
 
-# C0 controls but newline and tab, DEL, C1 controls (0x80-0x9f: CSI is 0x9b), and Unicode's
-# bidirectional embeddings, overrides and isolates, plus the line/paragraph separators that some
-# terminals and editors break lines at.
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-_UNSAFE_LINE = re.compile(_UNSAFE.pattern[:-1] + "\n\t]")  # in a one-line cell, newlines and tabs too
+# Unicode categories a reader cannot see or that change what the text around them looks like: controls (C0,
+# DEL, C1: CSI is 0x9b), format characters (bidi marks, embeddings, overrides and isolates, U+061C, the zero
+# widths U+200B-U+200D, U+2060, U+FEFF, the soft hyphen U+00AD), the line and paragraph separators some
+# terminals break lines at, private-use, unassigned code points and lone surrogates.
+HIDDEN_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Co", "Cn", "Cs"})
+# Letters that render as blank space, so `def f(x, \u3164=None)` reads as `def f(x, =None)`: the Hangul fillers
+# and the blank Braille pattern.
+BLANK_LETTERS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+# Candidates: everything but printable ASCII, newline and tab (each candidate is then judged by its category).
+_CANDIDATE = re.compile("[^\x20-\x7e\n\t]")
+_CANDIDATE_LINE = re.compile("[^\x20-\x7e]")  # in a one-line cell, newlines and tabs too
+
+
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _visible(match: re.Match[str]) -> str:
     ch = match.group()
-    if ch == "\n":
+    if ch in "\n\t":
         return " "  # a cell is one line: a newline would start a new table row
-    if ch == "\t":
-        return " "
-    code = ord(ch)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    if ch in BLANK_LETTERS or unicodedata.category(ch) in HIDDEN_CATEGORIES:
+        return _escape(ch)
+    return ch
 
 
 def plain(value: object) -> str:
-    """`value` as text with every control character escaped visibly; newlines and tabs kept."""
-    return _UNSAFE.sub(_visible, str(value))
+    """`value` as text with every control, format and invisible character escaped visibly; newlines and tabs kept."""
+    return _CANDIDATE.sub(_visible, str(value))
 
 
 def cell(value: object) -> str:
-    """`value` as one line of plain text (a table cell): controls escaped, newlines and tabs as spaces."""
-    return _UNSAFE_LINE.sub(_visible, str(value))
+    """`value` as one line of plain text (a table cell): hidden characters escaped, newlines and tabs as spaces."""
+    return _CANDIDATE_LINE.sub(_visible, str(value))
 
 
 def fenced(value: object, lang: str = "") -> str:
