@@ -11,8 +11,10 @@ Every look is judged at its nominal level under a group-sequential design fixed 
 governs (`researcher.evidence.sequential`: O'Brien–Fleming or Pocock spending, `replicate.boundary`):
 the confirmation's when it is planned, the search comparison's at its first added stage. The number of
 looks is `replicate.max_looks`, cut to what the budget left can pay then; the search's stages leave the
-budget for `CONFIRM_RESERVE_LOOKS` looks of the confirmation. It stops adding when a look decides, when
-the planned looks are spent, or when the budget cannot pay the next stage.
+budget for `CONFIRM_RESERVE_LOOKS` looks of the confirmation, a reserve that shrinks to what one stage leaves
+but never below the confirmation's first look: a promising comparison gets a stage whenever one stage and that
+first look fit. It stops adding when a look decides, when the planned looks are spent, or when the budget cannot
+pay the next stage.
 
 What bounds the error: the confirmation is the test. Its seeds are held out, its looks spend alpha, so
 a null pick is confirmed `better` at most alpha/2 of the time whatever the search did. The search's
@@ -73,14 +75,31 @@ def confirmation_design(brief: Brief, runs_left: int, steps_left: int, steps_per
                   steps_per_run)
 
 
-def _reserve(brief: Brief, steps_per_run: int) -> tuple[int, int]:
-    """Runs and steps the search's stages leave for the confirmation's first looks."""
+def _reserve(brief: Brief, steps_per_run: int, looks: int = CONFIRM_RESERVE_LOOKS) -> tuple[int, int]:
+    """Runs and steps of the confirmation's first `looks` looks."""
     if not brief.confirm.enabled:
         return 0, 0
     first = brief.confirm.seeds or len(brief.seeds)
     add = brief.replicate.stage_seeds or first
-    runs = ARMS * (first + add * (CONFIRM_RESERVE_LOOKS - 1))
+    runs = ARMS * (first + add * (looks - 1))
     return runs, runs * steps_per_run
+
+
+def _search_budget(brief: Brief, default_steps: int, per_run: int, add: int, runs_left: int,
+                   steps_left: int) -> tuple[int, int] | None:
+    """What the search's stages may spend: all that is left but the confirmation's reserve, the reserve shrunk
+    to what one stage leaves, never below the confirmation's first look. None when one stage and that first
+    look do not both fit: then the stage would only buy a pick the study could not confirm (issue 38, item 8:
+    a full reserve of `CONFIRM_RESERVE_LOOKS` looks once ended a study with a real fix unrecommended and 15
+    of its 24 runs unspent)."""
+    stage_runs, stage_steps = ARMS * add, ARMS * add * per_run
+    first_runs, first_steps = _reserve(brief, default_steps, looks=1)
+    if stage_runs + first_runs > runs_left or stage_steps + first_steps > steps_left:
+        return None
+    full_runs, full_steps = _reserve(brief, default_steps)
+    spare_runs = max(first_runs, min(full_runs, runs_left - stage_runs))
+    spare_steps = max(first_steps, min(full_steps, steps_left - stage_steps))
+    return runs_left - spare_runs, steps_left - spare_steps
 
 
 def _search_root(proposals: Sequence[Proposal], results: dict[str, ExperimentResult], brief: Brief,
@@ -122,10 +141,10 @@ def next_stage(proposals: Sequence[Proposal], results: Sequence[ExperimentResult
         looks = last.looks
         if looks is None:
             seeds = len(first.seeds or brief.seeds)
-            spare_runs, spare_steps = _reserve(brief, default_steps)
+            add = brief.replicate.stage_seeds or seeds
             per_run = steps_of(first, default_steps)
-            looks = design(seeds, brief.replicate.stage_seeds or seeds, brief.replicate.max_looks,
-                           runs_left - spare_runs, steps_left - spare_steps, per_run)
+            spend = _search_budget(brief, default_steps, per_run, add, runs_left, steps_left)
+            looks = design(seeds, add, brief.replicate.max_looks, *spend, per_run) if spend else None
     if verdict is None or verdict.result != "inconclusive" or looks is None or last.stage >= len(looks):
         return None
     add = looks[last.stage] - looks[last.stage - 1]
