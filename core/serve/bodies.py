@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import re
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -40,18 +41,72 @@ INLINE_BYTES = 64 * 1024
 # ~5-40 ms (one long string vs a list of small numbers), the most a thread may take from the loop.
 CHILD_BYTES = 2**20
 REF = "#/components/schemas/{model}"
+# Deepest nesting a body may have. A real request nests a few levels per level of a tool's schema; a
+# hostile one 3000 levels deep made json, pydantic and the template's `tojson` recurse past Python's
+# limit (RecursionError, a 500). Refusing deeper bodies at parse time keeps every later walk shallow.
+MAX_DEPTH = 100
+# A JSON escape of a UTF-16 surrogate: the only way a decoded body can hold a lone one ("\ud800"),
+# which no tokenizer encodes and no JSON response can carry. Bodies without one skip that check.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def first_fault(data: Any, surrogates: bool) -> tuple[tuple, str] | None:
+    """(path, why) of the first place in a decoded body nested deeper than `MAX_DEPTH`, or (with
+    `surrogates`) holding a string or key that is not valid UTF-8 text; None when there is none.
+    Iterative, so a deep body cannot make it recurse; scalars other than strings are skipped."""
+    stack: list[tuple[Any, tuple | None, int]] = [(data, None, 1)]  # (value, (parent path node, key), depth)
+
+    def path(node: tuple | None) -> tuple:
+        keys = []
+        while node is not None:
+            node, key = node
+            keys.append(key)
+        return tuple(reversed(keys))
+
+    while stack:
+        value, node, depth = stack.pop()
+        if isinstance(value, str):
+            if surrogates and not _encodable(value):
+                return path(node), "holds text that cannot be encoded as UTF-8 (a lone surrogate?)"
+            continue
+        if depth > MAX_DEPTH:
+            return path(node), f"is nested deeper than {MAX_DEPTH} levels"
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+            if surrogates and isinstance(key, str) and not _encodable(key):
+                return path((node, key)), "is a key that cannot be encoded as UTF-8 (a lone surrogate?)"
+            if isinstance(item, (dict, list)) or (surrogates and isinstance(item, str)):
+                stack.append((item, (node, key), depth + 1))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate(model: type[M], raw: bytes) -> M:
     """JSON text to a wire type: what `BodyParser.read` runs inline, on a thread or in the child. `json.loads`, not
     pydantic's own parser: that one refuses a lone surrogate escape ("\\ud800") as invalid JSON, where
-    the wire types' validators name the field that holds it."""
+    the check here names the field that holds it. A body nested too deep, or holding a lone surrogate
+    anywhere (an ignored field included: it would still be echoed or rendered), is refused here, before
+    anything is generated or recorded."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": f"invalid JSON: {e}"}]) from None
+    except RecursionError:
+        raise RequestValidationError([{"type": "value_error", "loc": ("body",),
+                                       "msg": f"body is nested deeper than {MAX_DEPTH} levels"}]) from None
+    if isinstance(data, (dict, list)):
+        fault = first_fault(data, surrogates=SURROGATE_ESCAPE.search(raw) is not None)
+        if fault is not None:
+            where, why = fault
+            raise RequestValidationError([{"type": "value_error", "loc": ("body", *where), "msg": why}])
     return model.model_validate(data)
 
 
