@@ -27,7 +27,7 @@ from core.episodes.auth import path_secret, same_secret
 from core.engine.routing import EPISODE
 from core.episodes.admission import Admission
 from core.episodes.errors import Refusal
-from core.episodes.batching import Batch, assemble
+from core.episodes.batching import Batch, Sieve, assemble
 from core.episodes.pairing import Pairs
 from core.records import Call, Episode
 from core.episodes.wire import OpenEpisode
@@ -71,6 +71,7 @@ class Registry(Admission):
         self._ready: deque[list[Episode]] = deque()
         self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
         self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
+        self.sieve: Sieve | None = None  # dynamic sampling (`trainer.dynamic_sampling: filter`), set by the run
         # sandbox -> its last train open attempt (who shares room, who a batch waits for). A mix sandbox asks from
         # the start for one lease: batches taken before its clients register would give its share away for good.
         self._seen: dict[str, float] = dict.fromkeys(self.mix, clock())
@@ -311,18 +312,24 @@ class Registry(Admission):
             coming = {key[0] for key in started}
             coming |= {s for s in self._active_sandboxes() if self._no_room(s, started) is None}
             plan = assemble(list(self._ready), self._trained_groups, self.batch_groups, self.mix, coming,
-                            current_versions, max_staleness)
+                            current_versions, max_staleness, self.sieve)
             if plan is None:
                 return None  # the plan is dropped, nothing taken: it is made again on the next call
             groups, consumed, dropped = plan.groups, plan.consumed, plan.dropped
+            if self.sieve is not None:
+                self.sieve.record(plan)
             gone = {id(g) for g in consumed}
             self._ready = deque(g for g in self._ready if id(g) not in gone)
             if groups:
                 self._trained_groups = plan.taken
-            self.counters["trained"] += sum(len(g) for g in groups)
+            # A group dynamic sampling kept out was taken by a batch too: it leaves the buffer, never to train.
+            self.counters["trained"] += sum(len(g) for g in groups) + sum(len(g) for g in plan.filtered)
             self.counters["stale"] += dropped
             self.counters["wasted"] += dropped
-            return Batch(groups, dropped) if groups else None
+            if not groups:
+                return None
+            batch = Batch(groups, dropped)
+            return self.sieve.take(batch, plan.capped) if self.sieve is not None else batch
 
     def trained_groups(self) -> dict[str, int]:
         """Groups trained so far per sandbox (the mix quotas' ledger)."""

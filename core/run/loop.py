@@ -38,7 +38,7 @@ from core.contain.contained import require_bwrap
 from core.local_state import token_files
 from core.engine.replicas import ReplicaBehind, ReplicaEngine
 from core.episodes.errors import Refusal
-from core.episodes.batching import Batch
+from core.episodes.batching import Batch, Sieve
 from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
@@ -79,6 +79,8 @@ class CoreRun:
         self._checkpointed_at = time.monotonic()  # for `trainer.checkpoint_every_s`
         if self.trainers:
             self.server.registry.admit_within(cfg.trainer.max_staleness)
+            if cfg.trainer.dynamic_sampling == "filter":  # tied groups never reach the trainers (core.episodes.batching)
+                self.server.registry.sieve = Sieve(cfg.trainer.tie_tolerance, cfg.trainer.max_refills)
             self.server.allow_anonymous = False  # during training every generation belongs to an episode: 401
         self.telemetry: Telemetry | None = None
         self.failure: BaseException | None = None  # what ended the run early (local clients crashed), if anything
@@ -309,6 +311,7 @@ class CoreRun:
         and sync time summed over them."""
         metrics: dict[str, float] = {"episodes/stale_dropped": float(batch.dropped_stale), "time/train_s": 0.0,
                                      "time/sync_s": 0.0}
+        metrics.update(batch.metrics())  # dynamic sampling: train/groups_filtered and each sandbox's filtered share
         for name, outcome in outcomes.items():
             prefix = "" if len(self.trainers) == 1 else f"{name}/"
             metrics.update({prefix + k: v for k, v in outcome.logged().items()})
