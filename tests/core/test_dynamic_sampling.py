@@ -9,6 +9,8 @@ import itertools
 import pytest
 
 from core.episodes.batching import Batch, Sieve, assemble
+from core.episodes.registry import Registry
+from core.episodes.wire import OpenEpisode
 from core.records import Call, Episode
 
 _ids = itertools.count()
@@ -91,3 +93,23 @@ def test_the_filtered_share_is_per_sandbox_and_a_group_ties_only_if_every_models
     assert batch is not None
     metrics = batch.metrics()
     assert metrics["train/a/filtered_share"] == 0.5 and metrics["train/b/filtered_share"] == 0.5
+
+
+def finish(reg: Registry, task: str, rewards: list[float]) -> None:
+    for r in rewards:
+        ep, _ = reg.open(OpenEpisode(sandbox="s", task_id=task, group_size=len(rewards)), {"policy": 0})
+        reg.record(ep, Call(model="policy", version=0, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1]))
+        reg.finish(ep.id, {"policy": r}, {"reward": r})
+
+
+def test_the_registry_under_filter_refills_a_tied_groups_slot_from_the_next_group_to_finish():
+    reg = Registry(lease_s=60, default_group_size=2, batch_groups=2)
+    reg.sieve = Sieve(tolerance=1e-6, max_refills=8)
+    finish(reg, "signal", [1.0, 0.0])
+    finish(reg, "tied", [0.5, 0.5])
+    assert reg.take_batch({"policy": 0}, max_staleness=0) is None
+    assert reg.ready_groups() == 1  # the tied group left the buffer; the one with signal waits
+    finish(reg, "refill", [0.0, 1.0])
+    batch = reg.take_batch({"policy": 0}, max_staleness=0)
+    assert batch is not None and [g[0].task_id for g in batch.groups] == ["signal", "refill"]
+    assert batch.metrics()["train/groups_filtered"] == 1.0
