@@ -12,6 +12,13 @@ step) are the engine's own, and the child answers with its state. The engine is 
 Health: the replica is `healthy` while its process lives, its heartbeat is recent and no request
 has waited longer than `hang_s`. A replica found dead or hung is killed (SIGKILL) and every
 request waiting on it fails with `ReplicaLost`; the router (`core.engine.replicas`) then restarts it.
+A replica that does not answer a command (a sync, a pause, sleep or wake) within its timeout is hung
+too, and goes the same way, even while its heartbeat is recent: never left in service and behind.
+A sync's transfer and answer share one deadline (SYNC_S), and the weights group's own timeout is
+GROUP_FACTOR times longer, so the deadline acts first (under NCCL, before the group's watchdog).
+
+The child sees its own device alone (`core.engine.devices`): it is told cuda:0 (`pinned_spec`), while
+this side keeps the run's name for it, from which the weights group's backend follows.
 
 Weights travel over a process group of two, this process and the replica (`core.engine.weight_sync`:
 gloo, or NCCL between two GPUs), built when the replica starts; the pipe carries only the layout
@@ -39,7 +46,7 @@ import torch
 from core.engine import EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.devices import local_device, spawn_pinned
 from core.engine.groups import free_port
-from core.engine.replica_child import SYNC_S, ReplicaSpec, replica_main
+from core.engine.replica_child import GROUP_FACTOR, SYNC_S, ReplicaSpec, replica_main
 from core.engine.weight_sync import WeightSender, layout_of
 
 log = logging.getLogger(__name__)
@@ -193,7 +200,9 @@ class ProcessEngine(ReplicaHandle):
     def sync(self, weights: dict[str, torch.Tensor], version: int) -> int:
         """Broadcast `weights` (the trainer's trainable parameters) to the replica, which serves `version`
         from its next decode step; returns the version it then serves (raises if it could not). The layout
-        goes first when it changed since the replica last accepted one: refused, nothing is sent."""
+        goes first when it changed since the replica last accepted one: refused, nothing is sent. A
+        replica that does not take the weights and answer within SYNC_S is hung: it is killed (and the
+        router restarts it, as a dead one) and `ReplicaLost` raised."""
         layout = layout_of(weights)
         if layout != self._sender.layout:
             self._sender.layout = None
@@ -201,7 +210,7 @@ class ProcessEngine(ReplicaHandle):
             if answer != "ok":
                 raise RuntimeError(f"replica {self.spec.index} refused the weights: {answer}")
             self._sender.layout = layout
-        answer = self._request("sync", version, timeout=SYNC_S, during=lambda: self._transfer(weights))
+        answer = self._request("sync", version, timeout=SYNC_S, during=lambda deadline: self._transfer(weights, deadline))
         if isinstance(answer, str):
             raise RuntimeError(f"replica {self.spec.index} could not load the weights: {answer}")
         self.version = answer
@@ -214,9 +223,9 @@ class ProcessEngine(ReplicaHandle):
             return answer
         raise RuntimeError(f"replica {self.spec.index} could not digest its weights: {answer}")
 
-    def _transfer(self, weights: dict[str, torch.Tensor]) -> None:
+    def _transfer(self, weights: dict[str, torch.Tensor], deadline: float) -> None:
         try:
-            self._sender.send(weights)
+            self._sender.send(weights, deadline)
         except Exception as e:  # the group is out of step now: the replica goes (and restarts with a new one)
             self.kill(f"the weight transfer failed: {type(e).__name__}: {e}")
             raise ReplicaLost(f"replica {self.spec.index} was lost during a weight transfer: {e}") from e
@@ -227,7 +236,7 @@ class ProcessEngine(ReplicaHandle):
 
         def host() -> None:
             try:
-                self._sender.join(port, SYNC_S)
+                self._sender.join(port, GROUP_FACTOR * SYNC_S)
             except Exception as e:  # noqa: BLE001 - the child would wait on the store for ever: kill it
                 self.kill(f"could not host its weights group: {type(e).__name__}: {e}")
         hosting = threading.Thread(target=host, name=f"replica-{self.spec.index}-group", daemon=True)
@@ -281,17 +290,21 @@ class ProcessEngine(ReplicaHandle):
             self.kill(f"its pipe broke: {e}")
             raise ReplicaLost(f"replica {self.spec.index} was lost: {e}") from e
 
-    def _request(self, kind: str, *args: Any, timeout: float, during: Callable[[], None] | None = None) -> Any:
-        """Send a request and wait for its answer; `during` runs in between (a sync's broadcast)."""
+    def _request(self, kind: str, *args: Any, timeout: float, during: Callable[[float], None] | None = None) -> Any:
+        """Send a request and wait for its answer; `during(deadline)` runs in between (a sync's broadcast),
+        within the same `timeout`. A replica that does not answer in time is hung: killed, `ReplicaLost`."""
         seq = next(self._ids)
         event, box = threading.Event(), []
         self._acks[seq] = (event, box)
+        deadline = time.monotonic() + timeout
         try:
             self._send(kind, seq, *args)
             if during is not None:
-                during()
-            if not event.wait(timeout):
-                raise RuntimeError(f"replica {self.spec.index} did not answer {kind} within {timeout:g} s")
+                during(deadline)
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                why = f"did not answer {kind} within {timeout:g} s"
+                self.kill(why)  # a hang is a death: restarted, never left "healthy" and behind
+                raise ReplicaLost(f"replica {self.spec.index} {why}")
             return box[0]
         finally:
             self._acks.pop(seq, None)

@@ -30,7 +30,8 @@ from core.engine.factory import make_engine
 from core.engine.weight_sync import WeightReceiver, sync_replica
 
 HEARTBEAT_S = 0.5  # how often the child reports version, load and that it lives
-SYNC_S = 300.0  # how long one weight sync may take before the replica counts as behind
+SYNC_S = 300.0  # how long one weight sync may take before the replica counts as hung (killed, restarted)
+GROUP_FACTOR = 2  # the weights group's timeout in SYNC_S: the parent's deadline comes first (core.engine.process)
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def replica_main(conn: Any, spec: ReplicaSpec) -> None:
                 fut.cancel()
         elif kind == "weights_group":  # joins while the parent hosts the group: on a thread of its own
             _, seq, port, backend = msg
-            threading.Thread(target=answer, args=(seq, lambda p=port, b=backend: receiver.join(p, b, SYNC_S)),
+            threading.Thread(target=answer, args=(seq, lambda p=port, b=backend: receiver.join(p, b, GROUP_FACTOR * SYNC_S)),
                              daemon=True).start()
         elif kind == "layout":
             answer(msg[1], lambda layout=msg[2]: receiver.expect(layout))

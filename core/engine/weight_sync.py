@@ -13,8 +13,15 @@ arithmetic).
 Packing: the trainable parameters in their order, cut into buckets of one dtype of at most
 `BUCKET_BYTES` each (a larger tensor is a bucket of its own); a bucket is flattened into one buffer
 and broadcast, the replica receives it and copies each slice into its parameter (a one-tensor bucket
-goes straight into the parameter where it can). At most one bucket's buffer exists on each side at
-a time: never a second copy of a 7B model. Only the layout (names, shapes, dtypes) travels over the
+goes straight into the parameter where it can). Memory in flight: each side of a sync cuts its
+buckets into two reusable buffers, used in turn; a buffer is reused only when the broadcast that
+last used it has finished (`_Slots`: gloo's blocking `wait`, a CUDA event under NCCL, whose `wait`
+does not block the CPU). So at most two buckets are in flight per replica, and a sync holds 2 x
+`BUCKET_BYTES` of buffers on each side (512 MB; more only for one tensor larger than a bucket that
+cannot go in place), freed when the sync ends: never a second copy of a 7B model. The same code
+runs on gloo and NCCL. The sender stops at the sync's deadline (`TimeoutError`), which comes before
+the group's own timeout (`core.engine.process`), so a hung replica is killed before NCCL's watchdog
+would act. Only the layout (names, shapes, dtypes) travels over the
 replica's pipe, when it changes (at the first sync, in practice once); both sides cut the same
 buckets from it, and the replica checks it against its own module, naming the parameter that does
 not match.
@@ -29,8 +36,10 @@ Deliberately not here: when to sync and what a failure means
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -43,6 +52,10 @@ from core.engine.groups import process_group
 # collectives (each costs a round trip), small enough that the one extra buffer on either side is
 # a rounding error next to the model.
 BUCKET_BYTES = 256 * 2**20
+
+# How often the sender looks whether an NCCL broadcast it waits on has finished: far below a bucket's
+# transfer time over NVLink or PCIe (milliseconds), so polling adds little to a sync.
+POLL_S = 0.001
 
 # (parameter name, shape, dtype name as torch spells it without "torch.")
 Layout = list[tuple[str, tuple[int, ...], str]]
@@ -120,41 +133,120 @@ def check_layout(module: torch.nn.Module, layout: Layout) -> list[torch.nn.Param
     return out
 
 
-def send_weights(group: Any, weights: dict[str, torch.Tensor], layout: Layout, device: torch.device,
-                 cap: int = BUCKET_BYTES) -> None:
-    """Rank 0's half of a sync: every bucket of `weights` (laid out as `layout`) broadcast on `group`."""
-    tensors = list(weights.values())
-    for bucket in buckets(layout, cap):
-        parts = [tensors[i].detach() for i in bucket]
-        if len(parts) == 1 and parts[0].device == device and parts[0].is_contiguous():
-            flat = parts[0].view(-1)  # the root only reads: no copy
+class _Slots:
+    """The two reusable bucket buffers of one side of one replica's group, used in turn (module doc).
+
+    A slot is reused only once the broadcast that last used it has finished: on gloo its `Work` is
+    waited on (the CPU blocks); on NCCL `Work.wait` only orders the current stream after NCCL's, so a
+    CUDA event recorded after it is what the CPU waits for (polled, so a deadline can end the wait:
+    NCCL's own watchdog fires only at the group's longer timeout). Without this, each bucket took a
+    fresh buffer while the earlier broadcasts were still queued on the GPU: up to a whole model in
+    flight per replica. With it, at most two buckets are in flight."""
+
+    def __init__(self, device: torch.device, deadline: float | None):
+        self.device, self.deadline = device, deadline
+        self.raw: list[torch.Tensor | None] = [None, None]
+        self.pending: list[Any] = [None, None]  # the CUDA event after each slot's last broadcast (NCCL only)
+        self.turn = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        """The next slot, once free, as a flat `dtype` tensor of `numel` elements."""
+        i, self.turn = self.turn, 1 - self.turn
+        self.settle(i)
+        nbytes = numel * dtype.itemsize
+        raw = self.raw[i]
+        if raw is None or raw.numel() < nbytes:  # the first use, or a tensor larger than a bucket
+            raw = self.raw[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return i, raw[:nbytes].view(dtype)
+
+    def started(self, i: int | None, work: Any) -> None:
+        """`work` (a broadcast) now uses slot i (None: a tensor sent in place, waited for at once)."""
+        if self.device.type != "cuda":  # gloo: the CPU waits for it here, no later than the deadline
+            if self.deadline is None:
+                work.wait()
+            elif not _waited(work, self.deadline - time.monotonic()):
+                raise TimeoutError("a weight broadcast did not finish by the sync's deadline")
+            return
+        work.wait()  # NCCL: the current stream now waits for the broadcast; the CPU does not
+        event = torch.cuda.Event()
+        event.record()
+        if i is None:
+            self._finish(event)
         else:
-            flat = torch.empty(sum(t.numel() for t in parts), dtype=parts[0].dtype, device=device)
+            self.pending[i] = event
+
+    def settle(self, i: int) -> None:
+        pending, self.pending[i] = self.pending[i], None
+        if pending is not None:
+            self._finish(pending)
+
+    def drain(self) -> None:
+        """Every broadcast finished: the weights may change again, and the transfer is over."""
+        for i in (0, 1):
+            self.settle(i)
+
+    def _finish(self, event: Any) -> None:
+        while not event.query():
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise TimeoutError("a weight broadcast did not finish by the sync's deadline")
+            time.sleep(POLL_S)
+
+
+def _waited(work: Any, seconds: float) -> bool:
+    """Whether gloo's `work` finished within `seconds` (its own error, a dead peer's, is raised)."""
+    try:
+        work.wait(datetime.timedelta(seconds=max(seconds, 0.0)))
+    except RuntimeError as e:
+        if "timed out" in str(e):
+            return False
+        raise
+    return True
+
+
+def send_weights(group: Any, weights: dict[str, torch.Tensor], layout: Layout, device: torch.device,
+                 cap: int = BUCKET_BYTES, deadline: float | None = None) -> None:
+    """Rank 0's half of a sync: every bucket of `weights` (laid out as `layout`) broadcast on `group`,
+    through two reusable buffers (`_Slots`); raises TimeoutError past `deadline` (time.monotonic)."""
+    tensors = list(weights.values())
+    slots = _Slots(device, deadline)
+    with torch.no_grad():
+        for bucket in buckets(layout, cap):
+            parts = [tensors[i].detach() for i in bucket]
+            if len(parts) == 1 and parts[0].device == device and parts[0].is_contiguous():
+                slots.started(None, _broadcast(group, parts[0].view(-1)))  # the root only reads: no copy
+                continue
+            i, flat = slots.take(sum(t.numel() for t in parts), parts[0].dtype)
             offset = 0
             for t in parts:
                 flat[offset: offset + t.numel()].copy_(t.reshape(-1))
                 offset += t.numel()
-        _broadcast(group, flat)
+            slots.started(i, _broadcast(group, flat))
+        slots.drain()
 
 
 def receive_weights(group: Any, params: list[torch.nn.Parameter], layout: Layout, device: torch.device,
                     cap: int = BUCKET_BYTES) -> None:
     """The replica's half: each bucket received and copied into `params` (from `check_layout`); `cap`
-    must be the sender's."""
+    must be the sender's. A bucket's copies follow its broadcast on the same stream, so the slot's
+    event (recorded after them) frees it for the bucket after next."""
+    slots = _Slots(device, None)
     with torch.no_grad():
         for bucket in buckets(layout, cap):
             dtype = _dtype(layout[bucket[0]][2])
             first = params[bucket[0]]
             if len(bucket) == 1 and first.dtype == dtype and first.device == device and first.is_contiguous():
-                _broadcast(group, first.data.view(-1))  # straight into the parameter
+                slots.started(None, _broadcast(group, first.data.view(-1)))  # straight into the parameter
                 continue
-            flat = torch.empty(sum(params[i].numel() for i in bucket), dtype=dtype, device=device)
-            _broadcast(group, flat)
+            i, flat = slots.take(sum(params[j].numel() for j in bucket), dtype)
+            work = _broadcast(group, flat)
+            work.wait()  # the copies below run after the broadcast (gloo: it is done; NCCL: stream order)
             offset = 0
-            for i in bucket:
-                p = params[i]
+            for j in bucket:
+                p = params[j]
                 p.copy_(flat[offset: offset + p.numel()].view(p.shape))
                 offset += p.numel()
+            slots.started(i, work)
+        slots.drain()
 
 
 def sync_replica(engine: Any, load: Callable[[], None], version: int) -> int:
@@ -191,10 +283,10 @@ class WeightSender:
     def join(self, port: int, timeout_s: float) -> None:
         self.group = process_group(self.backend, port, 0, 2, timeout_s)
 
-    def send(self, weights: dict[str, torch.Tensor]) -> None:
+    def send(self, weights: dict[str, torch.Tensor], deadline: float | None = None) -> None:
         if self.group is None or self.layout is None:
             raise RuntimeError("no weights group, or no layout the replica accepted")
-        send_weights(self.group, weights, self.layout, self.buffers)
+        send_weights(self.group, weights, self.layout, self.buffers, deadline=deadline)
 
     def close(self) -> None:
         """Drop the group once its replica is gone. It is aborted: an NCCL group's watchdog would
@@ -239,7 +331,8 @@ class WeightReceiver:
         return weights_digest((n, p) for (n, _, _), p in zip(self.layout or [], self.params))
 
 
-def _broadcast(group: Any, t: torch.Tensor) -> None:
+def _broadcast(group: Any, t: torch.Tensor) -> Any:
+    """Start a broadcast from rank 0 of `t` on `group`; its `Work` (`_Slots.started` waits on it)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([t], opts).wait()
+    return group.broadcast([t], opts)

@@ -6,7 +6,8 @@ full weights and for LoRA adapters; a sync a replica cannot take (a name or a sh
 failing loudly, naming the parameter; a SIGKILLed replica: its episodes handed over for abort, its
 waiting call failed, the replica restarted at the current version and routed to again; and a replica
 killed just before or in the middle of a sync: the sync neither hangs nor fails, the replica comes
-back with the new weights.
+back with the new weights; and a replica that hangs once it has the weights (alive, never answering):
+killed at the sync's deadline and restarted like a dead one, the run going on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from core import models
 from core.config_io import load_config
 from core.engine import SamplingParams
+from core.engine import process
 from core.engine.process import ReplicaLost
 from core.engine.replicas import ReplicaBehind, ReplicaEngine, make_model_engine
 from core.engine.routing import EPISODE
@@ -34,18 +36,32 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 # How long a sync may take to return once its stopped replica is killed: the kill fails the transfer
 # at once; this bound (far below the 300 s sync timeout) only keeps a hang from passing unnoticed.
 SYNC_RETURN_S = 120.0
+# A sync's deadline in the hang test: far above a sync of the tiny model (milliseconds, seconds on a
+# loaded box), far below the 300 s default, so the test waits seconds for the hung replica.
+HUNG_SYNC_S = 20.0
 SYNC_UNDER_WAY_S = 1.0  # time for the router to send the sync to a stopped replica and wait on it
+
+
+class Episodes:
+    """The run's side of the replicas' callbacks: the lost episodes it was handed, and which are open."""
+
+    def __init__(self):
+        self.lost: list[list[str]] = []
+        self.open_prefix = ""  # episodes whose id starts with it are open; "" (at first): every one
+
+    def is_open(self, episode: str) -> bool:
+        return episode.startswith(self.open_prefix)
 
 
 @pytest.fixture(scope="module")
 def replicas():
     cfg = load_config({"models": [{"device": "cpu", "replicas": 2}], "trainer": {"max_staleness": 0}})
     model, tok = models.load(cfg.models[0])
-    engine = make_model_engine(cfg, cfg.models[0], model, tok, 256)
+    episodes = Episodes()
+    engine = make_model_engine(cfg, cfg.models[0], model, tok, 256, on_lost=episodes.lost.append,
+                               is_open=episodes.is_open)
     assert isinstance(engine, ReplicaEngine)
-    lost: list[list[str]] = []
-    engine.on_lost = lost.append
-    yield engine, model, tok, lost
+    yield engine, model, tok, episodes
     engine.close()
 
 
@@ -148,7 +164,8 @@ def test_a_sync_whose_shapes_do_not_match_the_replicas_model_fails_naming_the_pa
 
 
 def test_a_killed_replica_aborts_its_episodes_fails_its_calls_and_comes_back_synced(replicas):
-    engine, _, tok, lost = replicas
+    engine, _, tok, episodes = replicas
+    lost = episodes.lost
     prompt = tok.encode("chaos", add_special_tokens=False)
     asyncio.run(_episode(engine, "doomed", prompt, 1))
     victim = engine.replica_of("doomed")
@@ -176,7 +193,7 @@ def test_a_killed_replica_aborts_its_episodes_fails_its_calls_and_comes_back_syn
     async def spread():
         return await asyncio.gather(*(_episode(engine, f"after-{i}", prompt, 1) for i in range(4)))
 
-    engine.is_open = lambda episode: episode.startswith("after-")  # the earlier episodes have ended
+    episodes.open_prefix = "after-"  # the earlier episodes have ended
     assert {calls[0] for calls in asyncio.run(spread())} == {0.0, 1.0}  # the restarted one is routed to again
 
 
@@ -233,6 +250,32 @@ def test_a_replica_killed_before_or_during_a_sync_neither_hangs_nor_fails_it_and
     assert all(s["healthy"] for s in rows) and rows[victim]["pid"] != pid
     assert [s["version"] for s in rows] == [target, target]
     assert _digests_match(engine, model)  # the restarted replica got the new weights, not its initial ones
+
+
+def test_a_replica_that_hangs_after_taking_the_weights_is_restarted_and_the_run_goes_on(replicas, monkeypatch):
+    """Stopped once its weights are sent (SIGSTOP: alive, its heartbeat still recent), it never answers
+    the sync: at the sync's deadline it is killed like a dead one and restarted at the new version,
+    never left "healthy" and behind (ReplicaBehind would fail the run)."""
+    engine, model, _, _ = replicas
+    _wait_all_healthy(engine)
+    monkeypatch.setattr(process, "SYNC_S", HUNG_SYNC_S)
+    victim = engine.replicas[0]
+    pid = victim.pid
+    transfer = victim._transfer
+
+    def transfer_then_hang(*args):
+        transfer(*args)
+        os.kill(pid, signal.SIGSTOP)
+    victim._transfer = transfer_then_hang
+    _perturb(model)
+    target = engine.version + 1
+    engine.resume(target)  # raises ReplicaBehind if the hung replica is taken for a live one behind
+    assert engine.version == target and victim.lost
+    _wait_all_healthy(engine)
+    rows = engine.status()
+    assert all(s["healthy"] for s in rows) and rows[0]["pid"] != pid
+    assert [s["version"] for s in rows] == [target, target]
+    assert _digests_match(engine, model)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Buckets cut by dtype and size, a layout that does not fit the module refused naming the
 parameter, and a real gloo transfer between two groups' ranks (two threads of this process): mixed
 dtypes, several buckets, a one-tensor bucket received straight into its parameter; and a transfer
-to a receiver process that died failing with gloo's error instead of hanging.
+to a receiver process that died failing with gloo's error instead of hanging; to one that hangs,
+stopping at the sync's deadline; and the two bucket buffers a sync reuses in turn.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch
 from core.engine.groups import free_port, process_group
 from core.engine.weight_sync import (
     WeightLayoutError,
+    _Slots,
     apply_weights,
     buckets,
     check_layout,
@@ -28,6 +31,7 @@ from core.engine.weight_sync import (
 )
 
 TIMEOUT_S = 60.0  # a collective on loopback takes milliseconds; a failure must not hang the test
+DEADLINE_S = 3.0  # a sync's deadline in the hang test: far below TIMEOUT_S, far above a loopback bucket
 
 
 class Net(torch.nn.Module):
@@ -111,3 +115,35 @@ def test_a_transfer_to_a_receiver_that_died_fails_instead_of_waiting():
     weights = {"big": torch.zeros(4 * 2**20)}  # 16 MB: more than a socket buffer takes without a reader
     with pytest.raises(RuntimeError):  # gloo's error (a DistBackendError is a RuntimeError)
         send_weights(group, weights, layout_of(weights), torch.device("cpu"))
+
+
+def test_a_sync_cuts_its_buckets_into_two_buffers_used_in_turn():
+    """Memory in flight is bounded: a third bucket reuses the first bucket's buffer, not a fresh one."""
+    slots = _Slots(torch.device("cpu"), deadline=None)
+    first, second, third = (slots.take(10, torch.float32) for _ in range(3))
+    assert [first[0], second[0], third[0]] == [0, 1, 0]
+    assert third[1].data_ptr() == first[1].data_ptr() != second[1].data_ptr()
+    _, smaller = slots.take(4, torch.bfloat16)  # another dtype views the same bytes
+    assert smaller.data_ptr() == second[1].data_ptr() and smaller.dtype == torch.bfloat16
+
+
+def _join_and_stall(port: int, stalled: float) -> None:
+    group = process_group("gloo", port, 1, 2, TIMEOUT_S)
+    time.sleep(stalled)  # a hung replica: in the group (kept open), never taking the broadcast
+    group.abort()
+
+
+def test_a_transfer_to_a_receiver_that_hangs_stops_at_the_syncs_deadline_not_the_groups_timeout():
+    port = free_port()
+    child = multiprocessing.get_context("spawn").Process(target=_join_and_stall, args=(port, TIMEOUT_S), daemon=True)
+    child.start()
+    try:
+        group = process_group("gloo", port, 0, 2, TIMEOUT_S)
+        weights = {"big": torch.zeros(4 * 2**20)}  # 16 MB: more than a socket buffer takes without a reader
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="deadline"):
+            send_weights(group, weights, layout_of(weights), torch.device("cpu"), deadline=started + DEADLINE_S)
+        assert time.monotonic() - started < TIMEOUT_S / 2  # the deadline ended it, long before the group's timeout
+    finally:
+        child.kill()
+        child.join()
