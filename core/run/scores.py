@@ -3,8 +3,9 @@
 `scored(ep)` is one episode's number: a judged sandbox's judge score (its judge's failure value when it
 raised, timed out or expired: such an episode is finished with it, never dropped), else its reward
 averaged over the models that acted. When a batch holds judged episodes, `judged_metrics` turns it into
-`reward/<sandbox>/mean` of each judged sandbox and `reward/mean` over every episode, each counted once
-whichever models acted. The trainer's own means cover only the samples it trained, which leave out an
+`reward/<sandbox>/mean` of each judged sandbox and `reward/mean` over every judged episode, each counted once
+whichever models acted; an unjudged sandbox's episodes in such a batch are logged as
+`unjudged_reward/<sandbox>/mean`, never in reward/mean. The trainer's own means cover only the samples it trained, which leave out an
 episode that made no call (an agent that raised before calling the model), so the run logs these in
 their place; a batch of unjudged sandboxes keeps the trainer's (per model in a multi-model run). Beside them:
 `agent_reward/<sandbox>/mean`, what judged agents said of themselves (logged, never decided on), and
@@ -21,7 +22,8 @@ from core.records import Episode
 
 
 def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
-    """reward/mean, reward/<sandbox>/mean, agent_reward/<sandbox>/mean and judge/<sandbox>/failed of a batch."""
+    """reward/mean (judged episodes only), reward/<sandbox>/mean, unjudged_reward/<sandbox>/mean,
+    agent_reward/<sandbox>/mean and judge/<sandbox>/failed of a batch."""
     judged = {ep.sandbox for ep in episodes if ep.score is not None}
     if not judged:
         return {}
@@ -36,8 +38,12 @@ def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
             if "agent_reward" in ep.metrics:
                 agent.setdefault(ep.sandbox, []).append(ep.metrics["agent_reward"])
     out = {f"reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in values.items() if sandbox in judged}
+    # An unjudged sandbox's episodes in the same batch report a number the agent chose (issue 38: `reward: 1000`
+    # from episodes opened under a name nobody judges): logged under a name of their own, never in reward/mean.
+    out.update({f"unjudged_reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in values.items()
+                if sandbox not in judged})
     out.update({f"agent_reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in agent.items()})
     out.update({f"judge/{sandbox}/failed": n for sandbox, n in failed.items()})
-    every = [x for v in values.values() for x in v]
+    every = [x for sandbox, v in values.items() if sandbox in judged for x in v]
     out["reward/mean"] = sum(every) / len(every)
     return out
