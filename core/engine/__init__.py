@@ -94,8 +94,12 @@ class EngineLoad:
 
 class Engine(Protocol):
     """What the gateway and the run loop ask of an engine. An engine class subclasses it, so that it has
-    the methods only some engines need (`sleep`, `wake`, `status`, `failure`, `last_sync_s`: the replica
-    set's, `core.engine.replicas`) as the no-ops below; callers then never ask which engine they hold."""
+    what only a set of replicas (`core.engine.replicas`) needs (`sleep_during_step`, `wake_after_step`,
+    `status`, `failure`, `last_sync_s`) as the no-ops below; callers then never ask which engine they hold.
+
+    `sleep_during_step` is not `WorkerEngine.sleep`: that one frees the memory of an engine whose module
+    is its own (inside a replica process, at its replica set's request); an engine in the trainer's
+    process shares the trainer's module and has nothing to give the step."""
 
     version: int
     max_context: int  # prompt + completion tokens the model accepts
@@ -129,14 +133,14 @@ class Engine(Protocol):
     def load(self) -> EngineLoad:
         """Queue, active requests, admission and the oldest request's age, for diagnostics."""
 
-    def sleep(self) -> int:
+    def sleep_during_step(self) -> int:
         """During an on-policy step (after `pause_blocking`): give device memory the step needs back;
         returns how many processes went to sleep. None by default: an engine in the trainer's process
         shares its module and has nothing of its own to give."""
         return 0
 
-    def wake(self) -> None:
-        """After the step, before `resume`: take back what `sleep` gave. Nothing by default."""
+    def wake_after_step(self) -> None:
+        """After the step, before `resume`: take back what `sleep_during_step` gave. Nothing by default."""
         return None
 
     def status(self) -> list[dict[str, Any]]:

@@ -22,8 +22,8 @@ inference serves old weights. Every generation carries the version the replica t
 served, so every recorded call (and so episode) names it.
 
 Sleep. With `layout: colocated`, the replicas on a GPU that holds a trainer rank (`sleepers`) give
-their memory back during an on-policy step: the run loop calls `sleep` after draining and `wake`
-before `resume` (which syncs). One that cannot wake is killed, restarted and synced.
+their memory back during an on-policy step: the run loop calls `sleep_during_step` after draining
+and `wake_after_step` before `resume` (which syncs). One that cannot wake is killed, restarted and synced.
 
 Faults. A replica found dead or hung (`ProcessEngine.healthy`, checked on each routing decision and
 by a monitor thread) leaves routing at once; the episodes pinned to it are handed to `on_lost`
@@ -70,19 +70,22 @@ class ReplicaEngine(Engine):
     """N replicas of one model as one `Engine` (see the module doc)."""
 
     def __init__(self, weights: Callable[[], Any], start: Callable[[int, Callable], Any], count: int,
-                 max_staleness: int, max_context: int, route_wait_s: float, sleepers: tuple[int, ...] = ()):
+                 max_staleness: int, max_context: int, route_wait_s: float, sleepers: tuple[int, ...] = (),
+                 on_lost: Callable[[list[str]], None] | None = None, is_open: Callable[[str], bool] | None = None):
         """`weights()` gives the trainer's current trainable weights as the replicas' `sync` takes them (a
         dict of the live tensors for processes, an object reference under Ray); `start(i, on_lost)`
         builds replica slot i (a `ProcessEngine` or an actor handle); `route_wait_s` bounds how long a new
         episode waits for an eligible replica before its call fails; `sleepers`: the slots colocated on a
-        trainer rank's GPU (`core.config.sleeping_replicas`), put to sleep during the step (`sleep`)."""
+        trainer rank's GPU (`core.config.sleeping_replicas`), put to sleep during the step (`sleep_during_step`);
+        `on_lost(episode_ids)`: told the open episodes of a lost replica (the run aborts them); `is_open(episode_id)`:
+        whether a pinned episode is still open (a pin of one that ended is forgotten). Without them (a
+        server that trains nothing) a lost replica's episodes fail at their next call and pins age out."""
         self.weights, self._start, self.max_staleness = weights, start, max_staleness
         self.sleepers = tuple(sleepers)
         self.max_context, self.route_wait_s = max_context, route_wait_s
         self.version = 0
         self.last_sync_s = 0.0  # seconds the last weight sync took (layout, transfer, every replica's ack)
-        self.on_lost: Callable[[list[str]], None] | None = None  # set by the run: aborts the episodes
-        self.is_open: Callable[[str], bool] | None = None  # set by the run: whether a pinned episode is still open
+        self.on_lost, self.is_open = on_lost, is_open
         self.failure: BaseException | None = None  # a replica that could not be brought back, for the run
         self._lock = threading.RLock()  # pins and slots; held briefly, also on the event loop
         self._version_lock = threading.Lock()  # a sync, or a restarted replica catching up: never both
@@ -181,7 +184,7 @@ class ReplicaEngine(Engine):
         for r in self._live():
             r.resume(None)
 
-    def sleep(self) -> int:
+    def sleep_during_step(self) -> int:
         """While the trainer steps (after `pause_blocking`): the colocated replicas give their device
         memory back; returns how many went to sleep. Nothing to do without colocated GPU replicas."""
         slept = 0
@@ -195,7 +198,7 @@ class ReplicaEngine(Engine):
                     log.warning("replica %d could not sleep: %s", i, e)
         return slept
 
-    def wake(self) -> None:
+    def wake_after_step(self) -> None:
         """After the step, before `resume`: the sleeping replicas take their memory back. One that cannot
         is taken out of service (restarted and synced), never left to serve without its weights."""
         for i in self.sleepers:
@@ -334,19 +337,21 @@ class ReplicaEngine(Engine):
 
 
 def make_model_engine(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, tokenizer: Any,
-                      max_context: int) -> Any:
+                      max_context: int, on_lost: Callable[[list[str]], None] | None = None,
+                      is_open: Callable[[str], bool] | None = None) -> Any:
     """The engine `models[mc.name]` asks for: the run's engine kind around `model` in this process,
-    or (`replicas` >= 2) a `ReplicaEngine` of replica processes."""
+    or (`replicas` >= 2) a `ReplicaEngine` of replica processes, with `on_lost` and `is_open` (`ReplicaEngine`)."""
     if mc.replicas < 2:
         return make_engine(cfg.engine.kind, model, tokenizer, cfg.engine, max_context, seed=cfg.trainer.seed)
-    return process_replicas(cfg, mc, model, max_context)
+    return process_replicas(cfg, mc, model, max_context, on_lost=on_lost, is_open=is_open)
 
 
 def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, max_context: int,
-                     threads: int | None = None) -> ReplicaEngine:
+                     threads: int | None = None, on_lost: Callable[[list[str]], None] | None = None,
+                     is_open: Callable[[str], bool] | None = None) -> ReplicaEngine:
     """`mc.replicas` replica processes (even one: bench/replicas.py compares 1 with 2), each on its
     device (`model_devices`), synced from `model`; `threads`: torch threads of a CPU replica (None:
-    the cores split between the CPU replicas)."""
+    the cores split between the CPU replicas); `on_lost`, `is_open`: as `ReplicaEngine` takes them."""
     gpus = torch.cuda.device_count()
     _, replica_devices = model_devices(mc, gpus)
 
@@ -362,4 +367,4 @@ def process_replicas(cfg: RunConfig, mc: ModelConfig, model: torch.nn.Module, ma
     weights_device = str(next(model.parameters()).device)
     return ReplicaEngine(lambda: weights_of(model), start, mc.replicas, cfg.trainer.max_staleness,
                          max_context, route_wait_s=cfg.server.request_timeout_s,
-                         sleepers=tuple(sleeping_replicas(mc, gpus)))
+                         sleepers=tuple(sleeping_replicas(mc, gpus)), on_lost=on_lost, is_open=is_open)

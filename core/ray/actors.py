@@ -23,7 +23,7 @@ from typing import Any
 
 from core.run import checkpoint
 from core.config import ClientConfig, RunConfig
-from core.engine import Generation, SamplingParams
+from core.engine import EngineLoad, Generation, SamplingParams
 from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
@@ -87,6 +87,9 @@ class ModelActor:
     async def resume(self, new_version: int | None) -> int:
         self.engine.resume(new_version)
         return self.engine.version
+
+    async def load(self) -> EngineLoad:
+        return self.engine.load()
 
     # -- the trainer ------------------------------------------------------------------------------
     async def prepare(self, groups: list[list[Episode]]) -> bool:

@@ -36,7 +36,7 @@ from core.run import checkpoint
 from core import models
 from core.serve.chat import ChatRenderer
 from core.config import RunConfig
-from core.engine import Engine, Generation, SamplingParams
+from core.engine import Engine, EngineLoad, Generation, SamplingParams
 from core.run.plan import PlacementError
 from core.ray.actors import ClientActor, ModelActor, NotAdopted
 from core.ray.replicas import ray_replicas
@@ -182,6 +182,10 @@ class RemoteEngine(Engine):
         if changed:
             self.link.version += 1
         return changed
+
+    def load(self) -> EngineLoad:
+        """The actor's engine's load, for the hang watchdog; no retry: an actor that cannot answer is the diagnosis."""
+        return self.link.call("load")
 
     def close(self) -> None:
         try:
@@ -348,6 +352,15 @@ def ray_core_run(cfg: RunConfig) -> RayRun:
             run.failure = error
             run.stop.set()
 
+    # The replica actors are built before the run and its server: they reach the run through `run`,
+    # which is set before any episode can be pinned to a replica (nothing is served until then).
+    def episodes_lost(episode_ids: list[str]) -> None:  # a lost replica's open episodes: the run aborts them
+        if run is not None:
+            run.abort_lost(episode_ids)
+
+    def episode_open(episode_id: str) -> bool:
+        return run is None or run.server.registry.is_open(episode_id)
+
     policies, trainers = {}, {}
     try:
         for mc in cfg.models:
@@ -360,7 +373,7 @@ def ray_core_run(cfg: RunConfig) -> RayRun:
             engine = RemoteEngine(link)
             if mc.replicas > 1:  # rollouts on replica actors, synced from this model actor's trainer
                 engine = ray_replicas(cfg, mc, lambda link=link: link.call("weights", retry=True),
-                                      link.info["max_context"])
+                                      link.info["max_context"], on_lost=episodes_lost, is_open=episode_open)
             policies[mc.name] = Policy(mc.name, None, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
             if mc.trainable:
                 trainers[mc.name] = RemoteTrainer(link)
@@ -370,7 +383,8 @@ def ray_core_run(cfg: RunConfig) -> RayRun:
     except Exception:
         ray.shutdown()
         raise
-    run = RayRun(cfg, RayServer(cfg, policies), trainers)
+    # The policies' engines have their callbacks; the server's on_lost is for engines it loads itself.
+    run = RayRun(cfg, lambda cfg, on_lost, **hooks: RayServer(cfg, policies, **hooks), trainers)
     return run
 
 

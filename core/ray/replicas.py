@@ -171,10 +171,13 @@ class RayReplica(ReplicaHandle):
             time.sleep(HEARTBEAT_S)
 
 
-def ray_replicas(cfg: RunConfig, mc: ModelConfig, weights: Callable[[], dict], max_context: int) -> ReplicaEngine:
+def ray_replicas(cfg: RunConfig, mc: ModelConfig, weights: Callable[[], dict], max_context: int,
+                 on_lost: Callable[[list[str]], None] | None = None,
+                 is_open: Callable[[str], bool] | None = None) -> ReplicaEngine:
     """`mc.replicas` replica actors behind one router; each reserves `models[].ray.num_cpus`, one GPU for a
     model on cuda (the actor then sees it as cuda:0), and `models[].ray.resources`. `weights()`: the
-    trainer's trainable weights (the model actor's), put in the object store once a sync."""
+    trainer's trainable weights (the model actor's), put in the object store once a sync; `on_lost`,
+    `is_open`: as `core.engine.replicas.ReplicaEngine` takes them."""
     on_gpu = mc.device.startswith("cuda") or mc.ray.num_gpus > 0
     resources = {"num_cpus": mc.ray.num_cpus, "num_gpus": 1 if on_gpu else 0, "resources": mc.ray.resources or None,
                  "max_concurrency": max(cfg.server.max_open_episodes, 64)}
@@ -185,4 +188,4 @@ def ray_replicas(cfg: RunConfig, mc: ModelConfig, weights: Callable[[], dict], m
         return RayReplica(spec, resources, cfg.server.request_timeout_s, on_lost)
 
     return ReplicaEngine(lambda: ray.put(weights()), start, mc.replicas, cfg.trainer.max_staleness, max_context,
-                         route_wait_s=cfg.server.request_timeout_s)
+                         route_wait_s=cfg.server.request_timeout_s, on_lost=on_lost, is_open=is_open)

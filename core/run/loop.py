@@ -30,13 +30,15 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from core.run import checkpoint
 from core.config import RunConfig
 from core.contain.contained import require_bwrap
 from core.local_state import token_files
-from core.engine.replicas import ReplicaBehind, ReplicaEngine
+from core.engine.replicas import ReplicaBehind
 from core.episodes.errors import Refusal
 from core.episodes.batching import Batch, Sieve
 from core.records import Episode
@@ -60,38 +62,42 @@ BATCH_POLL_S = 0.05  # how often the trainer looks for ready groups
 CLIENT_DRAIN_S = 30.0  # how long clients get to finish in-flight episodes at the end of a run
 
 
+class ServerFactory(Protocol):
+    """Builds the server a run trains through, with the run's callbacks (`core.serve.server.Server` is one)."""
+
+    def __call__(self, cfg: RunConfig, *, on_checkpoint: Callable[[], str], on_shutdown: Callable[[], None],
+                 on_swap: Callable[[SwapRecord], None], on_lost: Callable[[list[str]], None]) -> Server: ...
+
+
 class CoreRun:
-    def __init__(self, cfg: RunConfig, server: Server | None = None, trainers: dict[str, Trainer] | None = None):
-        """`trainers`: given by a placement that hosts them elsewhere (`core.ray.actors`), else built here.
+    def __init__(self, cfg: RunConfig, server: ServerFactory = Server, trainers: dict[str, Trainer] | None = None):
+        """`server` builds the server this run trains through, handed the run's callbacks (`ServerFactory`);
+        `trainers`: given by a placement that hosts them elsewhere (`core.ray.actors`), else built here.
         Raises ConfigError before any model loads when `containment.clients: required` and bwrap is missing."""
         require_bwrap(cfg.containment.clients, "containment.clients")
         seed_everything(cfg.trainer.seed)
         self.cfg = cfg
-        self.server = server or Server(cfg)
+        self.step = 0
+        self.stop = threading.Event()
+        self._step_lock = threading.RLock()  # a checkpoint (also `/admin/checkpoint`) never interleaves with a step
+        self.telemetry: Telemetry | None = None
+        # `swarm swap` drained old clients: tag it on the run. A lost replica's episodes are aborted, never
+        # trained half-done.
+        self.server = server(cfg, on_checkpoint=self.checkpoint, on_shutdown=self.stop.set, on_swap=self._on_swap,
+                             on_lost=self.abort_lost)
         self.trainers = trainers if trainers is not None else {
             name: build_trainer(p.model, cfg, name)  # one process, or data-parallel ranks (core.train.distributed)
             for name, p in self.server.policies.items()
             if p.trainable
         }
-        self.step = 0
-        self.stop = threading.Event()
-        self._step_lock = threading.RLock()  # a checkpoint (also `/admin/checkpoint`) never interleaves with a step
         self._checkpointed_at = time.monotonic()  # for `trainer.checkpoint_every_s`
         if self.trainers:
             self.server.registry.admit_within(cfg.trainer.max_staleness)
             if cfg.trainer.dynamic_sampling == "filter":  # tied groups never reach the trainers (core.episodes.batching)
                 self.server.registry.sieve = Sieve(cfg.trainer.tie_tolerance, cfg.trainer.max_refills)
             self.server.allow_anonymous = False  # during training every generation belongs to an episode: 401
-        self.telemetry: Telemetry | None = None
         self.failure: BaseException | None = None  # what ended the run early (local clients crashed), if anything
         self._failed_in_a_row = 0  # train steps that failed since the last one that did not
-        self.server.on_checkpoint = self.checkpoint
-        self.server.on_shutdown = self.stop.set
-        self.server.clients.on_swap = self._on_swap  # `swarm swap` drained old clients: tag it on the run
-        for p in self.server.policies.values():
-            if isinstance(p.engine, ReplicaEngine):  # a lost replica's episodes are aborted, never trained half-done
-                p.engine.on_lost = self._abort_lost
-                p.engine.is_open = self.server.registry.is_open
         self._clients_stop: asyncio.Event | None = None
         self._clients_loop: asyncio.AbstractEventLoop | None = None
         self._client_threads: list[threading.Thread] = []
@@ -178,7 +184,7 @@ class CoreRun:
         finally:
             ready.set()
 
-    def _abort_lost(self, episode_ids: list[str]) -> None:
+    def abort_lost(self, episode_ids: list[str]) -> None:
         """A replica was lost: its open episodes end aborted (their clients open new ones)."""
         for episode_id in episode_ids:
             try:
@@ -337,7 +343,7 @@ class CoreRun:
             else:
                 drain_started = time.perf_counter()
                 policy.engine.pause_blocking()  # held since the batch was taken: wait for rows in flight
-                policy.engine.sleep()  # colocated GPU replicas give the step their memory (none on CPU)
+                policy.engine.sleep_during_step()  # colocated GPU replicas give the step their memory (none on CPU)
                 synced = time.perf_counter() - drain_started
                 trainer.backward(prepared)
                 updated = trainer.apply(prepared)
@@ -353,7 +359,7 @@ class CoreRun:
             if overlap:
                 self.server.registry.step_synced()
             else:
-                policy.engine.wake()  # before resume: a sync needs the replicas awake
+                policy.engine.wake_after_step()  # before resume: a sync needs the replicas awake
                 policy.engine.resume(policy.version + 1 if updated else None)
         outcome.timings = {"time/sync_s": synced, "time/train_s": time.perf_counter() - started - synced}
         return outcome

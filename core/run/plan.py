@@ -162,7 +162,7 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
 
 
 def _sleeping(m: ModelConfig, gpus: int, ray: bool) -> str:
-    """Whether the replicas sleep during the trainer's step (`core.engine.replicas.ReplicaEngine.sleep`)."""
+    """Whether the replicas sleep during the trainer's step (`core.engine.replicas.ReplicaEngine.sleep_during_step`)."""
     if ray:
         return "not sleeping: each Ray replica holds a GPU of its own"
     asleep = sleeping_replicas(m, gpus)

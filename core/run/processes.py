@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -142,7 +143,8 @@ def serve(cfg: RunConfig, train: bool) -> int:
     stopped; KILLED when Ctrl-C, SIGTERM or `/admin/shutdown` stopped the server first; FAILED when
     the trainer raised or `trainer.max_failed_steps` steps in a row failed (the server then stops too).
     """
-    server = Server(cfg)
+    core = CoreRun(cfg, _serving_server) if train else None
+    server = core.server if core is not None else Server(cfg)
     # This machine's record of the server, so `swarm swap --server URL` here finds the admin token
     # (port 0 is only known once serving: such a server gets a token file named by its pid, and is
     # swapped with --admin-token read from it).
@@ -150,18 +152,28 @@ def serve(cfg: RunConfig, train: bool) -> int:
         [write_token_file(server.admin_token)]
     announce_admin_token(server, advertised[-1])
     try:
-        return SERVE_EXIT_CODES[_serve(cfg, server, train)]
+        return SERVE_EXIT_CODES[_serve(cfg, server, core)]
     finally:
         remove_server_files(advertised)
 
 
-def _serve(cfg: RunConfig, server: Server, train: bool) -> RunStatus:
-    if not train:
+def _serving_server(cfg: RunConfig, *, on_shutdown: Callable[[], None], **hooks) -> Server:
+    """The server of `swarm serve --train`: `/admin/shutdown` stops its trainer after the step and ends
+    the serving too, not only the trainer."""
+    def shutdown() -> None:
+        on_shutdown()
+        server.request_exit()
+
+    server = Server(cfg, on_shutdown=shutdown, **hooks)
+    return server
+
+
+def _serve(cfg: RunConfig, server: Server, core: CoreRun | None) -> RunStatus:
+    if core is None:
         # Our handler, so uvicorn's re-raised SIGTERM ends `serve_forever` and the server files go (`serve`).
         with on_signals(server.request_exit):
             server.serve_forever()
         return "KILLED"  # nothing trains: a server without a trainer only ever ends by being stopped
-    core = CoreRun(cfg, server)
     core.telemetry = Telemetry(cfg.telemetry, flatten(cfg), {"swarmrl.kind": "serve", **cfg.telemetry.tags})
 
     def stop_serving() -> None:
@@ -183,7 +195,6 @@ def _serve(cfg: RunConfig, server: Server, train: bool) -> RunStatus:
 
     # uvicorn answers a signal by shutting down, then re-raises it to the handler it found: ours, so
     # a SIGTERM does not end the process before the run's status is written.
-    server.on_shutdown = stop_serving  # /admin/shutdown ends the server, not only the trainer
     thread = threading.Thread(target=train_until_stopped, daemon=True, name="trainer")
     status: RunStatus = "FAILED"
     with on_signals(stop_serving):

@@ -29,6 +29,7 @@ from core.episodes.client_table import ClientTable
 from core.config import RunConfig
 from core.engine.replicas import make_model_engine
 from core.episodes.registry import Registry
+from core.episodes.wire import SwapRecord
 from core.serve.gateway import build_app
 from core.serve.state import Policy, Throughput  # noqa: F401 (Policy: re-exported, callers build policies from here)
 
@@ -38,9 +39,17 @@ EXPIRY_SWEEP_S = 1.0  # how often leases are checked when nobody is calling
 
 
 class Server:
-    def __init__(self, cfg: RunConfig, policies: dict[str, Policy] | None = None):
+    def __init__(self, cfg: RunConfig, policies: dict[str, Policy] | None = None, *,
+                 on_checkpoint: Callable[[], str] | None = None, on_shutdown: Callable[[], None] | None = None,
+                 on_swap: Callable[[SwapRecord], None] | None = None,
+                 on_lost: Callable[[list[str]], None] | None = None):
+        """`policies`: given (built elsewhere, their engines with their own callbacks), else loaded from `cfg`.
+        What the run that trains through this server is told, each None when nothing trains:
+        `on_checkpoint` writes a checkpoint for `/admin/checkpoint` and returns its path; `on_shutdown`
+        stops after the current step (`/admin/shutdown`; None: the server just stops serving); `on_swap`
+        hears of a hot swap (`swarm swap` drained old clients); `on_lost` takes the open episodes of a lost
+        replica of a loaded model (`core.engine.replicas`) to abort them."""
         self.cfg = cfg
-        self.policies = policies if policies is not None else load_policies(cfg)
         self.registry = Registry(
             lease_s=cfg.server.lease_s,
             default_group_size=cfg.trainer.group_size,
@@ -49,7 +58,9 @@ class Server:
             mix={c.sandbox_name: c.mix for c in cfg.clients if c.kind == "train"},
             max_abs_reward=cfg.trainer.max_abs_reward,
         )
-        self.clients = ClientTable()  # registered client processes: `swarm swap` drains through it
+        self.policies = policies if policies is not None else load_policies(cfg, on_lost, self.registry.is_open)
+        # registered client processes (`swarm swap` drains through it); an A/B's end voids its owed tasks
+        self.clients = ClientTable(on_swap=on_swap, on_ab_end=self.registry.pairing.close)
         # Judged sandboxes score and deal tasks by the judges in the folders this config names, never by code
         # a client brings (a hot-swapped client's checkout included): core.sandbox.judge, DESIGN §3.7.
         self.judges = load_judges(cfg)
@@ -60,8 +71,7 @@ class Server:
         # turns this off when it has trainers (see `core.run.loop`, docs/architecture.md "Anonymous use").
         self.allow_anonymous = cfg.server.allow_anonymous
         self.throughput = Throughput()
-        self.on_checkpoint: Callable[[], str] | None = None  # set by the run loop
-        self.on_shutdown: Callable[[], None] | None = None
+        self.on_checkpoint, self.on_shutdown = on_checkpoint, on_shutdown
         self.stalled: str | None = None  # the hang watchdog's diagnostic while nothing progresses (`core.run.watchdog`)
         self._uvicorn: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -147,8 +157,8 @@ class Server:
             "swaps": [s.model_dump() for s in self.clients.swaps],
             # Open A/Bs (sandbox -> swap number), the tasks their new versions still owe or dropped unpaid, and
             # the latest compared pairs: (task, weights) cells both versions reached (core.episodes.pairing).
-            "ab": {"open": self.clients.ab_open(), "owed": self.clients.pairing.owed(),
-                   "dropped": dict(self.clients.pairing.dropped), "pairs": self.registry.pairs.status()},
+            "ab": {"open": self.clients.ab_open(), "owed": self.registry.pairing.owed(),
+                   "dropped": dict(self.registry.pairing.dropped), "pairs": self.registry.pairs.status()},
             "episodes": reg["counters"],
             "throughput": self.throughput.as_dict(),
         }
@@ -162,14 +172,17 @@ class Server:
                 **({"replicas": replicas} if replicas else {})}
 
 
-def load_policies(cfg: RunConfig) -> dict[str, Policy]:
+def load_policies(cfg: RunConfig, on_lost: Callable[[list[str]], None] | None = None,
+                  is_open: Callable[[str], bool] | None = None) -> dict[str, Policy]:
+    """Every model `cfg` names, loaded, each behind its engine; `on_lost` and `is_open` go to replica engines."""
     policies = {}
     for mc in cfg.models:
         model, tok = models.load(mc)
         if mc.trainable and mc.lora is not None:
             model = models.prepare_policy(model, mc.lora)  # peft is imported only for LoRA runs
         max_context = mc.max_context or min(getattr(model.config, "max_position_embeddings", 2048), 1 << 16)
-        engine = make_model_engine(cfg, mc, model, tok, max_context)  # one engine, or replicas (core.engine.replicas)
+        # one engine, or replicas (core.engine.replicas)
+        engine = make_model_engine(cfg, mc, model, tok, max_context, on_lost=on_lost, is_open=is_open)
         policies[mc.name] = Policy(mc.name, model, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
     return policies
 

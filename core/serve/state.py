@@ -80,8 +80,8 @@ class ServerState(Protocol):
     admin_token: str
     allow_anonymous: bool  # serve requests without an episode key (unrecorded); False while training
     throughput: Throughput
-    on_checkpoint: Callable[[], str] | None  # set by the run loop; None: no trainer to checkpoint
-    on_shutdown: Callable[[], None] | None  # set by the run loop; None: `/admin/shutdown` just stops serving
+    on_checkpoint: Callable[[], str] | None  # the run's, given at construction; None: no trainer to checkpoint
+    on_shutdown: Callable[[], None] | None  # the run's, given at construction; None: `/admin/shutdown` just stops serving
 
     def versions(self) -> dict[str, int]: ...
 

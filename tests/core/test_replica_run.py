@@ -42,9 +42,9 @@ class Observed(CoreRun):
         self.trained += batch.episodes
         return super()._train_batch(batch)
 
-    def _abort_lost(self, episode_ids):
+    def abort_lost(self, episode_ids):
         self.aborted_for_loss += episode_ids
-        super()._abort_lost(episode_ids)
+        super().abort_lost(episode_ids)
 
 
 def config(tmp_path, **model):

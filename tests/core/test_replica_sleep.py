@@ -61,7 +61,7 @@ def test_a_colocated_replica_sleeps_through_the_step_and_serves_the_new_weights_
 
     engine.hold()
     engine.pause_blocking()
-    assert engine.sleep() == 1  # only the colocated slot
+    assert engine.sleep_during_step() == 1  # only the colocated slot
     assert [r["asleep"] for r in engine.status()] == [True, False]  # each child's own answer
 
     async def held_call():
@@ -71,7 +71,7 @@ def test_a_colocated_replica_sleeps_through_the_step_and_serves_the_new_weights_
         with torch.no_grad():  # the trainer's step, while the replica sleeps
             for p in model.parameters():
                 p.mul_(1.5)
-        await asyncio.to_thread(engine.wake)
+        await asyncio.to_thread(engine.wake_after_step)
         await asyncio.to_thread(engine.resume, 1)
         return served_while_asleep, await task
 
