@@ -145,6 +145,9 @@ class SamplingFields(_Open):
     # Refused unless empty: no engine applies a bias, and accepting one silently (NaN values included)
     # let a client believe it steered sampling. Validated as a map so a malformed one is a 400 too.
     logit_bias: dict[str, float] | None = None
+    # Refused unless 0, for the same reason: no engine penalises repeats, so a non-zero one would be ignored.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -159,6 +162,14 @@ class SamplingFields(_Open):
     def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v:
             raise ValueError("logit_bias is not supported by this server (no engine applies a bias); omit it or send {}")
+        return v
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None, info) -> float | None:
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by this server (no engine penalises repeats); "
+                             "omit it or send 0")
         return v
 
     @field_validator("stop")

@@ -93,6 +93,7 @@ REFUSED = [
     ("chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format"),
     ("chat/completions", {"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
     ("chat/completions", {"messages": USER + [{"role": "tool", "content": "5"}]}, "messages[1].tool_call_id"),
     ("chat/completions", {"messages": USER + [{"role": "tool", "tool_call_id": "nope", "content": "5"}]},
      "messages[1].tool_call_id"),
