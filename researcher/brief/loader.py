@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from core.config_io import ConfigError
 from researcher.brief.judges import unjudged
+from researcher.brief.objective import objective_problem
 from researcher.brief.schema import Brief, BriefError, ChoiceParam
 
 
@@ -61,9 +62,12 @@ def _check_against_config(brief: Brief, workdir: Path, lines: _LineFinder) -> No
         i, why = problems[0]
         raise BriefError(f"{lines('code', 'editable', i)}code.editable: {why}")
     try:
-        brief.resolve_config(workdir)
+        cfg = brief.resolve_config(workdir)
     except ConfigError as e:
         raise BriefError(f"{lines('run')}run: the base config does not load: {e}") from None
+    problem = objective_problem(brief.objective.metric, cfg, workdir) if brief.code else None
+    if problem:  # a study that edits code decides only on its judges' scores (issue 38, item 5)
+        raise BriefError(f"{lines('objective', 'metric')}objective.metric: {problem}")
     for key, param in brief.config_params().items():
         sample = param.values[0] if isinstance(param, ChoiceParam) else param.low
         try:
