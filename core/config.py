@@ -262,6 +262,19 @@ class TrainerConfig(Strict):
     # logged and skipped, but a run whose every step fails must not report FINISHED.
     max_failed_steps: int = Field(3, ge=1)
 
+    @model_validator(mode="after")
+    def _options_fit(self) -> TrainerConfig:
+        # Refused at load, naming the keys, rather than at the first step.
+        if self.correction.endswith("_mis") and not (self.tis_cap or 0) > 1:
+            raise ValueError(f"trainer.correction {self.correction} drops what leaves [1/C, C]: it needs trainer.tis_cap > 1")
+        if self.correction.endswith("_tis") and self.tis_cap is None:
+            raise ValueError(f"trainer.correction {self.correction} needs its bound trainer.tis_cap")
+        if self.loss == "cispo" and (self.correction.endswith("_tis") or (self.correction == "none" and self.tis_cap)):
+            raise ValueError("trainer.loss cispo already truncates its weight: use trainer.correction none or a *_mis")
+        if self.credit == "turn" and self.advantage == "reinforce_pp":
+            raise ValueError("trainer.credit turn works with trainer.advantage grpo or rloo (reinforce_pp scales by the batch)")
+        return self
+
 
 class ClientConfig(Strict):
     """A local client started by `swarm run`: an agent function or a sandbox folder."""
