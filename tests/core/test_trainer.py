@@ -429,3 +429,12 @@ def test_turn_credit_gives_each_turn_its_own_advantage_and_trains():
     assert by_episode["e3"] == pytest.approx([0.5 - 1.0 / 3])
     trainer.backward(prepared)
     assert trainer.apply(prepared)
+
+
+@pytest.mark.parametrize("settings, key", [({"correction": "token_mis"}, "tis_cap"),
+                                           ({"correction": "seq_tis"}, "tis_cap"),
+                                           ({"loss": "cispo", "tis_cap": 2.0}, "cispo"),
+                                           ({"credit": "turn", "advantage": "reinforce_pp"}, "credit")])
+def test_options_that_do_not_fit_together_are_refused_at_load_naming_the_key(settings, key):
+    with pytest.raises(ValueError, match=key):
+        TrainerConfig(**settings)
