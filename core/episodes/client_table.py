@@ -13,8 +13,9 @@ the loser drains later by an ordinary order naming the winner.
 
 While an A/B is open (from its order until the loser's drain, or until either side is gone) the table
 names each client's part in it (`ab_role`): the old version's clients lead, the successor follows, and
-the swarm routes pair their tasks through `pairing` (`core.episodes.pairing.TaskPairing`): each train
-task a leader opens is owed to the follower, which opens only those.
+the episode opener (`core.episodes.opener`) pairs their tasks through the registry's `TaskPairing`: each
+train task a leader opens is owed to the follower, which opens only those. When an A/B ends the table
+calls `on_ab_end(sandbox)` (the server passes the pairing's `close`), so nothing stays owed.
 
 This module keeps the books only: it never signals a process and does not run episodes.
 """
@@ -30,7 +31,6 @@ from typing import Literal
 
 from core.episodes.auth import same_secret
 from core.episodes.errors import Refusal
-from core.episodes.pairing import TaskPairing
 from core.episodes.wire import ClientOrders, DrainClients, RegisterClient, SwapRecord
 
 # How often a client sends its registration again. A drain order reaches it within this, so a
@@ -59,7 +59,7 @@ class ClientTable:
     clock: Callable[[], float] = time.time
     on_swap: Callable[[SwapRecord], None] | None = None  # the run loop tags the swap on its MLflow run
     swaps: list[SwapRecord] = field(default_factory=list)
-    pairing: TaskPairing = field(default_factory=TaskPairing)  # the open A/Bs' owed tasks (the routes fill it)
+    on_ab_end: Callable[[str], None] | None = None  # an A/B of this sandbox ended: its owed tasks are void
     _ab: dict[str, SwapRecord] = field(default_factory=dict)  # sandbox -> its open A/B's start
     _clients: dict[str, Registration] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -155,7 +155,8 @@ class ClientTable:
 
     def _end_ab(self, sandbox: str) -> None:
         if self._ab.pop(sandbox, None) is not None:
-            self.pairing.close(sandbox)
+            if self.on_ab_end is not None:
+                self.on_ab_end(sandbox)
 
     def drain_all(self) -> int:
         """Tell every registered client to drain (the run is ending); -> how many."""

@@ -10,9 +10,14 @@ furthest below its share of the groups trained so far (`core.episodes.mix.next_g
 for one under way; a sandbox silent for a lease is skipped, so a dead client costs at most a lease.
 Which groups make a batch is `core.episodes.batching`'s job (a pure function the registry calls
 under its lock).
-Which opens are admitted is `core.episodes.admission`'s job. Staleness counts by the oldest weight
-version among an episode's calls. One lock guards all state (HTTP handlers and the trainer thread
-both touch it). The registry does not render, generate or train; it only keeps the books.
+Which opens are admitted is `core.episodes.admission`'s job (an `Admission` the registry owns and
+calls under its lock). Staleness counts by the oldest weight version among an episode's calls.
+
+The state is explicit: each episode's credentials (key, path secret), lease length and next call
+index are one record (`core.episodes.keys`); the counters are `core.episodes.books.Books`; every change of an
+episode's state goes through `_end`, which checks it against `TRANSITIONS`. One lock guards all state,
+`paused` included (HTTP handlers and the trainer thread both touch it). The registry does not render,
+generate or train; it only keeps the books.
 """
 
 from __future__ import annotations
@@ -23,23 +28,27 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from core.episodes.auth import path_secret, same_secret
+from core.episodes.auth import same_secret
 from core.engine.routing import EPISODE
-from core.episodes.admission import Admission
+from core.episodes.admission import Admission, Pool
 from core.episodes.errors import Refusal
+from core.episodes.keys import KEY_PREFIX, Keys  # noqa: F401 (KEY_PREFIX: the gateway reads it here)
 from core.episodes.batching import Batch, Sieve, assemble
-from core.episodes.pairing import Pairs
+from core.episodes.books import Books
+from core.episodes.pairing import Pairs, TaskPairing
 from core.records import Call, Episode
 from core.episodes.wire import OpenEpisode
 
-KEY_PREFIX = "sk-swarm-"
 TOMBSTONES = 20_000  # ended episodes remembered so late calls get 409 and repeated finishes stay idempotent
 # Finished eval episodes kept for the trainer's metrics: a server without a trainer never takes them,
 # so the oldest go first rather than growing for as long as the server lives.
 EVAL_KEPT = 10_000
+# The one place an episode's state changes: from each state, the states it may go to. An ended episode never
+# changes again (a late finish or abort is answered from its tombstone).
+TRANSITIONS: dict[str, frozenset[str]] = {"open": frozenset({"finished", "aborted", "expired"})}
 
 
-class Registry(Admission):
+class Registry:
     def __init__(
         self,
         lease_s: float,
@@ -59,37 +68,73 @@ class Registry(Admission):
         self.clock = clock
         self._lock = threading.RLock()
         self._open: dict[str, Episode] = {}
-        self._lease_of: dict[str, float] = {}  # open episode id -> the lease_s it was opened with
-        self._keys: dict[str, str] = {}  # api key -> episode id
-        self._key_of: dict[str, str] = {}  # episode id -> api key
-        self._path_key = secrets.token_bytes(32)  # per server: path secrets cannot be precomputed
-        self._paths: dict[str, str] = {}  # path secret -> episode id (the path form's credential)
-        self._path_of: dict[str, str] = {}  # episode id -> path secret
+        self._keys = Keys()  # each episode's key, path secret, lease length and next call index, open or tombstoned
         self._ended: OrderedDict[str, Episode] = OrderedDict()  # tombstones, calls dropped
         self._filling: dict[tuple[str, str, str], list[Episode]] = {}  # Episode.train_group -> its finished episodes
-        self.pairs = Pairs()  # an A/B's cells (`core.episodes.pairing`): every train episode, from its open to its end
+        # An A/B's two halves (`core.episodes.pairing`), kept together: the tasks its new version owes (the opener
+        # fills and pays them), and its cells: every train episode, from its open to its end.
+        self.pairing = TaskPairing()
+        self.pairs = Pairs()
         self._ready: deque[list[Episode]] = deque()
         self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
         self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
         self.sieve: Sieve | None = None  # dynamic sampling (`trainer.dynamic_sampling: filter`), set by the run
-        # sandbox -> its last train open attempt (who shares room, who a batch waits for). A mix sandbox asks from
-        # the start for one lease: batches taken before its clients register would give its share away for good.
-        self._seen: dict[str, float] = dict.fromkeys(self.mix, clock())
-        self.paused = False
-        self.max_staleness: int | None = None  # None: no admission control (`admit_within` turns it on)
-        self._overlapped_steps = 0  # steps that took their batch while generation goes on, not yet synced
-        # generated: train episodes that ended having made a call; wasted: those never trained
-        # (stale at batch time, or aborted/expired after generating).
-        self.counters = {"opened": 0, "finished": 0, "aborted": 0, "expired": 0, "calls": 0, "trained": 0,
-                         "stale": 0, "generated": 0, "wasted": 0, "refused": 0,
-                         # finished eval/debug episodes (never trained), and episodes a checkpoint put back
-                         # in the buffer: both terms of the books (`unbalanced`)
-                         "finished_not_train": 0, "restored": 0}
+        self.admission = Admission(batch_groups, default_group_size, self.mix, lease_s, clock)
+        self._paused = False  # changed only under the lock (`pause`, `resume`)
+        self.books = Books()
         self._finished_by: dict[str, int] = {}  # client id -> episodes it finished (a restarted client's record)
         self._opened_of: dict[tuple[str, str], int] = {}  # (sandbox, task_id) -> episodes opened: `Episode.ordinal`
         # Judged sandbox -> its judge's failure value: their train and eval episodes that abort or expire are
         # finished with it instead (counted, never dropped); set by the server from its judges.
         self.failure_scores: dict[str, float] = {}
+
+    # -- state an admin or the trainer changes -------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Refuse new episodes (503 `paused`) until `resume`; episodes in flight go on."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A snapshot of the books (`Books`) as a dict: `/status`, MLflow and the books' identities read it."""
+        with self._lock:
+            return self.books.as_dict()
+
+    def end_training(self, reason: str) -> None:
+        """No trainer will consume another batch: new train episodes are refused for good (409), not
+        left to wait on back-pressure that can never ease; eval and debug episodes still open."""
+        with self._lock:
+            self.admission.training_over = reason
+
+    def admit_within(self, max_staleness: int) -> None:
+        """Turn admission control on, for a trainer that drops episodes older than `max_staleness`."""
+        with self._lock:
+            self.admission.max_staleness = max_staleness
+
+    def step_started(self) -> None:
+        """An overlapped step took its batch: episodes generated now will be one version old at once."""
+        with self._lock:
+            self.admission.overlapped_steps += 1
+
+    def step_synced(self) -> None:
+        with self._lock:
+            self.admission.overlapped_steps = max(0, self.admission.overlapped_steps - 1)
+
+    def note_refused(self) -> None:
+        """Count an open that admission control finally refused (after any wait for room)."""
+        with self._lock:
+            self.books.refused += 1
+
+    def _pool(self) -> Pool:
+        return Pool(self._open.values(), self._ready, self._filling)
 
     # -- client side ---------------------------------------------------------------------------
     def open(self, req: OpenEpisode, versions: dict[str, int]) -> tuple[Episode, str]:
@@ -99,18 +144,18 @@ class Registry(Admission):
                 raise Refusal(400, f"sandbox {req.sandbox!r} has no judge on this server, so the client "
                                    "chooses its tasks: give task_id", "missing_task_id")
             if req.kind == "train":
-                self._seen[req.sandbox] = self.clock()  # a refused attempt counts: it wants room
-            if self.paused:
+                self.admission.asked(req.sandbox)  # a refused attempt counts: it wants room
+            if self._paused:
                 raise Refusal(503, "the server is paused", "paused", retry_after=1.0)
             if len(self._open) >= self.max_open:
                 raise Refusal(503, "too many open episodes", "busy", retry_after=1.0)
-            if req.kind == "train" and self.training_over is not None:
-                raise Refusal(409, f"this server takes no more train episodes: {self.training_over}; open "
+            if req.kind == "train" and self.admission.training_over is not None:
+                raise Refusal(409, f"this server takes no more train episodes: {self.admission.training_over}; open "
                                         "kind eval or debug episodes, or start a run with more trainer.steps",
                                    "training_over")
             if req.kind == "train":
-                refusal = self._quota_refusal(req.sandbox) or self._admission_refusal(
-                    req.sandbox, req.task_id, req.group_size or self.default_group_size, req.client_version)
+                refusal = self.admission.refusal(self._pool(), req.sandbox, req.task_id,
+                                                 req.group_size or self.default_group_size, req.client_version)
                 if refusal is not None:
                     raise refusal
             now = self.clock()
@@ -128,22 +173,16 @@ class Registry(Admission):
                 ordinal=self._opened_of.get((req.sandbox, req.task_id), 0),
             )
             self._opened_of[ep.group_key] = ep.ordinal + 1
-            self._lease_of[ep.id] = req.lease_s or self.lease_s
-            key = KEY_PREFIX + secrets.token_urlsafe(24)
+            key = self._keys.issue(ep.id, req.lease_s or self.lease_s).key
             self._open[ep.id] = ep
-            self._keys[key] = ep.id
-            self._key_of[ep.id] = key
-            secret = path_secret(self._path_key, key)
-            self._paths[secret] = ep.id
-            self._path_of[ep.id] = secret
-            self.counters["opened"] += 1
+            self.books.opened += 1
             self.pairs.opened(ep)  # its cell is fixed now: the weights it opened on
             return ep, key
 
     def by_key(self, key: str) -> Episode:
         """The open episode of this key; it becomes the request's episode (`EPISODE`: replicas route on it)."""
         with self._lock:
-            episode_id = self._keys.get(key)
+            episode_id = self._keys.by_key(key)
             if episode_id is None:
                 raise Refusal(401, "unknown or missing episode key", "invalid_api_key")
             return _current(self.get_open(episode_id))
@@ -155,22 +194,22 @@ class Registry(Admission):
     def by_path(self, secret: str) -> Episode:
         """The open episode whose path-form secret this is (401 for anything else, a bare id included)."""
         with self._lock:
-            episode_id = self._paths.get(secret)
+            episode_id = self._keys.by_path(secret)
             if episode_id is None:
                 raise Refusal(401, "unknown episode path: use the base_url returned on open", "invalid_api_key")
             return _current(self.get_open(episode_id))
 
     def path_of(self, episode_id: str) -> str:
         with self._lock:
-            return self._path_of[episode_id]
+            return self._keys.of(episode_id).path
 
     def authorize(self, episode_id: str, key: str) -> None:
         """Check that `key` is this episode's key: 404 for an id never seen (or long forgotten), 401 otherwise."""
         with self._lock:
-            expected = self._key_of.get(episode_id)
-            if expected is None:
+            held = self._keys.of(episode_id)
+            if held is None:
                 raise Refusal(404, f"unknown episode {episode_id}", "episode_not_found")
-            if not same_secret(key, expected):
+            if not same_secret(key, held.key):
                 raise Refusal(401, f"episode {episode_id} needs its key (Authorization: Bearer sk-swarm-...)",
                                    "invalid_api_key")
 
@@ -190,13 +229,24 @@ class Registry(Admission):
             if episode.state != "open":
                 raise Refusal(409, f"episode {episode.id} is {episode.state}", f"episode_{episode.state}")
             episode.calls.append(call)
-            self.counters["calls"] += 1
+            self.books.calls += 1
+
+    def reserve_calls(self, episode: Episode, n: int) -> int:
+        """Reserve the indices of `n` calls of `episode` (a request's choices) before they are sampled; -> the
+        first. Two concurrent calls of one episode get different indices, so different derived seeds
+        (`engine.repeatable_sampling`), whichever is recorded first."""
+        with self._lock:
+            held = self._keys.of(episode.id)
+            if held is None:  # not an episode of this registry: nothing to reserve against
+                raise Refusal(404, f"unknown episode {episode.id}", "episode_not_found")
+            first, held.next_call = held.next_call, held.next_call + n
+            return first
 
     def heartbeat(self, episode_id: str, lease_s: float | None = None) -> Episode:
         """Extend the lease by `lease_s`, by default the episode's own (the one it was opened with)."""
         with self._lock:
             ep = self.get_open(episode_id)
-            ep.lease_expires_at = self.clock() + (lease_s or self._lease_of.get(ep.id, self.lease_s))
+            ep.lease_expires_at = self.clock() + (lease_s or self._keys.of(ep.id).lease_s)
             return ep
 
     def finish(self, episode_id: str, reward: dict[str, float], body: dict, score: float | None = None,
@@ -217,7 +267,8 @@ class Registry(Admission):
             if too_big:  # refused, the episode still open: a 1e308 reward would overflow its group's mean
                 raise Refusal(400, f"reward {too_big} is beyond trainer.max_abs_reward ({self.max_abs_reward:g}); "
                                    "scale rewards to O(1)", "invalid_reward")
-            ep.state, ep.reward, ep.finish_body, ep.score = "finished", reward, body, score
+            self._end(ep, "finished")
+            ep.reward, ep.finish_body, ep.score = reward, body, score
             ep.metrics = {**(body.get("metrics") or {}), **(metrics or {})}
             self._finished(ep)
             return ep
@@ -225,11 +276,11 @@ class Registry(Admission):
     def _finished(self, ep: Episode) -> None:
         """Close a finished episode and put it where it goes: its group (train), the eval list, or nowhere."""
         self._close(ep)
-        self.counters["finished"] += 1
+        self.books.finished += 1
         if ep.client_id:
             self._finished_by[ep.client_id] = self._finished_by.get(ep.client_id, 0) + 1
         if ep.kind != "train":
-            self.counters["finished_not_train"] += 1
+            self.books.finished_not_train += 1
         if ep.kind == "train":
             group = self._filling.setdefault(ep.train_group, [])
             group.append(ep)
@@ -244,7 +295,8 @@ class Registry(Admission):
         failure = self.failure_scores.get(ep.sandbox)
         if failure is None or ep.kind == "debug":
             return False
-        ep.state, ep.score, ep.abort_reason = "finished", failure, reason
+        self._end(ep, "finished")
+        ep.score, ep.abort_reason = failure, reason
         ep.reward = {m: failure for m in dict.fromkeys(c.model for c in ep.calls)}
         ep.metrics = {"judge/failed": 1.0}
         self._finished(ep)
@@ -258,35 +310,40 @@ class Registry(Admission):
             ep = self.get_open(episode_id)
             if self._judged_failure(ep, reason or "aborted by its client"):
                 return ep
-            ep.state, ep.abort_reason = "aborted", reason
+            self._end(ep, "aborted")
+            ep.abort_reason = reason
             self._close(ep)
-            self.counters["aborted"] += 1
+            self.books.aborted += 1
             return ep
+
+    def _end(self, ep: Episode, state: str) -> None:
+        """Move `ep` to `state`: the one place an episode's state changes, checked against `TRANSITIONS`."""
+        if state not in TRANSITIONS.get(ep.state, ()):
+            raise Refusal(409, f"episode {ep.id} is {ep.state}", f"episode_{ep.state}")
+        ep.state = state
 
     def _close(self, ep: Episode) -> None:
         del self._open[ep.id]
         self.pairs.ended(ep)  # counted in the cell it opened in, trained or not (a judged failure included)
-        self._lease_of.pop(ep.id, None)
         ep.ended_at = self.clock()
         if ep.kind == "train" and ep.calls:
-            self.counters["generated"] += 1
+            self.books.generated += 1
             if ep.state != "finished":
-                self.counters["wasted"] += 1
+                self.books.wasted += 1
         # The key stays mapped while the tombstone lives, so late calls learn the episode ended (409).
         self._ended[ep.id] = ep.model_copy(update={"calls": []})
         while len(self._ended) > TOMBSTONES:
             old_id, _ = self._ended.popitem(last=False)
-            self._keys.pop(self._key_of.pop(old_id, ""), None)
-            self._paths.pop(self._path_of.pop(old_id, ""), None)
+            self._keys.forget(old_id)
 
     def _expire_due(self) -> None:
         now = self.clock()
         for ep in [e for e in self._open.values() if e.lease_expires_at < now]:
             if self._judged_failure(ep, "expired: its lease ran out"):
                 continue
-            ep.state = "expired"
+            self._end(ep, "expired")
             self._close(ep)
-            self.counters["expired"] += 1
+            self.books.expired += 1
 
     def expire_due(self) -> None:
         with self._lock:
@@ -305,12 +362,7 @@ class Registry(Admission):
         with self._lock:
             if len(self._ready) < self.batch_groups:
                 return None
-            # Able to deliver a group soon: one under way, or a client that asked to open within a lease
-            # (it may be between two episodes) and would be admitted (waiting on a sandbox the full
-            # room keeps out would never end). A dead client stops asking.
-            started = self._started_groups()
-            coming = {key[0] for key in started}
-            coming |= {s for s in self._active_sandboxes() if self._no_room(s, started) is None}
+            coming = self.admission.coming(self._pool())  # sandboxes able to deliver a group soon
             plan = assemble(list(self._ready), self._trained_groups, self.batch_groups, self.mix, coming,
                             current_versions, max_staleness, self.sieve)
             if plan is None:
@@ -323,9 +375,9 @@ class Registry(Admission):
             if groups:
                 self._trained_groups = plan.taken
             # A group dynamic sampling kept out was taken by a batch too: it leaves the buffer, never to train.
-            self.counters["trained"] += sum(len(g) for g in groups) + sum(len(g) for g in plan.filtered)
-            self.counters["stale"] += dropped
-            self.counters["wasted"] += dropped
+            self.books.trained += sum(len(g) for g in groups) + sum(len(g) for g in plan.filtered)
+            self.books.stale += dropped
+            self.books.wasted += dropped
             if not groups:
                 return None
             batch = Batch(groups, dropped)
@@ -354,7 +406,7 @@ class Registry(Admission):
                     self._ready.append(group)
                 elif group:
                     self._filling[group[0].train_group] = group
-                self.counters["restored"] += len(group)
+                self.books.restored += len(group)
 
     def open_by_client(self) -> dict[str, list[str]]:
         """Ids of the open episodes per client id (the chaos bench kills clients mid-episode)."""
@@ -374,14 +426,14 @@ class Registry(Admission):
         with self._lock:
             self._expire_due()
             return {
-                "paused": self.paused,
+                "paused": self._paused,
                 "open_episodes": len(self._open),
                 "ready_groups": len(self._ready),
                 "filling_groups": len(self._filling),
                 "buffered_episodes": sum(len(g) for g in self._ready) + sum(len(g) for g in self._filling.values()),
                 "oldest_open_s": self.clock() - min(e.opened_at for e in self._open.values()) if self._open else None,
                 "clients": sorted({e.client_id for e in self._open.values() if e.client_id}),
-                "counters": dict(self.counters),
+                "counters": self.books.as_dict(),
             }
 
 

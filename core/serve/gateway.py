@@ -172,9 +172,12 @@ class _Gateway:
         max_tokens = min(requested or self.server.cfg.engine.default_max_tokens, room)
         temperature = self.server.cfg.engine.default_temperature if asked.temperature is None else asked.temperature
         temperature = 0.0 if is_greedy(temperature) else temperature  # every engine sees greedy as 0
+        # The calls' indices are reserved before they are sampled: two concurrent calls of one episode get two
+        # (and two derived seeds), whichever is recorded first.
+        first = self.server.registry.reserve_calls(episode, body.n) if episode is not None else 0
         params = [
             SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=asked.top_p, stop=asked.stop,
-                           seed=None if body.seed is None else body.seed + i, key=draw_key(episode, i))
+                           seed=None if body.seed is None else body.seed + i, key=draw_key(episode, first, i))
             for i in range(body.n)
         ]
         start_calls(self.server, episode, len(params))  # last: beyond the sandbox's max_calls, refused and failed
@@ -347,9 +350,10 @@ def _constrained(prep: PreparedChat, forced: str, capped: int | None, one_call: 
     return prep
 
 
-def draw_key(episode: Episode | None, choice: int) -> str | None:
+def draw_key(episode: Episode | None, call: int, choice: int) -> str | None:
     """A call's sampling key (`SamplingParams.key`): its episode's name across runs (sandbox, task,
-    ordinal), the call's index in the episode and the choice. None without an episode."""
+    ordinal), the call's index in the episode (reserved by `Registry.reserve_calls` before sampling) and
+    the choice. None without an episode."""
     if episode is None:
         return None
-    return f"{episode.sandbox}/{episode.task_id}/{episode.ordinal}/{len(episode.calls)}/{choice}"
+    return f"{episode.sandbox}/{episode.task_id}/{episode.ordinal}/{call}/{choice}"

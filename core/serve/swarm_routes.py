@@ -2,13 +2,10 @@
 
 Finishing is idempotent: the same body again returns the same answer, a different body is a 409.
 Heartbeat, finish and abort need the episode's key as bearer (401 otherwise, and nothing changes);
-admin routes need the server's admin token. An open refused by admission control waits here for
-room (the trainer taking its batch) for up to `ADMISSION_HOLD_S` before it is answered 503 +
-Retry-After, so a client is not left asleep for a whole second after room opened. While an A/B is open
-(`core.episodes.client_table.ClientTable.ab_role`) each train episode an old-version client opens is owed to
-the new version's client, whose opens take those tasks (held like admission until one is owed). These handlers
-translate HTTP into registry calls and back; the rules themselves live in `core.episodes.registry` (and, for
-client registration and `/admin/drain`, the hot-swap path, in `core.episodes.client_table`).
+admin routes need the server's admin token. An open is `core.episodes.opener.EpisodeOpener`'s (dealing,
+an A/B's debts, admission with its hold, undo on refusal). These handlers translate HTTP into calls of
+the opener, the registry and the client table and back; the rules live there, and every refusal is a
+`core.episodes.errors.Refusal` the gateway renders.
 """
 
 from __future__ import annotations
@@ -19,73 +16,31 @@ import logging
 from fastapi import APIRouter, Request
 
 from core.episodes.auth import bearer, same_secret
-from core.sandbox.dealer import Dealt
-from core.sandbox.judge import JudgeError
 from core.episodes.errors import Refusal
+from core.episodes.opener import EpisodeOpener
 from core.serve.judging import judged_finish
 from core.serve.state import ServerState
 from core.episodes.wire import AbortEpisode, ClientOrders, DrainClients, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode, RegisterClient, SwapRecord
 
 log = logging.getLogger(__name__)
 
-# How long an open refused by admission control is held server-side, polling for room, before its
-# 503. Room opens when the trainer takes a batch; Retry-After has whole-second resolution only.
-ADMISSION_HOLD_S = 2.0
-ADMISSION_POLL_S = 0.02
-# An A/B's new version with no task owed after the hold retries after this: its old version is idle
-# (the trainer is behind, or it drains); whole seconds are all Retry-After can say.
-PAIRING_RETRY_S = 1.0
-
 
 def swarm_router(server: ServerState) -> APIRouter:
     router = APIRouter()
     registry = server.registry
+    opener = EpisodeOpener(registry, server.clients, server.dealer, lambda sandbox: sandbox in server.judges,
+                           server.versions)
 
     def state_of(ep) -> EpisodeState:
         return EpisodeState(episode_id=ep.id, state=ep.state, lease_expires_at=ep.lease_expires_at, reward=ep.reward)
 
     @router.post("/episodes", response_model=EpisodeOpened)
     async def open_episode(body: OpenEpisode, request: Request):
-        judged = body.sandbox in server.judges
-        if judged and body.task_id is not None:
-            raise Refusal(409, f"sandbox {body.sandbox!r} is judged: the server deals its tasks from its judge; "
-                               "open its episodes without task_id and run the task the answer carries", "judged_sandbox")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + ADMISSION_HOLD_S
-        # In an A/B the successor opens only the tasks the old version's clients opened (core.episodes.pairing).
-        role = server.clients.ab_role(body.sandbox, body.client_id) if body.kind == "train" else None
-        while True:
-            debt = server.clients.pairing.take(body.sandbox, server.versions()) if role == "follower" else None
-            if role == "follower" and debt is None:
-                if loop.time() >= deadline:
-                    raise Refusal(503, "an A/B's new version runs the old version's tasks: none is owed yet",
-                                       "ab_pairing", retry_after=PAIRING_RETRY_S)
-                await asyncio.sleep(ADMISSION_POLL_S)
-                continue
-            dealt = Dealt(debt.task_id, debt.task) if debt is not None and judged else (
-                _deal(server, body) if judged else None)
-            task_id = debt.task_id if debt is not None else dealt.task_id if dealt is not None else body.task_id
-            try:  # no await between the deal and the open: nobody else deals in between
-                ep, key = registry.open(body.model_copy(update={"task_id": task_id}), server.versions())
-                break
-            except Refusal as e:
-                if debt is not None:
-                    server.clients.pairing.put_back(body.sandbox, debt)
-                elif dealt is not None:
-                    server.dealer.undo()
-                if e.code != "admission" or loop.time() >= deadline:
-                    if e.code == "admission":
-                        registry.note_refused()
-                    raise
-            await asyncio.sleep(ADMISSION_POLL_S)
-        if dealt is not None:
-            server.dealer.assign(ep.id, dealt)
-        if role == "leader":  # owed to the A/B's new version, on these weights
-            server.clients.pairing.owe(body.sandbox, ep.task_id, dealt.task if dealt else None, ep.opened_versions)
-        base = str(request.base_url).rstrip("/")
-        return EpisodeOpened(episode_id=ep.id, api_key=key, base_url=f"{base}/episodes/{registry.path_of(ep.id)}/v1",
+        opened = await opener.open(body)  # dealing, A/B debts, admission and undo: core.episodes.opener
+        ep, base = opened.episode, str(request.base_url).rstrip("/")
+        return EpisodeOpened(episode_id=ep.id, api_key=opened.key, base_url=f"{base}/episodes/{opened.path}/v1",
                              lease_expires_at=ep.lease_expires_at, model_versions=ep.opened_versions,
-                             task_id=ep.task_id, task=dealt.task if dealt is not None else None)
+                             task_id=ep.task_id, task=opened.task)
 
     @router.post("/episodes/{episode_id}/heartbeat", response_model=EpisodeState)
     async def heartbeat(episode_id: str, request: Request):
@@ -135,13 +90,13 @@ def swarm_router(server: ServerState) -> APIRouter:
     @router.post("/admin/pause")
     async def pause(request: Request):
         admin(request)
-        registry.paused = True
+        registry.pause()
         return {"state": "paused"}
 
     @router.post("/admin/resume")
     async def resume(request: Request):
         admin(request)
-        registry.paused = False
+        registry.resume()
         return {"state": "serving"}
 
     @router.post("/admin/checkpoint")
@@ -191,10 +146,3 @@ def _rewards(server: ServerState, reward: float | dict[str, float], ep) -> dict[
     called = sorted({c.model for c in ep.calls}) if ep is not None else []
     return {m: float(reward) for m in (called or server.policies)}
 
-
-def _deal(server: ServerState, body: OpenEpisode) -> Dealt:
-    """The next task of a judged sandbox's (kind, split) deck; a judge whose tasks() fails is a 500 naming it."""
-    try:
-        return server.dealer.deal(body.sandbox, body.kind, body.split, body.group_size or server.registry.default_group_size)
-    except JudgeError as e:
-        raise Refusal(500, f"the judge of sandbox {body.sandbox!r} cannot deal a task: {e}", "judge_error") from None

@@ -129,15 +129,16 @@ def _reg(cid: str, version: str) -> RegisterClient:
 
 
 def test_the_table_names_leaders_and_follower_until_the_loser_drains():
-    table = ClientTable()
+    pairing = TaskPairing()
+    table = ClientTable(on_ab_end=pairing.close)
     table.register(_reg("old", "v1"), "")
     table.register(_reg("new", "v2"), "")
     assert table.ab_role("s", "old") is None  # no A/B yet
     table.drain(DrainClients(sandbox="s", client_ids=["old"], successor="new", ab=True))
     assert (table.ab_role("s", "old"), table.ab_role("s", "new"), table.ab_open()) == ("leader", "follower", {"s": 1})
-    table.pairing.owe("s", "t", None, {})
+    pairing.owe("s", "t", None, {})
     table.drain(DrainClients(sandbox="s", client_ids=["old"], successor="new"))  # the old version lost
-    assert table.ab_role("s", "new") is None and table.ab_open() == {} and table.pairing.owed() == {}
+    assert table.ab_role("s", "new") is None and table.ab_open() == {} and pairing.owed() == {}
 
 
 def test_an_ab_whose_follower_left_is_over():

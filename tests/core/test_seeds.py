@@ -190,5 +190,7 @@ def test_each_episode_of_a_task_gets_the_next_ordinal_its_name_across_runs():
     registry = Registry(lease_s=60, default_group_size=3, batch_groups=1)
     opened = [registry.open(OpenEpisode(sandbox="letters", task_id=t), {})[0] for t in ("a", "b", "a", "a", "b")]
     assert [(e.task_id, e.ordinal) for e in opened] == [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1)]
-    assert [draw_key(opened[2], c) for c in (0, 1)] == ["letters/a/1/0/0", "letters/a/1/0/1"]
-    assert draw_key(None, 0) is None  # anonymous calls have no name across runs
+    assert [draw_key(opened[2], 0, c) for c in (0, 1)] == ["letters/a/1/0/0", "letters/a/1/0/1"]
+    assert draw_key(None, 0, 0) is None  # anonymous calls have no name across runs
+    # a request's calls are reserved before they are sampled: the next request's index follows its choices
+    assert (registry.reserve_calls(opened[2], 2), registry.reserve_calls(opened[2], 1)) == (0, 2)
