@@ -1,7 +1,8 @@
 """A step's rollout metrics: what the run logs of the episodes a batch trained and of the serving side.
 
 Rates since the previous step (`rollout/episodes_per_s`, `rollout/tokens_per_s`), the batch's rollout
-time, the registry's episode counters (aborted, expired, refused, `episodes/wasted_frac`), per code
+time, the registry's episode counters (aborted, expired, refused, `episodes/wasted_frac`), calls and
+completion tokens per episode (`episode/calls`, `episode/tokens`, and per code version), per code
 version episode counts and rewards, eval means, judged scores (`core.run.scores`), an A/B's paired
 scores (`core.episodes.pairing`) and each replica's load and health. `CoreRun` asks for them once per
 step. It is deliberately not the loop and not telemetry: it reads the server and the batch, takes the
@@ -13,8 +14,18 @@ from __future__ import annotations
 import time
 
 from core.episodes.batching import Batch
+from core.records import Episode
 from core.run.scores import judged_metrics, scored
 from core.serve.server import Server
+
+
+def episode_cost(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    """`<prefix>/calls` and `<prefix>/tokens`: the mean recorded calls and sampled completion tokens per episode."""
+    if not episodes:
+        return {}
+    calls = sum(len(ep.calls) for ep in episodes)
+    tokens = sum(len(c.completion_ids) for ep in episodes for c in ep.calls)
+    return {f"{prefix}/calls": calls / len(episodes), f"{prefix}/tokens": tokens / len(episodes)}
 
 
 class RolloutMeter:
@@ -49,9 +60,13 @@ class RolloutMeter:
         for ep in self.server.registry.take_eval():
             if (value := scored(ep)) is not None:
                 by_sandbox.setdefault(ep.sandbox, []).append(value)
+        # What an episode cost: recorded model calls and sampled completion tokens, per episode. A harness that
+        # buys its score with more compute (resampling until good) shows it here, beside the score (issue 38).
+        out.update(episode_cost(episodes, "episode"))
         for (sandbox, version), eps in batch.by_version().items():  # every episode names its code version
             rewards = [v for v in map(scored, eps) if v is not None]
             out[f"episodes/{sandbox}/version/{version}"] = float(len(eps))
+            out.update(episode_cost(eps, f"episode/{sandbox}/version/{version}"))
             if rewards:
                 out[f"reward/{sandbox}/version/{version}"] = sum(rewards) / len(rewards)
         for sandbox, rewards in by_sandbox.items():
