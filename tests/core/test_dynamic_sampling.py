@@ -113,3 +113,20 @@ def test_the_registry_under_filter_refills_a_tied_groups_slot_from_the_next_grou
     batch = reg.take_batch({"policy": 0}, max_staleness=0)
     assert batch is not None and [g[0].task_id for g in batch.groups] == ["signal", "refill"]
     assert batch.metrics()["train/groups_filtered"] == 1.0
+
+
+def test_a_filtered_ab_group_still_counts_in_its_cells_verdict():
+    # Both code versions of an A/B solve the task every time: each group ties and is kept out of training,
+    # but their episodes are scored in their (task, weights) cell all the same.
+    reg = Registry(lease_s=60, default_group_size=2, batch_groups=1)
+    reg.sieve = Sieve(tolerance=1e-6, max_refills=8)
+    for version in ("old", "new"):
+        for _ in range(2):
+            ep, _ = reg.open(OpenEpisode(sandbox="s", task_id="t", group_size=2, client_version=version), {"policy": 0})
+            reg.record(ep, Call(model="policy", version=0, prompt_ids=[1], completion_ids=[2], completion_logprobs=[-0.1]))
+            reg.finish(ep.id, {"policy": 1.0}, {"reward": 1.0})
+    assert reg.take_batch({"policy": 0}, max_staleness=0) is None  # both groups tied: nothing trains
+    assert reg.ready_groups() == 0
+    verdict = reg.pairs.take()
+    assert verdict["ab/s/pairs"] == 1.0
+    assert verdict["ab/s/version/old"] == 1.0 and verdict["ab/s/version/new"] == 1.0
