@@ -42,7 +42,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.contain.contained import CLIENT_ENV, Contained, popen_contained, require_bwrap
@@ -50,6 +50,7 @@ from core.clients.sdk import SwarmClient, SwarmError
 from core.clients.sandbox import load_agent
 from core.sandbox.folder import locate, safe_name
 from core.local_state import pid_dir, token_files
+from core.run.client_command import ClientSpec
 from core.run.server_files import resolve_server
 from core.contain.venvs import client_python
 from core.config import ContainMode, ContainmentConfig
@@ -148,22 +149,21 @@ def _probe(spec: str, python: str) -> tuple[str, str]:
 def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: int | None,
            contain: ContainMode = "off", run_folder: Path | None = None) -> _NewClient:
     client_id = f"{name}-{socket.gethostname()}-swap-{secrets.token_hex(3)}"
-    cmd = [python, "-m", "core.run.cli", "client", spec, "--server", url, "--client-id", client_id,
-           "--concurrency", str(concurrency or old["concurrency"]), "--group-size", str(old["group_size"]),
-           "--kind", old["kind"], *inherited(old)]
+    client = ClientSpec(python, spec, url, client_id=client_id, concurrency=concurrency or old["concurrency"],
+                        group_size=old["group_size"], kind=old["kind"], **inherited(old))
     log_path = pid_dir() / f"{safe_name(client_id)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
         if contain == "off":
-            proc = subprocess.Popen(cmd, start_new_session=True, stdout=log_file, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(client.to_argv(), start_new_session=True, stdout=log_file,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             return _NewClient(client_id, proc, log_path)
         workdir = log_path.with_suffix("")  # beside its log: what it may write, and its HOME
         workdir.mkdir(exist_ok=True)
         folder = [Path(spec).resolve()] if Path(spec).is_dir() else []  # read from there (under /tmp too)
         if folder:  # it starts in its working folder, where a relative path would not lead
-            cmd[cmd.index(spec)] = str(folder[0])
-        started = popen_contained(cmd, workdir, writable=[workdir], readable=folder, detached=True,
+            client = replace(client, sandbox=str(folder[0]))
+        started = popen_contained(client.to_argv(), workdir, writable=[workdir], readable=folder, detached=True,
                                   scratch=workdir / ".home", limits=ContainmentConfig().limits,
                                   hidden=token_files(run_folder), server=url,
                                   extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
@@ -171,14 +171,11 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
     return _NewClient(client_id, started.proc, log_path, started)
 
 
-def inherited(old: dict) -> list[str]:
-    """`swarm client` options that give the new client the old one's task settings (its registration, as
-    `/status` lists it): seed, split, task budget and episode timeout, so the two differ only in code."""
-    args = ["--split", old.get("split") or "train"]
-    for option, key in (("--seed", "seed"), ("--tasks", "tasks"), ("--episode-timeout", "episode_timeout")):
-        if old.get(key) is not None:
-            args += [option, str(old[key])]
-    return args
+def inherited(old: dict) -> dict:
+    """The `ClientSpec` fields that give the new client the old one's task settings (its registration, as
+    `/status` lists it): split, seed, task budget and episode timeout, so the two differ only in code."""
+    return {"split": old.get("split") or "train", "seed": old.get("seed"), "tasks": old.get("tasks"),
+            "episode_timeout": old.get("episode_timeout")}
 
 
 def _run_folder(server: str) -> Path | None:

@@ -46,6 +46,7 @@ from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.sandbox.folder import locate, sandbox_roots
 from core.serve.server import Server
+from core.run.client_command import ClientSpec
 from core.run.supervisor import Supervisor
 from core.run.rollout_metrics import RolloutMeter
 from core.run.telemetry import Telemetry
@@ -147,11 +148,10 @@ class CoreRun:
             if c.isolate:
                 spec = locate(c.agent, roots)  # an absolute folder: the client runs in a working folder of its own
                 workdir = run_folder(self.cfg.trainer.checkpoint_dir) / "clients" / f"{i}-{c.sandbox_name}"
-                cmd = [client_python(spec), "-m", "core.run.cli", "client", spec, "--server", url,
-                       "--concurrency", str(c.concurrency), "--group-size", str(c.group_size or self.cfg.trainer.group_size),
-                       "--kind", c.kind, "--workdir", str(workdir), "--split", c.split,
-                       *(["--tasks", str(c.tasks)] if c.tasks else []), "--seed", f"{self.cfg.trainer.seed}/{i}",
-                       *(["--episode-timeout", str(c.episode_timeout)] if c.episode_timeout is not None else [])]
+                cmd = ClientSpec(client_python(spec), spec, url, concurrency=c.concurrency,
+                                 group_size=c.group_size or self.cfg.trainer.group_size, kind=c.kind, workdir=workdir,
+                                 split=c.split, tasks=c.tasks or None, episode_timeout=c.episode_timeout,
+                                 seed=f"{self.cfg.trainer.seed}/{i}").to_argv()
                 self.supervisor.start(c.agent, cmd, workdir, reads=[Path(spec)] if Path(spec).is_dir() else [],
                                       server=url)
         if local:

@@ -129,16 +129,15 @@ def _reg(cid: str, version: str) -> RegisterClient:
 
 
 def test_the_table_names_leaders_and_follower_until_the_loser_drains():
-    pairing = TaskPairing()
-    table = ClientTable(on_ab_end=pairing.close)
+    table = ClientTable()
     table.register(_reg("old", "v1"), "")
     table.register(_reg("new", "v2"), "")
     assert table.ab_role("s", "old") is None  # no A/B yet
     table.drain(DrainClients(sandbox="s", client_ids=["old"], successor="new", ab=True))
     assert (table.ab_role("s", "old"), table.ab_role("s", "new"), table.ab_open()) == ("leader", "follower", {"s": 1})
-    pairing.owe("s", "t", None, {})
+    table.pairing.owe("s", "t", None, {})
     table.drain(DrainClients(sandbox="s", client_ids=["old"], successor="new"))  # the old version lost
-    assert table.ab_role("s", "new") is None and table.ab_open() == {} and pairing.owed() == {}
+    assert table.ab_role("s", "new") is None and table.ab_open() == {} and table.pairing.owed() == {}
 
 
 def test_an_ab_whose_follower_left_is_over():
@@ -152,8 +151,9 @@ def test_an_ab_whose_follower_left_is_over():
 
 def test_swap_starts_the_new_client_with_the_old_ones_task_settings():
     old = _reg("old", "v1").model_dump()
-    assert inherited(old) == ["--split", "train", "--seed", "0/1", "--tasks", "50", "--episode-timeout", "30.0"]
-    assert inherited({**old, "seed": None, "tasks": None, "episode_timeout": None, "split": "eval"}) == ["--split", "eval"]
+    assert inherited(old) == {"split": "train", "seed": "0/1", "tasks": 50, "episode_timeout": 30.0}
+    assert inherited({**old, "seed": None, "tasks": None, "episode_timeout": None, "split": "eval"}) == {
+        "split": "eval", "seed": None, "tasks": None, "episode_timeout": None}
 
 
 def test_over_http_the_follower_opens_the_tasks_its_leader_opened(live_server):
