@@ -21,6 +21,7 @@ from core.engine.null import NullEngine
 from core.models import build_tiny
 from core.serve import bodies
 from core.serve.chat import ChatRenderer
+from core.serve.openai_wire import MAX_STOP
 from core.serve.state import Policy
 
 RESPONSES, MESSAGES, CHAT = "/v1/responses", "/v1/messages", "/v1/chat/completions"
@@ -64,7 +65,7 @@ BAD = [
     (MESSAGES, messages(top_k=5), "top_k"),
     (MESSAGES, messages(tools=[{"type": "bash_20250124", "name": "bash"}]), "tools[0]: tool type 'bash_20250124'"),
     (MESSAGES, messages(tools=[{"name": "add"}]), "tools[0].input_schema"),
-    (MESSAGES, messages(stop_sequences=["a", "b", "c", "d", "e"]), "stop_sequences"),
+    (MESSAGES, messages(stop_sequences=[f"s{k}" for k in range(MAX_STOP + 1)]), "stop_sequences"),
     (MESSAGES, messages(temperature=1.5), "temperature"),
     (MESSAGES, messages(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
     (MESSAGES, messages(system=[{"type": "image"}]), "system[0]"),
