@@ -58,12 +58,20 @@ class ModelTrainer(Strict):
     # (core.train.memory) says one rank's full state does not fit its GPU, else replicate (always
     # replicate on CPU, whose memory is not counted).
     sharding: Literal["replicate", "fsdp2", "auto"] = "auto"
+    # Between steps (while the replicas generate), keep the trainer's weights, fp32 master copies,
+    # AdamW moments and KL reference in host memory and empty the GPU's cache; they come back for the
+    # next backward (`core.train.offload`). For `layout: colocated` on GPUs that do not hold a rank's
+    # state and a replica at once (`core.run.plan` says). Replicated ranks only (not fsdp2).
+    offload: bool = False
 
     @model_validator(mode="after")
     def _one_device_per_rank(self) -> ModelTrainer:
         if self.devices is not None and len(self.devices) != self.world_size:
             raise ValueError(f"devices lists {len(self.devices)} devices for world_size {self.world_size}; "
                              "give one per rank")
+        if self.offload and self.sharding == "fsdp2":
+            raise ValueError("offload moves a replicated trainer's state to the host between steps; fsdp2's shards "
+                             "are not offloaded (use sharding replicate, or fsdp2 without offload)")
         if self.sharding == "fsdp2" and self.world_size < 2:
             raise ValueError(f"sharding fsdp2 shards over the ranks and needs world_size >= 2, got {self.world_size}")
         return self
@@ -156,6 +164,10 @@ class EngineConfig(Strict):
     # request). Off by default: a seed per request moves vLLM off its batched sampler onto a per-row
     # loop, and costs the hf engine one draw a row (bench/repeatable_sampling.py, docs/benchmarks.md).
     repeatable_sampling: bool = False
+    # The share of its GPU's total memory a vLLM engine takes for its weights, activations and KV cache
+    # (vLLM's own `gpu_memory_utilization`). 0.4 leaves a colocated trainer rank the rest; a replica
+    # alone on its GPU may take 0.9. `core.run.plan` counts it (`swarm run --dry-run`).
+    gpu_memory_utilization: float = Field(0.4, gt=0, le=1)
 
 
 class ServerConfig(Strict):

@@ -60,9 +60,6 @@ from vllm.v1.executor import Executor  # noqa: E402
 log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: 23k SmolLM2 fp32 tokens (vLLM logs it); beyond, vLLM preempts
-# Share of GPU memory vLLM may take (weights + KV cache): the colocated trainer needs the rest for
-# its own copy of the weights, gradients and AdamW state.
-GPU_MEMORY_UTILIZATION = 0.4
 # vLLM sleep levels: 1 offloads the weights to host memory and drops the KV cache; 2 drops both. A
 # full fine-tune reloads every weight after the step anyway (2); LoRA keeps its frozen base (1).
 SLEEP_LEVEL_FULL, SLEEP_LEVEL_LORA = 2, 1
@@ -126,7 +123,7 @@ class VLLMEngine(WorkerEngine):
             logprobs_mode="processed_logprobs",  # after temperature: the distribution sampled from
             enforce_eager=not on_gpu,  # CUDA graphs pay off on GPU; on CPU compilation only costs start-up
             enable_sleep_mode=self._sleeps,
-            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             kv_cache_memory_bytes=None if on_gpu else CPU_KV_CACHE_BYTES,
             enable_lora=self.lora,
             max_lora_rank=lora_r or 16,

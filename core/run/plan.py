@@ -20,10 +20,14 @@ import torch
 
 from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
 from core.config_io import ConfigError
-from core.train.memory import device_memory_gb, footprint, rank_gb, sharding_of
+from core.engine.devices import child_env, local_device
+from core.train.memory import (DeviceUse, Footprint, device_memory_gb, device_use, footprint, rank_gb, replica_use,
+                               sharding_of)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-REPLICA_ENGINES = ("hf", "vllm")  # the engine kinds a replica process builds (`core.engine.replica_child.build_replica`)
+REPLICA_ENGINES = ("hf", "vllm")
+# The vLLM shares of a GPU a refused plan tries, largest first, to say what would fit.
+UTILIZATION_STEPS = (0.35, 0.3, 0.25, 0.2, 0.15, 0.1)  # the engine kinds a replica process builds (`core.engine.replica_child.build_replica`)
 
 
 class PlacementError(RuntimeError):
@@ -126,19 +130,10 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
     fp = footprint(cfg, m, on_gpu)
     sharding = sharding_of(cfg, m, ranks) if m.trainer.world_size > 1 else "replicate"
     per_rank = rank_gb(fp, sharding)
-    per_device: dict[str, float] = {}
-    for i, d in enumerate(ranks):
-        # An fsdp2 rank 0 also keeps the full weights the engines read (core.train.sharded).
-        extra = fp.replica_gb if sharding == "fsdp2" and i == 0 else 0.0
-        per_device[d] = per_device.get(d, 0.0) + per_rank + extra
-    for d in replicas:
-        per_device[d] = per_device.get(d, 0.0) + fp.replica_gb
-    for d, need in per_device.items():
-        have = device_memory_gb(d)
-        if have is not None and need > have:
-            raise ConfigError(f"{key}: {d} would hold {need:.1f} GB of weights and optimizer state (before "
-                              f"activations and KV cache) but has {have:.1f} GB; use LoRA, trainer.sharding fsdp2, "
-                              "fewer replicas on it, or more devices")
+    if m.trainer.offload and sharding == "fsdp2":
+        raise ConfigError(f"{key}.trainer.offload: sharding auto chose fsdp2 here, whose shards are not offloaded; "
+                          "set trainer.sharding replicate, or drop offload")
+    _check_memory(cfg, key, m, fp, ranks, replicas, per_rank, sharding, set() if ray else set(sleeping_replicas(m, gpus)))
     lora = f", LoRA r={m.lora.r}" if m.lora is not None else ""
     chosen = f"{sharding} (auto)" if m.trainer.sharding == "auto" else sharding
     other = (f"rank 0 + {_size(fp.replica_gb)} of full weights for engines; replicated {_size(fp.rank_gb)}"
@@ -149,7 +144,7 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
     rows = [Placed(f"model {m.name} ({m.source}{lora}): trainer x{m.trainer.world_size} "
                    f"({'nccl' if on_gpu else 'gloo'} data-parallel, sharding {chosen})", where_rank,
                    m.ray.num_cpus if ray else 0.0, m.ray.num_gpus if ray else 0.0,
-                   f"devices {','.join(ranks)}; {memory}")]
+                   f"devices {','.join(ranks)}; {memory}" + ("" if ray else f"; {_processes('rank', ranks, 1)}"))]
     if m.replicas > 1:
         rows.append(Placed(f"model {m.name}: {m.replicas} {cfg.engine.kind} replicas ({m.layout})",
                            f"{m.replicas} Ray actors" if ray else f"{m.replicas} processes here",
@@ -157,8 +152,62 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
                            f"devices {','.join(replicas) if not ray else ('1 GPU each' if on_gpu else 'cpu')}; "
                            "weights synced after each step (" + ("the LoRA adapters" if m.lora is not None else
                                                                  f"{_size(fp.replica_gb)} of weights") + " to each); "
-                           + _sleeping(m, gpus, ray)))
+                           + _sleeping(m, gpus, ray) + ("" if ray else f"; {_processes('replica', replicas, 0)}")))
     return rows
+
+
+def _check_memory(cfg: RunConfig, key: str, m: ModelConfig, fp: Footprint, ranks: list[str], replicas: list[str],
+                  per_rank: float, sharding: str, asleep: set[int]) -> None:
+    """Raise ConfigError for a GPU of this machine whose need in either phase of a step
+    (`core.train.memory.device_use`) exceeds its memory, saying what would fit."""
+    def uses(offload: bool, utilization: float) -> dict[str, DeviceUse]:
+        trainer_on: dict[str, float] = {}
+        for i, d in enumerate(ranks):
+            # An fsdp2 rank 0 also keeps the full weights the engines read (core.train.sharded).
+            extra = fp.replica_gb if sharding == "fsdp2" and i == 0 else 0.0
+            trainer_on[d] = trainer_on.get(d, 0.0) + per_rank + extra
+        replicas_on: dict[str, list[tuple[float, float, bool]]] = {}
+        for j, d in enumerate(replicas):
+            awake, resting = replica_use(fp, cfg.engine.kind, utilization, device_memory_gb(d))
+            replicas_on.setdefault(d, []).append((awake, resting, j in asleep))
+        return {d: device_use(trainer_on.get(d, 0.0), offload, replicas_on.get(d, []))
+                for d in dict.fromkeys([*ranks, *replicas])}
+
+    def too_big(found: dict[str, DeviceUse]) -> list[tuple[str, DeviceUse, float]]:
+        return [(d, u, have) for d, u in found.items() if (have := device_memory_gb(d)) is not None and u.peak_gb > have]
+
+    utilization = cfg.engine.gpu_memory_utilization
+    over = too_big(uses(m.trainer.offload, utilization))
+    if not over:
+        return
+    d, use, have = over[0]
+    fits = []
+    can_offload = not m.trainer.offload and sharding != "fsdp2"
+    candidates = ([(True, utilization)] if can_offload else []) + \
+        [(o, u) for o in ([m.trainer.offload, True] if can_offload else [m.trainer.offload])
+         for u in UTILIZATION_STEPS if cfg.engine.kind == "vllm" and u < utilization and u * have > fp.replica_gb]
+    for offload, u in candidates:
+        if not too_big(uses(offload, u)):
+            change = [f"{key}.trainer.offload: true"] if offload != m.trainer.offload else []
+            change += [f"engine.gpu_memory_utilization: {u:g}"] if u != utilization else []
+            peak = max(x.peak_gb for x in uses(offload, u).values())
+            fits.append(f"with {' and '.join(change)} the fullest GPU would hold {peak:.1f} GB")
+            break
+    hint = fits[0] if fits else "use LoRA, trainer.sharding fsdp2, fewer replicas on it, or more devices"
+    raise ConfigError(f"{key}: {d} would hold {use.peak_gb:.1f} GB ({use.rollout_gb:.1f} GB during rollout, "
+                      f"{use.step_gb:.1f} GB during the step: {'; '.join(use.parts)}; before activations) but has "
+                      f"{have:.1f} GB; {hint}")
+
+
+def _processes(kind: str, devices: list[str], first: int) -> str:
+    """Each process's devices as it sees them (`core.engine.devices`): its GPU alone, as cuda:0. Rank 0
+    (first=1 for ranks) is this process, which sees every GPU."""
+    shown = [f"{kind} 0: this process" for _ in devices[:first]]
+    for i, d in enumerate(devices[first:], start=first):
+        seen = child_env(d)["CUDA_VISIBLE_DEVICES"] if d.startswith("cuda") else ""
+        shown.append(f"{kind} {i}: CUDA_VISIBLE_DEVICES={seen} ({local_device(d)} inside)" if seen
+                     else f"{kind} {i}: no GPU visible")
+    return ", ".join(shown)
 
 
 def _sleeping(m: ModelConfig, gpus: int, ray: bool) -> str:

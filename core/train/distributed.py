@@ -29,7 +29,8 @@ than one. Commands and samples travel to the ranks over a pipe each (`core.train
 starts the rank processes and names a dead one).
 
 `build_trainer` picks this trainer or the FSDP2 one (`core.train.sharded`) by
-`models[].trainer.sharding`. Deliberately not here: sharding itself, a rank on another machine
+`models[].trainer.sharding`, and with `trainer.offload` keeps a replicated trainer's state in host
+memory between steps on every rank (`core.train.offload`). Deliberately not here: sharding itself, a rank on another machine
 (ranks are processes of this one; under Ray placement they live in the model's actor the same way),
 and engines (rank 0's module is what engines read weights from).
 """
@@ -48,6 +49,7 @@ from core.engine.devices import local_device
 from core.engine.groups import process_group
 from core.models import prepare_policy
 from core.train.memory import sharding_of
+from core.train.offload import HostOffload, around, install
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
                               same_outcome, serve)
 from core.train.sharded import ShardedTrainer
@@ -144,9 +146,14 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
         trainer.step_count += 1
         return out
 
-    serve(conn, rank, {"backward": backward, "apply": apply, "discard": trainer.discard,
-                       "load": trainer.load_state_dict,  # weights first ("weights"), then the optimizer over them
-                       "weights": ranks.broadcast_weights})
+    handlers = {"backward": backward, "apply": apply, "discard": trainer.discard,
+                "load": trainer.load_state_dict,  # weights first ("weights"), then the optimizer over them
+                "weights": ranks.broadcast_weights}
+    if mc.trainer.offload and device.startswith("cuda"):  # this rank's GPU is shared with a replica too
+        offload = HostOffload(trainer, device)
+        handlers = {k: around(offload, h, then_host=k != "backward") for k, h in handlers.items()}
+        offload.to_host()
+    serve(conn, rank, handlers)
 
 
 class DistributedTrainer(Trainer):
@@ -211,9 +218,14 @@ def build_trainer(policy: torch.nn.Module, cfg: RunConfig, name: str) -> Trainer
     """The trainer `models[name]` asks for: one process, or `trainer.world_size` data-parallel ranks,
     replicated or FSDP2-sharded (`trainer.sharding`, auto decided by `core.train.memory.sharding_of`)."""
     mc = next(m for m in cfg.models if m.name == name)
-    if mc.trainer.world_size == 1:
-        return Trainer(policy, cfg.trainer, name, lora=mc.lora is not None)
     ranks, _ = model_devices(mc, torch.cuda.device_count())
-    if sharding_of(cfg, mc, ranks) == "fsdp2":
-        return ShardedTrainer(policy, cfg.trainer, mc, ranks)
-    return DistributedTrainer(policy, cfg.trainer, mc, ranks)
+    if mc.trainer.world_size == 1:
+        trainer = Trainer(policy, cfg.trainer, name, lora=mc.lora is not None)
+    elif sharding_of(cfg, mc, ranks) == "fsdp2":
+        return ShardedTrainer(policy, cfg.trainer, mc, ranks)  # offload with fsdp2 is refused by the config
+    else:
+        trainer = DistributedTrainer(policy, cfg.trainer, mc, ranks)
+    device = str(next(policy.parameters()).device)
+    if mc.trainer.offload and device.startswith("cuda"):  # on CPU the state is in host memory already
+        install(trainer, device)
+    return trainer

@@ -5,9 +5,13 @@ GPU this machine has; `sharding_of` uses it to pick replicated or FSDP2 ranks fo
 auto` (it lives in core.train so the trainer can ask it). Counted, per parameter: the weights in their dtype; for a full fine-tune
 the gradients (same dtype), fp32 master copies of low-precision weights (`trainer.master_weights`),
 AdamW's two fp32 moments and, with `kl_coef` > 0, a frozen reference copy; for LoRA only the
-frozen weights (adapters are a rounding error at r <= 64). A replica holds the weights alone.
-Not counted: activations (set by `micro_batch_tokens`) and the KV cache (set by the engine's
-batch and context), so the figures are floors, not a guarantee. The parameter count comes from the
+frozen weights (adapters are a rounding error at r <= 64). A replica holds the weights; a vLLM
+replica also its share of the GPU (`engine.gpu_memory_utilization`: vLLM's weights, activations and
+KV cache), which it frees asleep. A GPU is counted in both phases of a step (`device_use`): rollout
+(replicas awake, the trainer's state resident unless `trainer.offload` moves it to the host) and
+the step (colocated replicas asleep, the trainer's state on the GPU); its need is the larger.
+Not counted: the trainer's activations (set by `micro_batch_tokens`), an hf replica's KV cache, and
+CUDA contexts, so the figures are floors, not a guarantee. The parameter count comes from the
 model's config on the meta device: nothing is loaded or allocated.
 """
 
@@ -65,6 +69,48 @@ def footprint(cfg: RunConfig, mc: ModelConfig, on_gpu: bool) -> Footprint:
     reference = n * w if mc.lora is None and cfg.trainer.kl_coef > 0 else 0  # not sharded: each rank scores with it
     sharded = (rank - reference) / mc.trainer.world_size + reference
     return Footprint(n, w, rank / GB, sharded / GB, n * w / GB)
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """What one GPU holds in the two phases of a step, in GB. rollout: the replicas generate, the trainer
+    waits between steps (its state in host memory with `trainer.offload`); step: the replicas that
+    share a trainer rank's GPU sleep (`core.engine.replicas`), the trainer's state is on the GPU."""
+
+    rollout_gb: float
+    step_gb: float
+    parts: tuple[str, ...]  # what was counted, for the refusal's message
+
+    @property
+    def peak_gb(self) -> float:
+        return max(self.rollout_gb, self.step_gb)
+
+
+def replica_use(fp: Footprint, engine: str, utilization: float, device_gb: float | None) -> tuple[float, float]:
+    """(awake, asleep) GB of one rollout replica on a GPU of `device_gb`. A vLLM replica takes
+    `utilization` of the GPU for its weights, activations and KV cache (vLLM's own budget; unknown
+    device: its weights alone) and frees it asleep; beside it the replica process keeps the module
+    the weight sync fills (`core.engine.replica_child`): a second copy of the weights, awake or not.
+    An hf replica holds its weights alone (its KV cache is not counted) and keeps them asleep."""
+    if engine != "vllm":
+        return fp.replica_gb, fp.replica_gb
+    budget = utilization * device_gb if device_gb is not None else fp.replica_gb
+    return budget + fp.replica_gb, fp.replica_gb
+
+
+def device_use(trainer_gb: float, offload: bool, replicas: list[tuple[float, float, bool]]) -> DeviceUse:
+    """One GPU's phases from what it holds: `trainer_gb` of trainer state (0 without a rank), offloaded
+    to the host during rollout or not, and for each replica on it (awake GB, asleep GB, sleeps during
+    the step)."""
+    awake = sum(a for a, _, _ in replicas)
+    during_step = sum(s if sleeps else a for a, s, sleeps in replicas)
+    resident = 0.0 if offload else trainer_gb
+    parts = []
+    if trainer_gb:
+        parts.append(f"trainer {trainer_gb:.1f} GB" + (" (offloaded during rollout)" if offload else ""))
+    if replicas:
+        parts.append(f"{len(replicas)} replica(s) {awake:.1f} GB awake, {during_step:.1f} GB during the step")
+    return DeviceUse(resident + awake, trainer_gb + during_step, tuple(parts))
 
 
 def rank_gb(fp: Footprint, sharding: str) -> float:

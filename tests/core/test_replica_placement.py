@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -96,7 +99,53 @@ def test_auto_shards_a_7b_full_fine_tune_that_one_80gb_gpu_cannot_hold():
     ({"device": "cpu", "trainer": {"world_size": 1, "sharding": "fsdp2"}}, "needs world_size >= 2"),
     ({"device": "cpu", "lora": {"r": 8}, "trainer": {"world_size": 2, "sharding": "fsdp2"}},
      "models.0.trainer.sharding: fsdp2 shards a full fine-tune"),
+    ({"device": "cpu", "trainer": {"world_size": 2, "sharding": "fsdp2", "offload": True}},
+     "fsdp2's shards are not offloaded"),
 ])
 def test_fsdp2_that_cannot_work_is_refused_naming_the_key(model, match):
     with pytest.raises(ConfigError, match=match):
         plan(load_config({"models": [model]}))
+
+
+QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}  # 7.6e9 parameters
+GPU_GB = 80.0
+
+
+@pytest.fixture
+def two_80gb_gpus(monkeypatch):
+    """Plan for a machine with two 80 GB GPUs, from this one (nothing is allocated: the plan is arithmetic)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("core.run.plan.device_memory_gb", lambda d: GPU_GB if d.startswith("cuda") else None)
+
+
+def colocated_7b(tmp_path, offload: bool):
+    """Qwen2.5-7B's shape, a bf16 full fine-tune with bf16 AdamW moments (no master copies: 8 B a
+    parameter, 61 GB a rank), 2 replicated ranks and 2 vLLM replicas sharing their GPUs."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))
+    return load_config({"engine": {"kind": "vllm", "gpu_memory_utilization": 0.4},
+                        "trainer": {"master_weights": False},
+                        "models": [{"source": str(tmp_path), "device": "cuda", "dtype": "bfloat16",
+                                    "replicas": 2, "layout": "colocated",
+                                    "trainer": {"world_size": 2, "sharding": "replicate", "offload": offload}}]})
+
+
+def test_a_7b_colocated_layout_that_does_not_fit_80gb_is_refused_saying_offload_would(tmp_path, two_80gb_gpus):
+    # Rollout: the rank's 61 GB + vLLM's 0.4 x 80 = 32 GB + the replica's own 15 GB copy = 108 GB.
+    with pytest.raises(ConfigError, match=r"cuda:0 would hold 10[0-9]\.\d GB .*but has 80\.0 GB; "
+                                          r"with models\.0\.trainer\.offload: true the fullest GPU would hold 7\d\.\d GB"):
+        plan(colocated_7b(tmp_path, offload=False))
+
+
+def test_a_7b_colocated_layout_fits_80gb_once_the_trainer_offloads_during_rollout(tmp_path, two_80gb_gpus):
+    # Rollout: 32 + 15 GB of replica; the step: the rank's 61 GB + the sleeping replica's 15 GB copy = 76 GB.
+    text = describe(colocated_7b(tmp_path, offload=True))
+    assert "2 vllm replicas (colocated)" in text
+
+
+def test_dry_run_prints_each_process_s_devices_as_it_sees_them(tmp_path, two_80gb_gpus):
+    text = describe(colocated_7b(tmp_path, offload=True))
+    assert "rank 0: this process, rank 1: CUDA_VISIBLE_DEVICES=1 (cuda:0 inside)" in text
+    assert "replica 0: CUDA_VISIBLE_DEVICES=0 (cuda:0 inside), replica 1: CUDA_VISIBLE_DEVICES=1 (cuda:0 inside)" in text
