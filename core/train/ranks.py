@@ -39,7 +39,8 @@ RANK_TIMEOUT_S = 600.0
 # model, on a loaded 2-core machine about 20 s for the tiny model.
 RANK_START_S = 300.0
 # The sums `Trainer._accumulate` returns that add over ranks; behaviour_diff_max is maxed instead.
-SUMMED = ("loss", "kl", "clipped", "masked", "tokens", "entropy", "behaviour_diff")
+SUMMED = ("loss", "kl", "clipped", "masked", "tokens", "entropy", "behaviour_diff", "masked_out", "ratio",
+          "mismatch_kl")  # the last three: core.train.mismatch
 
 
 class RankError(RuntimeError):
