@@ -28,6 +28,23 @@ TERMINAL: frozenset[str] = frozenset({"finished", "failed", "stopped", "stalled"
 
 # A statistical verdict, as the decision rule (researcher.evidence.decision) gives it and the study keeps it.
 Result = Literal["better", "worse", "inconclusive", "incomplete"]
+# The core's per-step means of what an episode cost (core.run.rollout_metrics): recorded model calls and sampled
+# completion tokens. A harness that buys its score with more compute says so beside every verdict.
+COST_METRICS = {"calls": "episode/calls", "tokens": "episode/tokens"}
+
+
+class Cost(BaseModel):
+    """An arm's calls and completion tokens per episode, averaged over its steps and seeds (None: not logged)."""
+
+    calls: float | None = None
+    tokens: float | None = None
+
+    def fmt(self) -> str:
+        if self.calls is None and self.tokens is None:
+            return f"not logged ({', '.join(COST_METRICS.values())})"
+        calls = f"{self.calls:.3g} calls" if self.calls is not None else "calls not logged"
+        tokens = f"{self.tokens:.4g} tokens" if self.tokens is not None else "tokens not logged"
+        return f"{calls}, {tokens}"
 
 
 class Verdict(BaseModel):
@@ -48,23 +65,35 @@ class Verdict(BaseModel):
     look: int | None = None
     looks: int | None = None
     level: float | None = None
+    # Per episode, what each arm's score cost: the candidate's and its reference's (None: not known when judged).
+    cost: Cost | None = None
+    cost_baseline: Cost | None = None
 
     def json_view(self) -> dict[str, object]:
         """The machine-readable form of `show --json`: result, test, effect, ci, p."""
         return {"result": self.result, "test": self.test, "effect": self.effect, "ci": self.ci,
                 "p": self.p if self.p_adjusted is None else self.p_adjusted}
 
+    def fmt_cost(self) -> str:
+        """Each arm's calls and tokens per episode, or "" when neither arm's is known."""
+        if self.cost is None and self.cost_baseline is None:
+            return ""
+        mine, theirs = (c.fmt() if c else "not known" for c in (self.cost, self.cost_baseline))
+        return f"per episode: {mine} vs {theirs} ({self.baseline or 'the reference'})"
+
     def fmt(self) -> str:
         """One line for reports and history: result, effect with CI, p and the test."""
         if self.effect is None or self.ci is None:
-            return f"{self.result} ({self.reason})" if self.reason else self.result
+            cost = f"; {self.fmt_cost()}" if self.fmt_cost() else ""
+            return (f"{self.result} ({self.reason})" if self.reason else self.result) + cost
         p = self.p_adjusted if self.p_adjusted is not None else self.p
         p_text = f"p={p:.3g}" + (" Holm-adjusted" if self.p_adjusted is not None else "") if p is not None else ""
         look = (f", look {self.look} of {self.looks} at nominal p < {self.level:.3g}"
                 if self.look is not None and self.level is not None else "")
+        cost = f"; {self.fmt_cost()}" if self.fmt_cost() else ""
         return (f"{self.result}: effect {self.effect:+.4g} [95% CI {self.ci[0]:+.4g}, {self.ci[1]:+.4g}], "
                 f"{p_text}, {self.test}, n={self.n} vs {self.n_baseline}{look}"
-                + (f" ({self.reason})" if self.reason else ""))
+                + (f" ({self.reason})" if self.reason else "") + cost)
 
 
 class Confirmation(BaseModel):
@@ -265,6 +294,7 @@ class ExperimentResult(BaseModel):
     # compared with on that seed (analysis.judge), so no arm loses only its seeds that converged early.
     stopped_at: dict[int, int] = Field(default_factory=dict)
     stages: list[Verdict] = Field(default_factory=list)  # each look's verdict when seeds were added in stages
+    cost: Cost | None = None  # calls and tokens per episode over its scored seeds (None: none logged)
     # The mean curve over seeds in numbers a planner can read: start, end, slope (per step),
     # best_step, and the last train/kl, train/entropy and train/clip_frac (analysis.curve_summary).
     curve: dict[str, float] = Field(default_factory=dict)

@@ -27,7 +27,7 @@ from mlflow.tracking import MlflowClient
 from core.mlflow_history import one_per_step
 from researcher.brief.schema import MonitorSettings, Objective
 from researcher.evidence import decision
-from researcher.evidence.judging import judge  # noqa: F401  (re-exported: the study judges through analysis)
+from researcher.evidence.judging import arm_cost, judge  # noqa: F401  (judge re-exported: the study judges through analysis)
 from researcher.evidence.matching import (  # noqa: F401  (re-exported: planners and tests ask analysis)
     baseline_for,
     config_of,
@@ -35,7 +35,7 @@ from researcher.evidence.matching import (  # noqa: F401  (re-exported: planners
     is_reference,
 )
 from researcher.lazy import lazy_module
-from researcher.records import ExperimentResult, Launch, Summary
+from researcher.records import COST_METRICS, Cost, ExperimentResult, Launch, Summary
 
 # scipy.stats loads with the first interval (~1.2 s of CPU): every study process imports this module,
 # and most of them (a restart, a review, a launch) compute none.
@@ -176,6 +176,14 @@ class RunScore:
     score: float | None
     reason: str = ""
     stopped_at: int | None = None  # a plateau stop: the step it was scored at
+    cost: Cost | None = None  # its calls and tokens per episode, averaged over its steps (run_cost)
+
+
+def run_cost(histories: dict[str, History]) -> Cost | None:
+    """A run's calls and tokens per episode, each the mean over the steps it logged them; None: neither logged."""
+    means = {name: statistics.fmean(v for _, v in histories[metric]) if histories.get(metric) else None
+             for name, metric in COST_METRICS.items()}
+    return Cost(**means) if any(v is not None for v in means.values()) else None
 
 
 def run_outcome(launch: Launch, history: History | None, objective: Objective, last_step: int | None = None) -> RunScore:
@@ -273,8 +281,9 @@ def experiment_result(proposal_id: str, launches: list[Launch], outcomes: dict[s
     else:
         status = "failed"
     note = "; ".join(f"seed {s}: {why}" for s, why in sorted(failed.items()))
+    cost = arm_cost([got.cost for s, x in latest.items() if s in scores and (got := outcomes.get(x.key)) is not None])
     return ExperimentResult(proposal_id=proposal_id, status=status, values=values, summary=summary, note=note,
-                            seed_scores=scores, failed_seeds=failed, stopped_at=stopped)
+                            seed_scores=scores, failed_seeds=failed, stopped_at=stopped, cost=cost)
 
 
 # The training diagnostics a curve summary carries besides the objective (DESIGN §3.6 names).

@@ -22,7 +22,16 @@ from researcher.evidence.matching import (
     parent_reference_for,
     root,
 )
-from researcher.records import ExperimentResult, Proposal
+from researcher.records import Cost, ExperimentResult, Proposal
+
+
+def arm_cost(costs: Sequence[Cost | None]) -> Cost | None:
+    """An arm's cost per episode: each part's mean over the runs (or stages) that logged it; None when none did."""
+    known = [c for c in costs if c is not None]
+    if not known:
+        return None
+    parts = {name: [v for c in known if (v := getattr(c, name)) is not None] for name in ("calls", "tokens")}
+    return Cost(**{name: sum(v) / len(v) if v else None for name, v in parts.items()})
 
 
 def _incomplete(r: ExperimentResult) -> str:
@@ -81,17 +90,25 @@ def judge(results: list[ExperimentResult], proposals: list[Proposal], base_value
                                                       incomplete=_incomplete(r))
             verdicts = {k: _noted(v, notes[k]) for k, v in decision.holm(raw, direction).items()}
         for r in group:
-            update: dict[str, object] = {"verdict": verdicts[r.proposal_id]}
+            update: dict[str, object] = {"verdict": _costed(verdicts[r.proposal_id], [r],
+                                                            [base_result] if base_result else [])}
             parent = parent_reference_for(by_id[r.proposal_id], proposals, base_values, default_steps)
             if parent is not None and parent.id in every:
                 cand, ref, note = _pair([r], [every[parent.id]], score_at)
-                update["parent_verdict"] = _noted(decision.compare(cand, ref, direction, baseline_id=parent.id,
-                                                                   incomplete=_incomplete(r)), note)
+                update["parent_verdict"] = _costed(_noted(decision.compare(cand, ref, direction, baseline_id=parent.id,
+                                                                           incomplete=_incomplete(r)), note),
+                                                   [r], [every[parent.id]])
             out[r.proposal_id] = r.model_copy(update=update)
     for r in looks:
         out[r.proposal_id] = r.model_copy(update={"verdict": _look(r, by_id, every, base_values, default_steps,
                                                                    direction, score_at, boundary)})
     return [out[r.proposal_id] for r in results]
+
+
+def _costed(v: decision.Verdict, cand: Sequence[ExperimentResult], ref: Sequence[ExperimentResult]) -> decision.Verdict:
+    """The verdict with each arm's calls and tokens per episode (pooled over a line's stages): a harness that
+    buys its score with more compute says so beside the score."""
+    return v.model_copy(update={"cost": arm_cost([r.cost for r in cand]), "cost_baseline": arm_cost([r.cost for r in ref])})
 
 
 def _baseline_failed(r: ExperimentResult, base: ExperimentResult) -> decision.Verdict:
@@ -137,9 +154,11 @@ def _look(r: ExperimentResult, by_id: dict[str, Proposal], every: dict[str, Expe
     upto = [q for q in line(root(p, proposals), proposals) if q.stage <= p.stage]
     refs = [q for q in line(root(base, proposals), proposals) if q.stage <= p.stage]
     cand_results = [every[q.id] for q in upto if q.id in every]
-    cand, ref, note = _pair(cand_results, [every[q.id] for q in refs if q.id in every], score_at)
+    ref_results = [every[q.id] for q in refs if q.id in every]
+    cand, ref, note = _pair(cand_results, ref_results, score_at)
     planned = tuple(p.looks or [])
     level = sequential.nominal_levels(planned, decision.ALPHA, boundary)[min(p.stage, len(planned)) - 1]
     failed = "; ".join(_incomplete(x) for x in cand_results if x.failed_seeds)
-    verdict = decision.compare(cand, ref, direction, baseline_id=base.id, incomplete=failed, alpha=level)
+    verdict = _costed(decision.compare(cand, ref, direction, baseline_id=base.id, incomplete=failed, alpha=level),
+                      cand_results, ref_results)
     return _noted(verdict, note).model_copy(update={"look": p.stage, "looks": len(planned), "level": level})

@@ -23,7 +23,16 @@ from researcher.brief.schema import Brief
 from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, decision
 from researcher.review.report_stages import stage_lines
-from researcher.records import CodeVersion, Decision, ExperimentResult, IgnoredChange, Launch, Proposal, SwapResult
+from researcher.records import (
+    CodeVersion,
+    Cost,
+    Decision,
+    ExperimentResult,
+    IgnoredChange,
+    Launch,
+    Proposal,
+    SwapResult,
+)
 from researcher.review import report_html
 from researcher.review.plain import cell, fenced, markdown, plain
 from researcher.review.views import (
@@ -315,7 +324,11 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
                          for x in launches if x.proposal_id == p.id) or "-"
         r = results.get(p.id)
         score = (r.summary.fmt() if r and r.summary else "-") + (f" ({r.status})" if r and r.status != "ok" else "")
+        if r and r.summary:  # what the score cost: a harness that buys it with more compute says so
+            score += f"; per episode: {r.cost.fmt() if r.cost else Cost().fmt()}"
         verdict = (r.verdict.fmt() if r and r.verdict else ("reference (baseline)" if r and r.status == "ok" else "-"))
+        if r and r.parent_verdict:
+            verdict += f"; against its parent {p.parent}: {r.parent_verdict.fmt()}"
         if r and r.confirmation:
             verdict += f"; confirmation {r.confirmation.fmt()}"
         lines.append(f"| {p.id} | {_text(p.hypothesis)} | {_text(p.diff_text(base_flat))} | "

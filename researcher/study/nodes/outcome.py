@@ -12,11 +12,12 @@ onto the comparison it extends (`researcher.evidence.stages`, `researcher.eviden
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, judging, matching, pairing, stages
-from researcher.records import ExperimentResult, Launch, Proposal
+from researcher.records import COST_METRICS, ExperimentResult, Launch, Proposal
 from researcher.review.report import write_report
 from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
 
@@ -25,14 +26,15 @@ class OutcomeNodes(NodeBase):
     def _read(self, launches: list[Launch]) -> tuple[dict[str, analysis.RunScore], dict[str, list[dict[str, Any]]]]:
         """Each launch's outcome, and the metric histories of each proposal's finished runs."""
         objective = self.ctx.brief.objective
-        metrics = [objective.metric, "train/loss", *analysis.CURVE_DIAGNOSTICS.values()]
+        metrics = [objective.metric, "train/loss", *analysis.CURVE_DIAGNOSTICS.values(), *COST_METRICS.values()]
         outcomes: dict[str, analysis.RunScore] = {}
         curves: dict[str, list[dict[str, Any]]] = {}
         for x in launches:
             plateau = x.status == "stopped" and x.reason.startswith(analysis.PLATEAU)  # scored at its stop
             if (x.status == "finished" or plateau) and x.run_id:
                 run = analysis.read_run(self.ctx.client, x.run_id, metrics)
-                outcomes[x.key] = analysis.run_outcome(x, run.histories[objective.metric], objective, run.last_step)
+                outcome = analysis.run_outcome(x, run.histories[objective.metric], objective, run.last_step)
+                outcomes[x.key] = replace(outcome, cost=analysis.run_cost(run.histories))
                 curves.setdefault(x.proposal_id, []).append(run.histories)
             else:
                 outcomes[x.key] = analysis.run_outcome(x, None, objective)
