@@ -445,3 +445,112 @@ def test_with_tmpdir_outside_tmp_a_sibling_sandboxs_forwarder_socket_stays_invis
         shutil.rmtree(tmpdir, ignore_errors=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1", done.stdout  # its own socket, and not the sibling's
+
+
+class _CountingServer(http.server.ThreadingHTTPServer):
+    """The stand-in swarm server, counting the connections it holds open now and at most (its descriptors)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Recorder)
+        self.lock, self.live, self.peak = threading.Lock(), 0, 0
+
+    def process_request_thread(self, request, client_address) -> None:
+        with self.lock:
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.lock:
+                self.live -= 1
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a connection the forwarder closed mid-request: expected here
+
+
+def _forwarder(sock: Path, url: str, *options: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-I", str(contain.FORWARDER), "--socket", str(sock), "--upstream", url,
+                             *options], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc
+
+
+HALF = b"POST /swarm/v1/episodes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+WHOLE = b"POST /swarm/v1/episodes HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def _honest_call(sock: Path) -> bytes:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(20)
+        s.connect(str(sock))
+        s.sendall(WHOLE)
+        return s.recv(64)
+
+
+def test_a_half_open_flood_leaves_an_honest_client_working_and_the_servers_descriptors_bounded(tmp_path):
+    # Requests that sent their head and one byte of body, then closed, held a server connection for good (no body
+    # or response timeout, the close not passed on): 1350 took all 1024 of the server's descriptors.
+    httpd = _CountingServer()
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    flooded, honest = tmp_path / "flooded.sock", tmp_path / "honest.sock"
+    attacked = _forwarder(flooded, url, "--max-connections", "32", "--body-idle-s", "2")
+    clean = _forwarder(honest, url)
+    held: list[socket.socket] = []
+    try:
+        for i in range(150):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(flooded))
+            s.sendall(HALF)
+            if i % 2:
+                s.close()  # abandoned: its server connection must close with it
+            else:
+                held.append(s)  # half-open: held until the body timeout
+        answers = [_honest_call(honest) for _ in range(5)]  # another sandbox's client, during the flood
+        time.sleep(1.0)
+        during = httpd.live
+        refused = 0
+        for s in held:
+            s.settimeout(0.2)  # a 503 is there at once; a request within the cap is still waiting for its body
+            try:
+                refused += s.recv(64).startswith(b"HTTP/1.1 503")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 15
+        while httpd.live and time.monotonic() < deadline:
+            time.sleep(0.1)
+        after = httpd.live
+    finally:
+        for s in held:
+            s.close()
+        for proc in (attacked, clean):
+            proc.kill()
+            proc.wait(timeout=30)
+        httpd.shutdown()
+    assert all(a.startswith(b"HTTP/1.0 200") or a.startswith(b"HTTP/1.1 200") for a in answers), answers
+    assert httpd.peak <= 32 + 1, f"the server held {httpd.peak} connections at once"  # the cap, and the honest one
+    assert during <= 32 and refused >= 1, (during, refused)  # past the cap: 503
+    assert after == 0, f"{after} server connections outlived their stalled clients"
+    assert len(attacked.stderr.read()) < 20_000  # its log is rate-limited
+
+
+def test_a_content_length_of_anything_but_ascii_digits_is_refused():
+    for value in ("\u00b2", "1\u00b2", "\u0661\u0662", "+5", "5 5", "0x10", ""):
+        with pytest.raises(forwarder.Refused, match="ASCII digits"):
+            forwarder.parse_head(f"POST /v1/completions HTTP/1.1\r\nContent-Length: {value}\r\n\r\n".encode("utf-8"))
+    with pytest.raises(forwarder.Refused, match="one Content-Length"):  # two lengths: request smuggling
+        forwarder.parse_head(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 20\r\n\r\n")
+
+
+def test_the_forwarders_log_is_rate_limited_and_bounded_in_total(capsys):
+    log = forwarder.Log(burst=5, window_s=60, total=12)
+    for i in range(1000):
+        log.line(f"line {i}", now=float(i // 100) * 60)  # ten windows of 100 lines each
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 12 and lines[:5] == [f"line {i}" for i in range(5)], lines
+    assert lines[5] == "swarm forwarder: 95 more line(s) left out in the last 60 s", lines
+    assert lines[-1] == "swarm forwarder: 12 lines logged; no more from this forwarder", lines
