@@ -126,13 +126,26 @@ def _routes(gw: _Gateway, wire, handle, x_api_key: bool):
 
     async def keyed(request: Request):
         episode = gw.episode_from_key(request, x_api_key)
-        return await handle(await gw.bodies.read(request, wire), episode)
+        return await _answered(request, handle(await gw.bodies.read(request, wire), episode))
 
     async def by_path(secret: str, request: Request):
         episode = gw.server.registry.by_path(secret)
-        return await handle(await gw.bodies.read(request, wire), episode)
+        return await _answered(request, handle(await gw.bodies.read(request, wire), episode))
 
     return keyed, by_path
+
+
+async def _answered(request: Request, handled):
+    """A route's answer; an unexpected failure answered here as a logged 500 in the route's shape. Not left
+    to the app's handler for `Exception`: Starlette re-raises after it answers, and uvicorn then closes
+    the keep-alive connection, so the client's next request on it failed (ECONNRESET)."""
+    try:
+        return await handled
+    except (Refusal, RequestValidationError, StarletteHTTPException):
+        raise  # the app's handlers render these, and the connection stays open
+    except Exception as e:  # noqa: BLE001 - answered, not raised: see above
+        log.exception("unhandled error")
+        return error_response(request.url.path, Refusal(500, f"internal error: {type(e).__name__}", "internal_error"))
 
 
 class _Gateway:

@@ -2,7 +2,8 @@
 
 Over real HTTP with the tiny model, in an episode: each such body is a 400 naming where, in the
 server process and in the child that parses bodies over 1 MiB; the episode records no call and the
-server counts none; and the keep-alive connection that carried the refused request serves the next.
+server counts none; and the keep-alive connection that carried the refused request serves the next,
+as it does after an unexpected failure (a 500).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from urllib.parse import urlparse
 import pytest
 
 from core.clients.sdk import SwarmClient
+from core.engine.null import NullEngine
+from core.models import build_tiny
 from core.serve.bodies import CHILD_BYTES, MAX_DEPTH
+from core.serve.chat import ChatRenderer
+from core.serve.state import Policy
 
 DEEP = 3000  # levels: past Python's recursion limit, where json and pydantic raised RecursionError (a 500)
 BASE = {
@@ -90,4 +95,31 @@ def test_the_connection_that_carried_a_refused_body_serves_the_next_request(live
     served = conn.getresponse()
     served.read()
     assert served.status == 200 and conn.sock is sock  # the same connection, not a reconnect
+    conn.close()
+
+
+class _Broken(NullEngine):
+    """An engine with a bug: every generation raises something no handler expects."""
+
+    async def generate(self, prompt_ids, params, on_token=None):
+        raise RuntimeError("a bug")
+
+
+def test_the_connection_that_carried_a_500_serves_the_next_request(live_server):
+    model, tok = build_tiny()
+    server = live_server({"policy": Policy("policy", model, tok, ChatRenderer(tok), _Broken(tok, 2048)),
+                          "other": Policy("other", model, tok, ChatRenderer(tok), NullEngine(tok, 2048))})
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(BASE["chat/completions"]).encode(),
+                 {"Content-Type": "application/json"})
+    failed = conn.getresponse()
+    body = json.loads(failed.read())
+    sock = conn.sock
+    assert failed.status == 500 and body["error"]["code"] == "internal_error" and not failed.will_close
+    conn.request("POST", "/v1/chat/completions", json.dumps({**BASE["chat/completions"], "model": "other"}).encode(),
+                 {"Content-Type": "application/json"})
+    served = conn.getresponse()
+    served.read()
+    assert served.status == 200 and conn.sock is sock
     conn.close()
