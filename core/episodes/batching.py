@@ -32,12 +32,13 @@ class Batch:
     # whether the refill cap let tied groups into this batch.
     filtered: dict[str, int] = field(default_factory=dict)
     capped: bool = False
+    sieved: bool = False  # assembled under dynamic sampling
 
     def metrics(self) -> dict[str, float]:
-        """`train/groups_filtered` and each sandbox's filtered share (of its groups this batch saw); empty
-        without dynamic sampling."""
-        if not self.filtered and not self.capped:
-            return {}
+        """`train/groups_filtered` (DESIGN §3.6: always, 0 without dynamic sampling) and, under it, each
+        sandbox's filtered share (of its groups this batch saw) and whether the refill cap was reached."""
+        if not self.sieved:
+            return {"train/groups_filtered": 0.0}
         trained: dict[str, int] = {}
         for g in self.groups:
             trained[g[0].sandbox] = trained.get(g[0].sandbox, 0) + 1
@@ -100,7 +101,7 @@ class Sieve:
             self.filtered[g[0].sandbox] = self.filtered.get(g[0].sandbox, 0) + 1
 
     def take(self, batch: Batch, capped: bool) -> Batch:
-        batch.filtered, batch.capped, self.filtered = self.filtered, capped, {}
+        batch.filtered, batch.capped, batch.sieved, self.filtered = self.filtered, capped, True, {}
         return batch
 
 

@@ -66,7 +66,8 @@ def test_without_the_filter_a_tied_group_takes_a_slot():
     signal, tied = group([1.0, 0.0]), group([1.0, 1.0])
     queue.ready += [signal, tied]
     batch = queue.take()
-    assert batch is not None and batch.groups == [signal, tied] and batch.metrics() == {}
+    assert batch is not None and batch.groups == [signal, tied]
+    assert batch.metrics() == {"train/groups_filtered": 0.0}
 
 
 def test_after_max_refills_tied_groups_in_a_row_the_batch_trains_what_it_has_and_says_so():
