@@ -42,7 +42,6 @@ import os
 import resource
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from urllib.parse import urlsplit, urlunsplit
 from core.contain.memory_cgroup import memory_cgroup
 from core.contain.namespaces import system_args, user_namespace_refusal
 from core.contain.process_count import pids_cgroup, remove_cgroup, user_processes
+from core.contain.sockets import net_folder, net_root
 from core.local_state import token_files
 from core.config import ContainLimits, ContainMode
 from core.config_io import ConfigError, is_secret
@@ -210,28 +210,6 @@ def masked_paths(extra: Sequence[Path] = ()) -> list[Path]:
                                *map(Path, extra)]))
 
 
-def net_root() -> Path:
-    """The folder that holds every forwarder socket folder of this user (one per contained start): masked in
-    every sandbox, which gets only its own socket's folder bound back, so no sandbox reaches a sibling's
-    forwarder whatever $TMPDIR is (a private /tmp hides nothing when TMPDIR points elsewhere, as under Slurm)."""
-    return Path(tempfile.gettempdir()) / f"swarmrl-net-{os.getuid()}"
-
-
-def _net_folder() -> Path:
-    """A fresh 0700 folder for one forwarder's socket, under `net_root()`: made 0700 by us, or refused when
-    someone else made it (another user on a shared TMPDIR could otherwise watch or swap the sockets)."""
-    root = net_root()
-    try:
-        root.mkdir(mode=0o700)
-    except FileExistsError:
-        pass
-    info = root.lstat()
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise OSError(f"{root} is not a private folder of this user (a link, another user's, or open to others): "
-                      "remove it, or point TMPDIR elsewhere")
-    return Path(tempfile.mkdtemp(prefix="swarmrl-net-", dir=root))
-
-
 def inner_url(url: str) -> str:
     """The URL by which contained code reaches the swarm server at `url`: the relay's port on its own loopback
     (the same port, so a 127.0.0.1 URL reads the same inside), or `url` itself without bubblewrap."""
@@ -324,7 +302,7 @@ def popen_contained(argv: Sequence[str], cwd: Path, *, writable: Sequence[Path] 
     nproc = user_processes() + limits.processes
     group = pids_cgroup(limits.processes) if os.getuid() == 0 else None
     memory = _memory_bound(limits.memory)
-    net = _net_folder() if server and bwrap() is not None else None  # 0700
+    net = net_folder() if server and bwrap() is not None else None  # 0700
     if net is not None:
         argv = [inner_url(server) if a == server else a for a in argv]
     port = urlsplit(inner_url(server)).port if net is not None else 0
