@@ -281,6 +281,12 @@ class ProcessEngine(ReplicaHandle):
             self.proc.join()
         self._sender.close()
 
+    def _on_beat(self, version: int, load: EngineLoad) -> None:
+        """A heartbeat: alive now, with its load. Its version only ever moves the recorded one forward: a
+        beat the child sent just before a sync's answer can arrive after it, one version back."""
+        self._beat = time.monotonic()
+        self.version, self._load = max(self.version, version), load
+
     # -- the pipe ----------------------------------------------------------------------------------
     def _send(self, *msg: Any) -> None:
         try:
@@ -323,8 +329,7 @@ class ProcessEngine(ReplicaHandle):
                 self.version = msg[2]
                 self._ready.set()
             elif kind == "beat":
-                self._beat = time.monotonic()
-                self.version, self._load = msg[1], EngineLoad(**msg[2])
+                self._on_beat(msg[1], EngineLoad(**msg[2]))
             elif kind in ("done", "error", "tok"):
                 entry = self._pending.get(msg[1])
                 if entry is None:

@@ -278,6 +278,17 @@ def test_a_replica_that_hangs_after_taking_the_weights_is_restarted_and_the_run_
     assert _digests_match(engine, model)
 
 
+def test_a_heartbeat_sent_before_a_sync_never_reports_the_replica_one_version_back(replicas):
+    engine, model, _, _ = replicas
+    _wait_all_healthy(engine)
+    target = engine.version + 1
+    _perturb(model)
+    engine.resume(target)
+    replica = engine.replicas[0]
+    replica._on_beat(target - 1, replica.load())  # the beat the child sent just before it took the sync
+    assert replica.version == target and engine.status()[0]["version"] == target
+
+
 @pytest.fixture(scope="module")
 def lora_replicas():
     cfg = load_config({"models": [{"device": "cpu", "replicas": 2, "lora": {"r": 4, "alpha": 8}}],
