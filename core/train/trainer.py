@@ -393,4 +393,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per GPU the saver saw; a resume on fewer GPUs (or one pinned process seeing one)
+        # takes those it has, on more GPUs the rest keep their seeding: never an index past either.
+        for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(saved, index)
