@@ -11,6 +11,7 @@ from filelock import FileLock
 from core.serve.chat import ChatRenderer
 from core.config_io import load_config
 from core.engine.factory import make_engine
+from core.episodes.wire import ClientGrant
 from core.models import build_tiny
 from core.serve.server import Policy, Server
 
@@ -49,6 +50,15 @@ def serve_policies(policies: dict[str, Policy] | None = None, **overrides) -> Se
     server = Server(cfg, policies=policies)
     server.start()
     return server
+
+
+def credential(server: Server, sandbox: str = "default", *, version: str = "", kind: str = "train",
+               split: str = "train", group_size: int | None = None, concurrency: int = 1, seed: str | None = None) -> str:
+    """A client credential `server` issued (as a run does for each client it launches), for a test that opens
+    episodes itself on a server that takes no anonymous opens: `SwarmClient(url, credential=...)`."""
+    return server.credentials.issue(ClientGrant(sandbox=sandbox, version=version, kind=kind, split=split,
+                                                group_size=group_size or server.cfg.trainer.group_size,
+                                                concurrency=concurrency, seed=seed))
 
 
 def tiny_policy(model, tok, name: str = "policy", engine: str = "hf") -> Policy:

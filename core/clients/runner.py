@@ -39,6 +39,7 @@ from core.clients.sandbox import Agent, Outcome, load_agent
 from core.sandbox.folder import task_order
 from core.clients.task_index import TaskIndex
 from core.contain.contained import host_pid
+from core.episodes.credentials import GRANT_ENV
 from core.clients.pid_file import PidFile
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ MAX_CONSECUTIVE_FAILURES = 20
 # How long one swarm call of a runner keeps retrying a server it cannot connect to; the failure count
 # and backoff across episodes then decide how long the whole client waits for the server to return.
 UNREACHABLE_S = 5.0
+# A person's admin token for their own `swarm client` (as `core.run.server_files.ADMIN_TOKEN_ENV`, which the
+# client package may not import): with it, and no credential from a run, the client issues its own.
+PERSON_TOKEN_ENV = "SWARMRL_ADMIN_TOKEN"
 # The drain bound before any episode has told us its lease: the server's default `server.lease_s`.
 DRAIN_FALLBACK_S = 60.0
 DRAIN_POLL_S = 0.5  # how often an unbounded drain (the episode budget is spent) checks for a stop request
@@ -81,16 +85,18 @@ async def run_agent(
     client_id: str | None = None,
     episode_timeout_s: float | None = None,
     seed: int | str | None = None,
+    credential: str | None = None,
 ) -> RunnerStats:
     """Keep `concurrency` episodes in flight until `stop` is set or the episode/task budget is spent.
     `episode_timeout_s`: each rollout's deadline (None: EPISODE_TIMEOUT_S, 0: none). `seed`: the train
     split's tasks are drawn in an order shuffled by it, a new one each pass (None, and other splits: as yielded).
+    `credential`: the client credential its run issued it (None: `$SWARMRL_CLIENT_GRANT`, `core.clients.sdk`).
 
     Raises `ClientGaveUp` after `max_consecutive_failures` failed episodes in a row (0: never)."""
     stop = stop or asyncio.Event()
     stats = stats or RunnerStats()
     client = SwarmClient(url, client_id=client_id or f"{agent.name}-{host_pid()}", client_version=agent.version,
-                         unreachable_s=UNREACHABLE_S)
+                         unreachable_s=UNREACHABLE_S, credential=credential)
     gate = FailureGate(max_consecutive_failures)
     slots = asyncio.Semaphore(concurrency)
     running: set[asyncio.Task] = set()
@@ -299,6 +305,17 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
                 group_size = probe.status()["trainer"]["group_size"]
             finally:
                 probe.close()
+        if not os.environ.get(GRANT_ENV) and os.environ.get(PERSON_TOKEN_ENV):
+            # A person's `swarm client` (no run launched it): its own credential, issued with the admin token it
+            # was given, bound to what its command line says; a server that trains takes no anonymous opens.
+            grant = {"sandbox": agent.name, "version": agent.version, "kind": kind, "split": split,
+                     "group_size": group_size, "concurrency": concurrency, "seed": seed}
+            issuer = SwarmClient(url, unreachable_s=UNREACHABLE_S, credential="")
+            try:
+                os.environ[GRANT_ENV] = issuer.call("POST", "/admin/credentials", grant,
+                                                    key=os.environ[PERSON_TOKEN_ENV])["credential"]
+            finally:
+                issuer.close()
         registration = Registration(url, {
             "client_id": client_id, "sandbox": agent.name, "version": agent.version, "pid": host_pid(),
             "host": socket.gethostname(), "kind": kind, "group_size": group_size, "concurrency": concurrency,

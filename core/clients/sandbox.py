@@ -81,6 +81,18 @@ def load_agent(spec: str, roots: Sequence[Path] | Path | None = None) -> Agent:
     return _agent_from(module, spec.rsplit(".", 1)[-1], version, None)
 
 
+def code_version(spec: str) -> str:
+    """The code version `load_agent(spec).version` reports, without importing the agent: a run binds its
+    isolated clients' credentials to it before they start (`core.episodes.credentials`). `spec`: a
+    located folder, or an importable module (its source file's hash)."""
+    folder = Path(spec)
+    if folder.is_dir():
+        return _folder_version(folder)
+    found = importlib.util.find_spec(spec)
+    src = Path(found.origin) if found is not None and found.origin else None
+    return hashlib.sha1(src.read_bytes()).hexdigest()[:12] if src is not None and src.is_file() else "unknown"
+
+
 def _import_file(path: Path, module_name: str):
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:  # not a Python source file (`entry = "data.txt"`)

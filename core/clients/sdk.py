@@ -34,6 +34,8 @@ from typing import Any
 import httpx
 import openai
 
+from core.episodes.credentials import GRANT_ENV, GRANT_HEADER
+
 log = logging.getLogger(__name__)
 
 RETRY_DEADLINE_S = 300.0  # how long a swarm call waits out a paused or busy server (503) before giving up
@@ -143,14 +145,21 @@ class _Retry:
 
 class SwarmClient:
     def __init__(self, url: str, client_id: str | None = None, client_version: str = "",
-                 deadline_s: float = RETRY_DEADLINE_S, unreachable_s: float | None = None):
-        """`unreachable_s`: how long a call retries a server it cannot connect to (default: `deadline_s`)."""
+                 deadline_s: float = RETRY_DEADLINE_S, unreachable_s: float | None = None,
+                 credential: str | None = None):
+        """`unreachable_s`: how long a call retries a server it cannot connect to (default: `deadline_s`).
+        `credential`: the client credential its run or `swarm swap` issued (default: `$SWARMRL_CLIENT_GRANT`),
+        sent as `X-Swarm-Grant` on every swarm route; the server binds what this client may open to it."""
         self.url = url.rstrip("/")
+        self.credential = credential if credential is not None else os.environ.get(GRANT_ENV, "")
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}"
         self.client_version = client_version
         self.deadline_s = deadline_s
         self.unreachable_s = deadline_s if unreachable_s is None else unreachable_s
         self._http = httpx.Client(timeout=30.0, verify=tls_context())
+
+    def grant_header(self) -> dict[str, str]:
+        return {GRANT_HEADER: self.credential} if self.credential else {}
 
     def retry(self, path: str, deadline_s: float | None = None) -> _Retry:
         deadline = self.deadline_s if deadline_s is None else deadline_s
@@ -160,7 +169,7 @@ class SwarmClient:
              key: str | None = None) -> dict:
         """A swarm route with retries on connection errors and 503; `key`: the episode key, sent as bearer."""
         retry = self.retry(path, deadline_s)
-        headers = _bearer(key)
+        headers = {**_bearer(key), **self.grant_header()}
         while True:
             try:
                 resp = self._http.request(method, f"{self.url}/swarm/v1{path}", json=json, headers=headers)
@@ -326,7 +335,7 @@ class AsyncEpisode(_EpisodeBase):
     async def call(self, path: str, json: dict | None = None, deadline_s: float | None = None,
                    key: str | None = None) -> dict:
         retry = self.client.retry(path, deadline_s)
-        headers = _bearer(key)
+        headers = {**_bearer(key), **self.client.grant_header()}
         while True:
             try:
                 resp = await self._http.post(f"{self.client.url}/swarm/v1{path}", json=json, headers=headers)

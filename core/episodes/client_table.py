@@ -48,6 +48,7 @@ class Registration:
     registered_at: float
     last_seen: float
     draining: bool = False
+    owner: str = ""  # the public id of the credential that registered it ("" without one: `core.episodes.credentials`)
 
     def view(self, now: float) -> dict:
         return {**self.info.model_dump(), "state": "draining" if self.draining else "serving",
@@ -64,15 +65,16 @@ class ClientTable:
     _clients: dict[str, Registration] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def register(self, req: RegisterClient, key: str) -> ClientOrders:
+    def register(self, req: RegisterClient, key: str, owner: str = "") -> ClientOrders:
         """A registration or its heartbeat. A known id needs its key (401); an unknown one is new (the
-        server restarted, or the client fell silent past the TTL) and gets a fresh key."""
+        server restarted, or the client fell silent past the TTL) and gets a fresh key. `owner`: the public
+        id of the credential it registers with (its opens' client id is then its own)."""
         with self._lock:
             now = self.clock()
             self._forget_silent(now)
             reg = self._clients.get(req.client_id)
             if reg is None:
-                reg = Registration(req, "swc-" + secrets.token_urlsafe(18), now, now)
+                reg = Registration(req, "swc-" + secrets.token_urlsafe(18), now, now, owner=owner)
                 self._clients[req.client_id] = reg
             elif not same_secret(key, reg.key):
                 raise Refusal(401, f"client {req.client_id} is registered: its heartbeat needs the key it got",
@@ -170,11 +172,19 @@ class ClientTable:
             self._forget_silent(self.clock())
             return len(self._clients)
 
-    def listing(self) -> list[dict]:
+    def owner_of(self, client_id: str) -> str | None:
+        """The credential id that registered `client_id` (None: not registered, or registered without one)."""
+        with self._lock:
+            reg = self._clients.get(client_id)
+            return reg.owner or None if reg is not None else None
+
+    def listing(self, owner: str | None = None) -> list[dict]:
+        """Every registration, or only those `owner` (a credential id) made: a client sees its own only."""
         with self._lock:
             now = self.clock()
             self._forget_silent(now)
-            return [r.view(now) for r in sorted(self._clients.values(), key=lambda r: r.registered_at)]
+            return [r.view(now) for r in sorted(self._clients.values(), key=lambda r: r.registered_at)
+                    if owner is None or r.owner == owner]
 
     def _forget_silent(self, now: float) -> None:
         for cid in [c for c, r in self._clients.items() if now - r.last_seen > CLIENT_TTL_S]:

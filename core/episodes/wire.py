@@ -126,3 +126,30 @@ class SwapRecord(BaseModel):
     at: float  # unix seconds
     ab: bool = False  # an A/B start: from_versions keep serving beside to_version until the loser drains
     step: int | None = None  # the trainer step when it happened (set by the run; None without a trainer)
+
+
+# -- client credentials (issue 38.1): who a client is, as its run or `swarm swap` declared it -------------------
+
+
+class ClientGrant(BaseModel):
+    """What a client credential binds: what the run config (or `swarm swap`) says its client process is.
+
+    An episode opened with the credential takes these values; an open or a registration that states
+    anything else is a 403 naming the field (`core.episodes.credentials`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    sandbox: str = Field(min_length=1, max_length=128)  # the one sandbox its episodes may name
+    version: str = Field("", max_length=256)  # its code version (the sandbox folder's commit or hash)
+    kind: Literal["train", "eval", "debug"] = "train"  # debug only in a grant a person (the admin token) made
+    split: str = Field("train", min_length=1, max_length=64)
+    group_size: int = Field(ge=1, le=1024)
+    concurrency: int = Field(1, ge=1)  # episodes it keeps in flight (its registration must say the same)
+    seed: str | None = Field(None, max_length=256)  # its task-order seed (its registration must say the same)
+    models: list[str] = Field(default_factory=list, max_length=64)  # the models its run serves it ([]: every one)
+
+
+class CredentialIssued(BaseModel):
+    """The answer to `POST /swarm/v1/admin/credentials`: the secret a client sends as `X-Swarm-Grant`."""
+
+    credential: str  # hand it to the client process only (`SWARMRL_CLIENT_GRANT`); the server keeps its grant
+    grant: ClientGrant

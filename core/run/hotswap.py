@@ -48,6 +48,8 @@ from pathlib import Path
 from core.contain.contained import CLIENT_ENV, Contained, popen_contained, require_bwrap
 from core.clients.sdk import SwarmClient, SwarmError
 from core.clients.sandbox import load_agent
+from core.episodes.credentials import GRANT_ENV
+from core.episodes.wire import ClientGrant
 from core.sandbox.folder import locate, safe_name
 from core.local_state import pid_dir, token_files
 from core.run.client_command import ClientSpec
@@ -89,7 +91,13 @@ class _Admin:
         self.http, self.token = SwarmClient(url, deadline_s=30.0, unreachable_s=10.0), token
 
     def clients(self, sandbox: str) -> list[dict]:
-        return [c for c in self.http.status().get("clients", []) if c["sandbox"] == sandbox]
+        """The sandbox's registered clients (other clients' ids and versions: the admin token's to read)."""
+        status = self.http.call("GET", "/status", key=self.token)
+        return [c for c in status.get("clients", []) if c["sandbox"] == sandbox]
+
+    def credential(self, grant: ClientGrant) -> str:
+        """A client credential bound to `grant`, for the client this swap starts (`core.episodes.credentials`)."""
+        return self.http.call("POST", "/admin/credentials", grant.model_dump(), key=self.token)["credential"]
 
     def drain(self, sandbox: str, ids: list[str], successor: str = "", ab: bool = False) -> dict | None:
         try:
@@ -146,7 +154,7 @@ def _probe(spec: str, python: str) -> tuple[str, str]:
     return name, version
 
 
-def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: int | None,
+def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: int | None, credential: str,
            contain: ContainMode = "off", run_folder: Path | None = None) -> _NewClient:
     client_id = f"{name}-{socket.gethostname()}-swap-{secrets.token_hex(3)}"
     client = ClientSpec(python, spec, url, client_id=client_id, concurrency=concurrency or old["concurrency"],
@@ -156,7 +164,8 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
     with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
         if contain == "off":
             proc = subprocess.Popen(client.to_argv(), start_new_session=True, stdout=log_file,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, GRANT_ENV: credential})
             return _NewClient(client_id, proc, log_path)
         workdir = log_path.with_suffix("")  # beside its log: what it may write, and its HOME
         workdir.mkdir(exist_ok=True)
@@ -166,7 +175,8 @@ def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: 
         started = popen_contained(client.to_argv(), workdir, writable=[workdir], readable=folder, detached=True,
                                   scratch=workdir / ".home", limits=ContainmentConfig().limits,
                                   hidden=token_files(run_folder), server=url,
-                                  extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
+                                  extra_env={**{k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
+                                             GRANT_ENV: credential},
                                   stdout=log_file, stderr=subprocess.STDOUT)
     return _NewClient(client_id, started.proc, log_path, started)
 
@@ -236,7 +246,12 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
         admin.drain(name, [])  # checks the token: a wrong one must not leave two clients running
         if ab and concurrency is None:  # as many episodes in flight as all the old clients: a 50/50 split
             concurrency = sum(c["concurrency"] for c in old)
-        new = _start(spec, python, url, name, old[0], concurrency, contain, _run_folder(server))
+        # The new client's credential binds what the old one's registration says, with the new code's version.
+        first = old[0]
+        credential = admin.credential(ClientGrant(
+            sandbox=name, version=version, kind=first["kind"], split=first.get("split", "train"),
+            group_size=first["group_size"], concurrency=concurrency or first["concurrency"], seed=first.get("seed")))
+        new = _start(spec, python, url, name, first, concurrency, credential, contain, _run_folder(server))
         log.info("started the new client %s (pid %d, version %s); waiting for it to register", new.client_id,
                  new.proc.pid, version)
         if not _until(lambda: _proven(admin.clients(name), new.client_id), register_timeout_s, new):

@@ -43,7 +43,7 @@ from core.episodes.errors import Refusal
 from core.episodes.batching import Batch, Sieve
 from core.records import Episode
 from core.clients.runner import run_agent
-from core.clients.sandbox import load_agent
+from core.clients.sandbox import code_version, load_agent
 from core.sandbox.folder import locate, sandbox_roots
 from core.serve.server import Server
 from core.run.client_command import ClientSpec
@@ -51,7 +51,8 @@ from core.run.supervisor import Supervisor
 from core.run.rollout_metrics import RolloutMeter
 from core.run.telemetry import Telemetry
 from core.contain.venvs import client_python
-from core.episodes.wire import SwapRecord
+from core.episodes.credentials import GRANT_ENV
+from core.episodes.wire import ClientGrant, SwapRecord
 from core.train.distributed import build_trainer
 from core.train.outcome import StepOutcome
 from core.train.trainer import Trainer, seed_everything
@@ -152,16 +153,24 @@ class CoreRun:
                                  group_size=c.group_size or self.cfg.trainer.group_size, kind=c.kind, workdir=workdir,
                                  split=c.split, tasks=c.tasks or None, episode_timeout=c.episode_timeout,
                                  seed=f"{self.cfg.trainer.seed}/{i}").to_argv()
+                credential = self._credential(c, i, code_version(spec))
                 self.supervisor.start(c.agent, cmd, workdir, reads=[Path(spec)] if Path(spec).is_dir() else [],
-                                      server=url)
+                                      server=url, env={GRANT_ENV: credential})
         if local:
-            agents = [(c, load_agent(c.agent, roots), f"{self.cfg.trainer.seed}/{i}")  # each client its own task order
-                      for i, c in enumerate(self.cfg.clients) if not c.isolate]  # import errors surface before training starts
+            agents = [(c, load_agent(c.agent, roots), i)  # import errors surface before training starts
+                      for i, c in enumerate(self.cfg.clients) if not c.isolate]
             ready = threading.Event()
             t = threading.Thread(target=self._run_local_clients, args=(agents, url, ready), daemon=True, name="clients")
             t.start()
             ready.wait()
             self._client_threads.append(t)
+
+    def _credential(self, c, i: int, version: str) -> str:
+        """Client `i`'s credential, bound to what the config says it is (`core.episodes.credentials`)."""
+        return self.server.credentials.issue(ClientGrant(
+            sandbox=c.sandbox_name, version=version, kind=c.kind, split=c.split,
+            group_size=c.group_size or self.cfg.trainer.group_size, concurrency=c.concurrency,
+            seed=f"{self.cfg.trainer.seed}/{i}", models=list(self.server.policies)))
 
     def _run_local_clients(self, agents, url: str, ready: threading.Event) -> None:
         async def main() -> None:
@@ -171,8 +180,9 @@ class CoreRun:
             await asyncio.gather(*(
                 run_agent(agent, url, concurrency=c.concurrency, group_size=c.group_size or self.cfg.trainer.group_size,
                           kind=c.kind, split=c.split, max_tasks=c.tasks, stop=self._clients_stop,
-                          episode_timeout_s=c.episode_timeout, seed=seed)
-                for c, agent, seed in agents
+                          episode_timeout_s=c.episode_timeout, seed=f"{self.cfg.trainer.seed}/{i}",
+                          credential=self._credential(c, i, agent.version))  # each client its own task order
+                for c, agent, i in agents
             ), return_exceptions=False)
 
         try:

@@ -54,6 +54,7 @@ class ClientProcess:
     workdir: Path | None = None  # its working folder: the one folder a contained client may write
     reads: list[Path] = field(default_factory=list)  # folders a contained client reads (its sandbox's), bound read-only
     server: str | None = None  # the swarm server a contained client may reach (its only network under bwrap)
+    env: dict[str, str] = field(default_factory=dict)  # set for it alone: its client credential (`SWARMRL_CLIENT_GRANT`)
     proc: subprocess.Popen | None = None
     contained: Contained | None = None  # set when it runs contained: its group, scratch HOME, cgroup
     started: float = 0.0
@@ -79,11 +80,12 @@ class Supervisor:
         self._thread: threading.Thread | None = None
 
     def start(self, name: str, cmd: list[str], workdir: Path | None = None, reads: list[Path] = (),
-              server: str | None = None) -> None:
+              server: str | None = None, env: dict[str, str] | None = None) -> None:
         """Start and look after a client; `workdir` (created) is where it runs and, contained, all it may
         write; `reads`: what it must read (its sandbox folder), visible even under /tmp (`contain.wrap`);
-        `server`: the URL on its command line, which a contained one reaches through its forwarder only."""
-        client = ClientProcess(name, cmd, workdir, list(reads), server)
+        `server`: the URL on its command line, which a contained one reaches through its forwarder only;
+        `env`: variables for it alone (its client credential, the same for each restart)."""
+        client = ClientProcess(name, cmd, workdir, list(reads), server, env=dict(env or {}))
         with self._lock:
             self._spawn(client)
             self.clients.append(client)
@@ -125,13 +127,13 @@ class Supervisor:
             client.workdir.mkdir(parents=True, exist_ok=True)
         if self.containment.clients == "off":
             client.proc = subprocess.Popen(client.cmd, stderr=subprocess.PIPE, text=True, errors="replace",
-                                           preexec_fn=die_with_parent(signal.SIGTERM))
+                                           env={**os.environ, **client.env}, preexec_fn=die_with_parent(signal.SIGTERM))
         else:
             cwd = client.workdir or Path.cwd()
             client.contained = popen_contained(
                 client.cmd, cwd, writable=[cwd], readable=client.reads, limits=self.containment.limits, hidden=self.hidden,
                 server=client.server,
-                extra_env={k: os.environ[k] for k in CLIENT_ENV if k in os.environ},
+                extra_env={**{k: os.environ[k] for k in CLIENT_ENV if k in os.environ}, **client.env},
                 stderr=subprocess.PIPE, text=True, errors="replace")
             client.proc = client.contained.proc
         client.started, client.restart_at = time.monotonic(), None

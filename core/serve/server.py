@@ -26,6 +26,7 @@ from core.episodes.auth import masked
 from core.sandbox.dealer import Dealer
 from core.sandbox.judge import load_judges
 from core.episodes.client_table import ClientTable
+from core.episodes.credentials import Credentials
 from core.config import RunConfig
 from core.engine.replicas import make_model_engine
 from core.episodes.registry import Registry
@@ -67,6 +68,8 @@ class Server:
         self.dealer = Dealer(self.judges, cfg.trainer.seed)
         self.registry.failure_scores = {name: judge.failure for name, judge in self.judges.items()}
         self.admin_token = cfg.server.admin_token or secrets.token_urlsafe(24)
+        # Client credentials (core.episodes.credentials): a run and `swarm swap` issue one per client process.
+        self.credentials = Credentials()
         # Requests without an episode key: served (unrecorded) only while nothing trains; the run loop
         # turns this off when it has trainers (see `core.run.loop`, docs/architecture.md "Anonymous use").
         self.allow_anonymous = cfg.server.allow_anonymous

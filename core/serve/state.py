@@ -17,6 +17,7 @@ from core.serve.chat import ChatRenderer
 from core.sandbox.dealer import Dealer
 from core.sandbox.judge import Judge
 from core.episodes.client_table import ClientTable
+from core.episodes.credentials import Credentials
 from core.config import RunConfig
 from core.engine import Engine
 from core.episodes.registry import Registry
@@ -78,6 +79,7 @@ class ServerState(Protocol):
     judges: dict[str, Judge]  # judged sandbox -> its judge, loaded from the folders the run config names
     dealer: Dealer  # deals judged sandboxes' tasks from their judges
     admin_token: str
+    credentials: Credentials  # the client credentials this server issued and what each binds
     allow_anonymous: bool  # serve requests without an episode key (unrecorded); False while training
     throughput: Throughput
     on_checkpoint: Callable[[], str] | None  # the run's, given at construction; None: no trainer to checkpoint

@@ -2,7 +2,8 @@
 
 Finishing is idempotent: the same body again returns the same answer, a different body is a 409.
 Heartbeat, finish and abort need the episode's key as bearer (401 otherwise, and nothing changes);
-admin routes need the server's admin token. An open is `core.episodes.opener.EpisodeOpener`'s (dealing,
+admin routes need the server's admin token. Who may open or register what, and what `/status` shows
+them, is the caller's credential's (`core.episodes.credentials`; `/admin/credentials` issues one). An open is `core.episodes.opener.EpisodeOpener`'s (dealing,
 an A/B's debts, admission with its hold, undo on refusal). These handlers translate HTTP into calls of
 the opener, the registry and the client table and back; the rules live there, and every refusal is a
 `core.episodes.errors.Refusal` the gateway renders.
@@ -16,11 +17,13 @@ import logging
 from fastapi import APIRouter, Request
 
 from core.episodes.auth import bearer, same_secret
+from core.episodes.credentials import GRANT_HEADER, Caller
 from core.episodes.errors import Refusal
 from core.episodes.opener import EpisodeOpener
 from core.serve.judging import judged_finish
 from core.serve.state import ServerState
-from core.episodes.wire import AbortEpisode, ClientOrders, DrainClients, EpisodeOpened, EpisodeState, FinishEpisode, OpenEpisode, RegisterClient, SwapRecord
+from core.episodes.wire import (AbortEpisode, ClientGrant, ClientOrders, CredentialIssued, DrainClients, EpisodeOpened,
+                                EpisodeState, FinishEpisode, OpenEpisode, RegisterClient, SwapRecord)
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +37,17 @@ def swarm_router(server: ServerState) -> APIRouter:
     def state_of(ep) -> EpisodeState:
         return EpisodeState(episode_id=ep.id, state=ep.state, lease_expires_at=ep.lease_expires_at, reward=ep.reward)
 
+    def caller(request: Request) -> Caller:
+        """Who sent `request`: the admin token, a client's credential (`X-Swarm-Grant`), or anonymous."""
+        token = bearer(request) or request.headers.get("x-admin-token", "")
+        return server.credentials.caller(request.headers.get(GRANT_HEADER, "").strip(), server.admin_token, token)
+
     @router.post("/episodes", response_model=EpisodeOpened)
     async def open_episode(body: OpenEpisode, request: Request):
-        opened = await opener.open(body)  # dealing, A/B debts, admission and undo: core.episodes.opener
+        # The caller's credential decides what the open may say (core.episodes.credentials), then the opener
+        # deals, pays A/B debts, waits for admission and undoes a refusal (core.episodes.opener).
+        body = server.credentials.bind_open(caller(request), body, server.allow_anonymous, server.clients.owner_of)
+        opened = await opener.open(body)
         ep, base = opened.episode, str(request.base_url).rstrip("/")
         return EpisodeOpened(episode_id=ep.id, api_key=opened.key, base_url=f"{base}/episodes/{opened.path}/v1",
                              lease_expires_at=ep.lease_expires_at, model_versions=ep.opened_versions,
@@ -63,13 +74,23 @@ def swarm_router(server: ServerState) -> APIRouter:
         return state_of(registry.abort(episode_id, body.reason if body else ""))
 
     @router.get("/status")
-    async def status():
-        return server.status()
+    async def status(request: Request):
+        """The server's state; other clients' ids and versions, the swaps and the A/B only for the admin token."""
+        who = caller(request)
+        full = server.status()
+        if who.who == "admin":
+            return full
+        own = {c["client_id"] for c in server.clients.listing(owner=who.credential_id)} if who.who == "client" else set()
+        return {**full, "clients": [c for c in full["clients"] if c["client_id"] in own], "swaps": [],
+                "ab": {"open": {}, "owed": {}, "dropped": {}, "pairs": []}}
 
     @router.post("/clients", response_model=ClientOrders)
     async def register_client(body: RegisterClient, request: Request):
-        """A client's registration, sent again as its heartbeat; the answer says whether to drain."""
-        return server.clients.register(body, bearer(request))
+        """A client's registration, sent again as its heartbeat; the answer says whether to drain. One made
+        with a credential must say what its grant says, and is that credential's (its opens' client id)."""
+        who = caller(request)
+        server.credentials.bind_registration(who, body, server.allow_anonymous)
+        return server.clients.register(body, "" if who.who == "admin" else bearer(request), who.credential_id)
 
     @router.delete("/clients/{client_id}")
     async def leave(client_id: str, request: Request):
@@ -80,6 +101,12 @@ def swarm_router(server: ServerState) -> APIRouter:
         token = bearer(request) or request.headers.get("x-admin-token", "")
         if not same_secret(token, server.admin_token):
             raise Refusal(401, "admin routes need the admin token", "invalid_admin_token")
+
+    @router.post("/admin/credentials", response_model=CredentialIssued)
+    async def issue_credential(body: ClientGrant, request: Request):
+        """`swarm swap` (or a person) registers the credential of a client it is about to start."""
+        admin(request)
+        return CredentialIssued(credential=server.credentials.issue(body), grant=body)
 
     @router.post("/admin/drain", response_model=SwapRecord | None)
     async def drain(body: DrainClients, request: Request):

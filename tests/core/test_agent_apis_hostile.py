@@ -23,6 +23,7 @@ from core.serve import bodies
 from core.serve.chat import ChatRenderer
 from core.serve.openai_wire import MAX_STOP
 from core.serve.state import Policy
+from tests.support import credential
 
 RESPONSES, MESSAGES, CHAT = "/v1/responses", "/v1/messages", "/v1/chat/completions"
 
@@ -109,7 +110,7 @@ def test_without_an_episode_key_the_new_routes_are_a_401_once_anonymous_use_is_o
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, r.text)
     r = httpx.post(server.url + "/episodes/0123456789abcdef0123456789abcdef" + path, json=body, timeout=60)
     assert r.status_code == 401, r.text
-    with SwarmClient(server.url).episode(task_id="keyed") as ep:
+    with SwarmClient(server.url, credential=credential(server)).episode(task_id="keyed") as ep:
         header = {"x-api-key": ep.api_key} if path == MESSAGES else {"Authorization": f"Bearer {ep.api_key}"}
         assert httpx.post(server.url + path, json=body, headers=header, timeout=60).status_code == 200
         assert httpx.post(ep.base_url.removesuffix("/").removesuffix("/v1") + path, json=body, timeout=60).status_code == 200

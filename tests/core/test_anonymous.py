@@ -10,6 +10,7 @@ from core.clients.sdk import SwarmClient
 from core.config_io import load_config
 from core.run.loop import CoreRun
 from core.serve.server import Server
+from tests.support import credential
 
 ROOT = Path(__file__).resolve().parents[2]
 BODY = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -26,7 +27,10 @@ def test_a_training_run_refuses_anonymous_calls_before_the_engine_even_with_allo
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             assert "trains" in r.json()["error"]["message"]
         assert core.server.throughput.calls == 0  # nothing reached the engine
-        with SwarmClient(core.server.url).episode(task_id="t", group_size=1) as ep:  # keyed calls are served
+        refused = httpx.post(core.server.url + "/swarm/v1/episodes", json={"task_id": "t"})  # nor anonymous opens
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "credential_required"
+        grant = credential(core.server, group_size=1)  # what the run gives each client it launches
+        with SwarmClient(core.server.url, credential=grant).episode(task_id="t", group_size=1) as ep:  # keyed calls
             assert ep.openai.chat.completions.create(model="policy", messages=BODY["messages"], max_tokens=2).choices
             ep.finish(0.0)
         assert core.server.throughput.calls == 1

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from core.clients.sdk import SwarmClient, SwarmError
-from tests.support import ADD_TOOL, USER_PROMPTS, tiny_policy
+from tests.support import ADD_TOOL, USER_PROMPTS, credential, tiny_policy
 
 
 def _episode_calls(server, episode_id):
@@ -205,11 +205,12 @@ def test_admin_routes_need_the_token(live_server):
 
 def test_keys_are_required_when_anonymous_use_is_off(live_server):
     server = live_server(server__allow_anonymous=False)
+    grant = credential(server)  # a server that takes no anonymous use takes no anonymous opens either
     body = {"model": "policy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     assert httpx.post(server.url + "/v1/chat/completions", json=body).status_code == 401
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-swarm-forged"})
     assert r.status_code == 401
-    with SwarmClient(server.url).episode(task_id="t") as ep:
+    with SwarmClient(server.url, credential=grant).episode(task_id="t") as ep:
         assert ep.openai.chat.completions.create(model="policy", messages=body["messages"], max_tokens=2).choices
         ep.finish(0.0)
 

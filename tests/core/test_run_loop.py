@@ -215,8 +215,10 @@ def test_on_policy_steps_hold_new_generations_until_the_new_weights(core):
 def test_opens_beyond_the_staleness_budget_get_503_with_retry_after_over_http(core):
     core.server.start()
     try:
-        opened = [httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "a"}) for _ in range(GROUP)]
-        refused = httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "b"})
+        person = {"Authorization": f"Bearer {core.server.admin_token}"}  # a training server takes no anonymous opens
+        opened = [httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "a"}, headers=person)
+                  for _ in range(GROUP)]
+        refused = httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "b"}, headers=person)
     finally:
         core.server.stop()
     assert [r.status_code for r in opened] == [200] * GROUP  # one group fills the one on-policy step
@@ -228,13 +230,15 @@ def test_opens_beyond_the_staleness_budget_get_503_with_retry_after_over_http(co
 def test_an_open_waiting_for_room_is_admitted_as_soon_as_the_trainer_takes_its_batch(core):
     core.server.start()
     try:
+        person = {"Authorization": f"Bearer {core.server.admin_token}"}  # a training server takes no anonymous opens
         for _ in range(GROUP):
-            ep = httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "a", "group_size": GROUP}).json()
+            ep = httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "a", "group_size": GROUP},
+                            headers=person).json()
             httpx.post(f"{core.server.url}/swarm/v1/episodes/{ep['episode_id']}/finish", json={"reward": 1.0},
                        headers={"Authorization": f"Bearer {ep['api_key']}"})
         waiting: list[httpx.Response] = []
         opener = threading.Thread(target=lambda: waiting.append(
-            httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "b"}, timeout=30)))
+            httpx.post(f"{core.server.url}/swarm/v1/episodes", json={"task_id": "b"}, headers=person, timeout=30)))
         opener.start()
         opener.join(0.3)
         assert opener.is_alive()  # held server-side: the finished group still fills the step
