@@ -26,6 +26,7 @@ import httpx
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from core.config import CONTAIN_MODES, ContainLimits, RunConfig
@@ -309,10 +310,10 @@ def contain(
         limits = ContainLimits(**{k: v for k, v in given.items() if v is not None})
     except ValidationError as e:  # a limit out of range: one line naming the option
         why = "; ".join(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}" for err in e.errors())
-        console.print(f"[red]swarm contain: {why}[/red]", soft_wrap=True)
+        console.print(f"[red]swarm contain: {escape(why)}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     except ConfigError as e:
-        console.print(f"[red]swarm contain: {e}[/red]", soft_wrap=True)
+        console.print(f"[red]swarm contain: {escape(str(e))}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     if bwrap() is None:
         console.print("[yellow]swarm contain: bwrap is not on PATH: running without the filesystem boundary "
@@ -327,11 +328,11 @@ def contain(
         code, _ = run_contained(argv, cwd or Path.cwd(), timeout_s=timeout or None, writable=writable,
                                 extra_env=dict(e.split("=", 1) for e in env), limits=limits, capture=False,
                                 hidden=hide, server=server)
-    except ValueError as e:  # a credential passed with --env
-        console.print(f"[red]swarm contain: {e}[/red]", soft_wrap=True)
+    except ValueError as e:  # a credential passed with --env (its name is the caller's data: never markup)
+        console.print(f"[red]swarm contain: {escape(str(e))}[/red]", soft_wrap=True)
         raise typer.Exit(2) from None
     except OSError as e:
-        console.print(f"[red]swarm contain: cannot start {argv[0]}: {e}[/red]", soft_wrap=True)
+        console.print(f"[red]swarm contain: cannot start {escape(argv[0])}: {escape(str(e))}[/red]", soft_wrap=True)
         raise typer.Exit(127) from None
     if code is None:
         console.print(f"swarm contain: timed out after {timeout:g} s; its process group was killed", soft_wrap=True)
