@@ -51,7 +51,7 @@ from core.models import prepare_policy
 from core.train.memory import sharding_of
 from core.train.offload import HostOffload, around, install
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
-                              same_outcome, serve)
+                              rank_seed, same_outcome, serve)
 from core.train.sharded import ShardedTrainer
 from core.train.timelines import Sample
 from core.train.trainer import PreparedStep, Trainer, seed_everything
@@ -128,7 +128,7 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
                devices: list[str]) -> None:
     """A rank process: build the model and trainer, join the group, then obey rank 0 until it hangs up."""
     mc, cfg = ModelConfig.model_validate(mc_data), TrainerConfig.model_validate(trainer_data)
-    seed_everything(cfg.seed)
+    seed_everything(rank_seed(cfg.seed, rank))  # its own dropout masks, not rank 0's
     device = local_device(devices[rank])  # this process sees its GPU alone (`core.engine.devices`)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))

@@ -47,6 +47,13 @@ class RankError(RuntimeError):
     """A trainer rank failed or died; the step it was in fails (its error is in the message)."""
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed rank `rank` draws from (rank 0, the run process, keeps the run's): each rank its own
+    stream, so LoRA's dropout masks (and any other draw) differ between the ranks' shares instead of
+    repeating rank 0's on every rank."""
+    return seed + rank
+
+
 def same_outcome(a: Any, b: Any) -> bool:
     """Whether two ranks' step outcomes agree field by field, a NaN matching a NaN: every rank skips a
     non-finite step alike (its grad norm is NaN on each), and `nan != nan` would call that a disagreement."""

@@ -65,7 +65,7 @@ from core.config import ModelConfig, TrainerConfig
 from core.engine.devices import local_device, nccl_env
 from core.train.packing import micro_batch_count, pack, token_logprobs
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
-                              same_outcome, serve, tcp_store)
+                              rank_seed, same_outcome, serve, tcp_store)
 from core.train.timelines import Sample
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
@@ -265,7 +265,7 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
                devices: list[str]) -> None:
     """A rank process: join the group, build and shard the model, take rank 0's weights, obey rank 0."""
     mc, cfg = ModelConfig.model_validate(mc_data), TrainerConfig.model_validate(trainer_data)
-    seed_everything(cfg.seed)
+    seed_everything(rank_seed(cfg.seed, rank))  # its own dropout masks, not rank 0's
     device = local_device(devices[rank])  # this process sees its GPU alone (`core.engine.devices`)
     mesh = _join(backend, port, rank, world, device)
     model, _ = models.load(mc.model_copy(update={"device": device}))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from core.engine.devices import NCCL_ENV
-from core.train.ranks import RankError, RankProcesses, serve
+from core.train.ranks import RankError, RankProcesses, rank_seed, serve
 
 
 def _rank(conn, rank: int) -> None:
@@ -67,3 +67,13 @@ def test_a_rank_process_starts_seeing_its_own_gpu_alone_with_the_runs_nccl_setti
         assert procs.command("env") == [{"CUDA_VISIBLE_DEVICES": "3", **NCCL_ENV}]
     finally:
         procs.close()
+
+
+def test_each_rank_draws_its_own_dropout_masks():
+    """Seeded as rank 1 and rank 2 are, two LoRA-style dropouts on the same input keep different units."""
+    masks = []
+    for rank in (1, 2):
+        torch.manual_seed(rank_seed(0, rank))
+        masks.append(torch.nn.functional.dropout(torch.ones(256), p=0.5) > 0)
+    assert rank_seed(0, 0) == 0  # rank 0 keeps the run's seed
+    assert not torch.equal(masks[0], masks[1])
