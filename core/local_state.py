@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 
 PID_DIR_ENV = "SWARMRL_STATE"  # where clients leave pid files, swap its clients' logs, servers their files
@@ -59,3 +60,18 @@ def token_files(run_folder: Path | None = None) -> list[Path]:
     if run_folder is not None:
         found += [Path(run_folder) / "admin_token", Path(run_folder) / SERVER_FILE]
     return list(dict.fromkeys(found))
+
+
+def local_admin_token(url: str) -> str | None:
+    """The admin token of the server at `url` when this machine's index lists it (`swarm run`, `swarm serve`
+    write it there), for a person's own `swarm client`; None otherwise. A contained process never finds
+    it: the index is among `token_files`."""
+    port = urlparse(url).port
+    entry = pid_dir() / "servers" / f"{port}.json"
+    try:
+        info = json.loads(entry.read_text())
+        if info["url"].rstrip("/") != url.rstrip("/"):
+            return None
+        return Path(info["admin_token_file"]).read_text().strip() or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -40,6 +40,7 @@ from core.sandbox.folder import task_order
 from core.clients.task_index import TaskIndex
 from core.contain.contained import host_pid
 from core.episodes.credentials import GRANT_ENV
+from core.local_state import local_admin_token
 from core.clients.pid_file import PidFile
 
 log = logging.getLogger(__name__)
@@ -86,17 +87,19 @@ async def run_agent(
     episode_timeout_s: float | None = None,
     seed: int | str | None = None,
     credential: str | None = None,
+    person: str = "",
 ) -> RunnerStats:
     """Keep `concurrency` episodes in flight until `stop` is set or the episode/task budget is spent.
     `episode_timeout_s`: each rollout's deadline (None: EPISODE_TIMEOUT_S, 0: none). `seed`: the train
     split's tasks are drawn in an order shuffled by it, a new one each pass (None, and other splits: as yielded).
-    `credential`: the client credential its run issued it (None: `$SWARMRL_CLIENT_GRANT`, `core.clients.sdk`).
+    `credential`: the client credential its run issued it (None: `$SWARMRL_CLIENT_GRANT`, `core.clients.sdk`);
+    `person`: a person's admin token for a client no run launched (`run_client`).
 
     Raises `ClientGaveUp` after `max_consecutive_failures` failed episodes in a row (0: never)."""
     stop = stop or asyncio.Event()
     stats = stats or RunnerStats()
     client = SwarmClient(url, client_id=client_id or f"{agent.name}-{host_pid()}", client_version=agent.version,
-                         unreachable_s=UNREACHABLE_S, credential=credential)
+                         unreachable_s=UNREACHABLE_S, credential=credential, person=person)
     gate = FailureGate(max_consecutive_failures)
     slots = asyncio.Semaphore(concurrency)
     running: set[asyncio.Task] = set()
@@ -245,9 +248,9 @@ class Registration:
     """This client process in the server's client table (`core.episodes.client_table`): registered at start, renewed
     by a heartbeat whose answer may order a drain (a hot swap), removed on exit."""
 
-    def __init__(self, url: str, info: dict, stats: RunnerStats):
+    def __init__(self, url: str, info: dict, stats: RunnerStats, person: str = ""):
         self.info, self.stats, self.key = info, stats, ""
-        self.client = SwarmClient(url, unreachable_s=UNREACHABLE_S)
+        self.client = SwarmClient(url, unreachable_s=UNREACHABLE_S, person=person)
         self.heartbeat_s = 1.0
 
     def beat(self) -> bool:
@@ -305,22 +308,15 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
                 group_size = probe.status()["trainer"]["group_size"]
             finally:
                 probe.close()
-        if not os.environ.get(GRANT_ENV) and os.environ.get(PERSON_TOKEN_ENV):
-            # A person's `swarm client` (no run launched it): its own credential, issued with the admin token it
-            # was given, bound to what its command line says; a server that trains takes no anonymous opens.
-            grant = {"sandbox": agent.name, "version": agent.version, "kind": kind, "split": split,
-                     "group_size": group_size, "concurrency": concurrency, "seed": seed}
-            issuer = SwarmClient(url, unreachable_s=UNREACHABLE_S, credential="")
-            try:
-                os.environ[GRANT_ENV] = issuer.call("POST", "/admin/credentials", grant,
-                                                    key=os.environ[PERSON_TOKEN_ENV])["credential"]
-            finally:
-                issuer.close()
+        # A person's `swarm client` (no run or swap launched it, so no credential): it opens with the person's admin
+        # token, given or found in this machine's index of servers (a server that trains takes no anonymous opens).
+        # A contained client never finds the index (`core.local_state.token_files`).
+        person = "" if os.environ.get(GRANT_ENV) else os.environ.get(PERSON_TOKEN_ENV) or local_admin_token(url) or ""
         registration = Registration(url, {
             "client_id": client_id, "sandbox": agent.name, "version": agent.version, "pid": host_pid(),
             "host": socket.gethostname(), "kind": kind, "group_size": group_size, "concurrency": concurrency,
             "spec": spec, "seed": seed, "split": split, "tasks": max_tasks, "episode_timeout": episode_timeout_s},
-            stats)
+            stats, person)
         registration.beat()
     except SwarmError as e:
         log.error("client %s cannot start: %s. Likely fix: start the swarm server (`swarm serve ...`) or point "
@@ -352,7 +348,7 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
             return await run_agent(agent, url, concurrency=concurrency, group_size=group_size, kind=kind,
                                    max_episodes=episodes, stop=stop, max_consecutive_failures=max_consecutive_failures,
                                    client_id=client_id, stats=stats, split=split, max_tasks=max_tasks,
-                                   episode_timeout_s=episode_timeout_s, seed=seed)
+                                   episode_timeout_s=episode_timeout_s, seed=seed, person=person)
         finally:
             stop.set()
             await beating

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import openai
 
-from core.episodes.credentials import GRANT_ENV, GRANT_HEADER
+from core.episodes.credentials import ADMIN_HEADER, GRANT_ENV, GRANT_HEADER
 
 log = logging.getLogger(__name__)
 
@@ -146,12 +146,14 @@ class _Retry:
 class SwarmClient:
     def __init__(self, url: str, client_id: str | None = None, client_version: str = "",
                  deadline_s: float = RETRY_DEADLINE_S, unreachable_s: float | None = None,
-                 credential: str | None = None):
+                 credential: str | None = None, person: str = ""):
         """`unreachable_s`: how long a call retries a server it cannot connect to (default: `deadline_s`).
         `credential`: the client credential its run or `swarm swap` issued (default: `$SWARMRL_CLIENT_GRANT`),
-        sent as `X-Swarm-Grant` on every swarm route; the server binds what this client may open to it."""
+        sent as `X-Swarm-Grant` on every swarm route; the server binds what this client may open to it.
+        `person`: without a credential, a person's admin token, sent as `x-admin-token` (a person's own client)."""
         self.url = url.rstrip("/")
         self.credential = credential if credential is not None else os.environ.get(GRANT_ENV, "")
+        self.person = person
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}"
         self.client_version = client_version
         self.deadline_s = deadline_s
@@ -159,7 +161,9 @@ class SwarmClient:
         self._http = httpx.Client(timeout=30.0, verify=tls_context())
 
     def grant_header(self) -> dict[str, str]:
-        return {GRANT_HEADER: self.credential} if self.credential else {}
+        if self.credential:
+            return {GRANT_HEADER: self.credential}
+        return {ADMIN_HEADER: self.person} if self.person else {}
 
     def retry(self, path: str, deadline_s: float | None = None) -> _Retry:
         deadline = self.deadline_s if deadline_s is None else deadline_s

@@ -39,6 +39,7 @@ from core.episodes.errors import Refusal
 from core.episodes.wire import ClientGrant, OpenEpisode, RegisterClient
 
 GRANT_HEADER = "x-swarm-grant"  # the header a client sends its credential in (bearer stays the episode's key)
+ADMIN_HEADER = "x-admin-token"  # the admin token beside a bearer key (a person's own client), or instead of one
 GRANT_ENV = "SWARMRL_CLIENT_GRANT"  # the environment variable a launched client finds its credential in
 PREFIX = "swg-"
 SECRET_BYTES = 24  # 192 random bits: as hard to guess as an episode key
@@ -82,10 +83,10 @@ class Credentials:
         with self._lock:
             return len(self._grants)
 
-    def caller(self, grant_header: str, admin_token: str, bearer_or_admin: str) -> Caller:
-        """Who a request is: the admin token (as bearer or `x-admin-token`), else the `X-Swarm-Grant`
+    def caller(self, grant_header: str, admin_token: str, *tokens: str) -> Caller:
+        """Who a request is: the admin token (`tokens`: its bearer and `x-admin-token`), else the `X-Swarm-Grant`
         credential (401 when it is not one this server issued), else anonymous."""
-        if bearer_or_admin and same_secret(bearer_or_admin, admin_token):
+        if any(same_secret(t, admin_token) for t in tokens if t):
             return Caller("admin")
         if not grant_header:
             return Caller("anonymous")

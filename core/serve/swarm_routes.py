@@ -17,7 +17,7 @@ import logging
 from fastapi import APIRouter, Request
 
 from core.episodes.auth import bearer, same_secret
-from core.episodes.credentials import GRANT_HEADER, Caller
+from core.episodes.credentials import ADMIN_HEADER, GRANT_HEADER, Caller
 from core.episodes.errors import Refusal
 from core.episodes.opener import EpisodeOpener
 from core.serve.judging import judged_finish
@@ -39,8 +39,8 @@ def swarm_router(server: ServerState) -> APIRouter:
 
     def caller(request: Request) -> Caller:
         """Who sent `request`: the admin token, a client's credential (`X-Swarm-Grant`), or anonymous."""
-        token = bearer(request) or request.headers.get("x-admin-token", "")
-        return server.credentials.caller(request.headers.get(GRANT_HEADER, "").strip(), server.admin_token, token)
+        return server.credentials.caller(request.headers.get(GRANT_HEADER, "").strip(), server.admin_token,
+                                         bearer(request), request.headers.get(ADMIN_HEADER, ""))
 
     @router.post("/episodes", response_model=EpisodeOpened)
     async def open_episode(body: OpenEpisode, request: Request):
@@ -90,7 +90,8 @@ def swarm_router(server: ServerState) -> APIRouter:
         with a credential must say what its grant says, and is that credential's (its opens' client id)."""
         who = caller(request)
         server.credentials.bind_registration(who, body, server.allow_anonymous)
-        return server.clients.register(body, "" if who.who == "admin" else bearer(request), who.credential_id)
+        key = bearer(request)  # the registration's key for a renewal; a person's admin token is no such key
+        return server.clients.register(body, "" if same_secret(key, server.admin_token) else key, who.credential_id)
 
     @router.delete("/clients/{client_id}")
     async def leave(client_id: str, request: Request):

@@ -18,6 +18,7 @@ from mlflow import MlflowClient
 from core.run import checkpoint, supervisor
 from core.config_io import load_config
 from core.episodes.books import unbalanced
+from core.local_state import local_admin_token
 from core.run.loop import CoreRun
 from core.serve.server import free_port
 from tests.support import train_in_process
@@ -104,7 +105,13 @@ def _ready_to_crash(url: str, ckpt: Path) -> bool:
     """Both clients registered (a client that cannot reach its server when it starts gives up at once,
     exit 2 by design) and a checkpoint worth resuming from."""
     return _qualifies(checkpoint.load_latest(ckpt)) and \
-        len(httpx.get(url + "/swarm/v1/status", timeout=30).json()["clients"]) >= 2
+        len(httpx.get(url + "/swarm/v1/status", timeout=30, headers=_person(url)).json()["clients"]) >= 2
+
+
+def _person(url: str) -> dict[str, str]:
+    """A person's header for the run at `url` (its admin token from this machine's index): a training server
+    shows other clients and takes opens only from a person or a client's credential."""
+    return {"Authorization": f"Bearer {local_admin_token(url) or ''}"}
 
 
 def _full_groups(saved: checkpoint.Checkpoint) -> list:
@@ -120,7 +127,9 @@ def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_ow
     # One group per step, every trained episode logged as a trajectory, a checkpoint after every step.
     sets = [f"server.port={port}", "trainer.batch_groups=1", "trainer.group_size=2", "trainer.max_staleness=2",
             "trainer.checkpoint_every=1", f"trainer.checkpoint_dir={ckpt}", "telemetry.trajectories_per_step=64",
-            "clients=[]"]
+            "clients=[]",
+            # One admin token across the restart: the test's own `swarm client`s are a person's, opening with it.
+            "server.admin_token=chaos-person-token"]
     base = [sys.executable, "-m", "core.run.cli", "run", str(ROOT / "configs" / "tiny.yaml"), "--quiet",
             "--run-id-file", str(run_id_file), *[a for s in sets for a in ("--set", s)]]
     logs = [tmp_path / "run-1.log", tmp_path / "run-2.log"]
@@ -137,6 +146,7 @@ def test_the_server_killed_mid_run_resumes_and_its_clients_come_back_on_their_ow
         # An episode of our own, open at the crash: one call made, never finished.
         deadline = time.time() + 120
         while (opened := httpx.post(url + "/swarm/v1/episodes", json={"sandbox": "letters", "task_id": "open-at-crash"},
+                                    headers=_person(url),
                                     timeout=30)).status_code == 503 and time.time() < deadline:
             time.sleep(0.5)
         mine = opened.json()

@@ -4,13 +4,21 @@ split and group size; what an open states beyond that is refused with the reason
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import httpx
 import pytest
 
 from core.clients.sdk import SwarmClient, SwarmError
+from core.config_io import load_config
+from core.run.loop import CoreRun
 from core.episodes.credentials import GRANT_HEADER
 from tests.support import credential
 
+ROOT = Path(__file__).resolve().parents[2]
 OPEN = "/swarm/v1/episodes"
 
 
@@ -122,3 +130,23 @@ def test_only_the_admin_token_issues_credentials(server):
     with pytest.raises(SwarmError) as e:  # an SDK without it is refused, not retried
         SwarmClient(server.url, credential="", deadline_s=2).episode(task_id="t")
     assert e.value.status == 401
+
+
+def test_a_persons_swarm_client_opens_with_the_admin_token_on_a_training_server(tmp_path):
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"trainer.checkpoint_dir={tmp_path}", "clients=[]",
+                                                       "engine.kind=instant"])
+    core = CoreRun(cfg)  # a trainer: no anonymous opens
+    core.server.start()
+    argv = [sys.executable, "-m", "core.run.cli", "client", "sandbox:letters", "--server", core.server.url,
+            "--episodes", "2", "--group-size", "1", "--concurrency", "1"]
+    bare = {k: v for k, v in os.environ.items() if k not in ("SWARMRL_ADMIN_TOKEN", "SWARMRL_CLIENT_GRANT")}
+    try:
+        refused = subprocess.run(argv, cwd=ROOT, env={**bare, "SWARMRL_STATE": str(tmp_path / "state")},
+                                 capture_output=True, text=True, timeout=180)
+        assert refused.returncode == 2 and "credential" in refused.stderr, refused.stderr[-2000:]
+        person = subprocess.run(argv, cwd=ROOT, env={**bare, "SWARMRL_ADMIN_TOKEN": core.server.admin_token},
+                                capture_output=True, text=True, timeout=180)
+        assert person.returncode == 0, person.stderr[-2000:]
+        assert core.server.registry.counters["finished"] >= 2
+    finally:
+        core.server.stop()
