@@ -13,6 +13,7 @@ import ctypes
 import http.server
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -554,3 +555,12 @@ def test_the_forwarders_log_is_rate_limited_and_bounded_in_total(capsys):
     assert len(lines) == 12 and lines[:5] == [f"line {i}" for i in range(5)], lines
     assert lines[5] == "swarm forwarder: 95 more line(s) left out in the last 60 s", lines
     assert lines[-1] == "swarm forwarder: 12 lines logged; no more from this forwarder", lines
+
+
+def test_every_test_docs_security_names_as_its_check_exists():
+    # docs/security.md names, line by line, the test that checks each boundary; a renamed or removed test
+    # would leave a promise nothing checks.
+    named = set(re.findall(r"\b(test_[a-z0-9_]+)\b", (ROOT / "docs" / "security.md").read_text()))
+    files = list((ROOT / "tests").rglob("test_*.py"))
+    defined = {m for f in files for m in re.findall(r"^def (test_[a-z0-9_]+)", f.read_text(), re.M)}
+    assert len(named) > 10 and not named - defined - {f.stem for f in files}, sorted(named - defined)
