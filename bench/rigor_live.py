@@ -112,7 +112,9 @@ def trials(count: int, window: int, direction: decision.Direction) -> list[Trial
                                   300, "the live run's server"))
 
         def status() -> dict:
-            return httpx.get(f"{server['url']}/swarm/v1/status", timeout=10).json()
+            token = Path(server["admin_token_file"]).read_text().strip()  # the swaps and clients: the admin's to read
+            return httpx.get(f"{server['url']}/swarm/v1/status", headers={"Authorization": f"Bearer {token}"},
+                             timeout=10).json()
 
         def stopped() -> str | None:
             return None if run.poll() is None else f"the live run exited ({run.returncode}); see {tmp / 'run.log'}"

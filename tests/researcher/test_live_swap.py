@@ -68,8 +68,10 @@ def _wait(predicate, timeout: float, what: str, log: Path | None = None):
 
 def _status(run_dir: Path) -> dict | None:
     try:
-        url = json.loads((run_dir / "server.json").read_text())["url"]
-        return httpx.get(f"{url}/swarm/v1/status", timeout=10).json()
+        info = json.loads((run_dir / "server.json").read_text())
+        token = Path(info["admin_token_file"]).read_text().strip()  # other clients and the swaps: the admin's to read
+        return httpx.get(f"{info['url']}/swarm/v1/status", headers={"Authorization": f"Bearer {token}"},
+                         timeout=10).json()
     except (OSError, ValueError, KeyError, httpx.HTTPError):
         return None
 
