@@ -1,23 +1,15 @@
-"""The episode registry: keys, leases, states, groups, batches, mix quotas and back-pressure.
+"""The episode registry: episodes from open to end, their groups and the batches the trainer takes.
 
-Lifecycle: open -> (calls...) -> finished | aborted | expired. Finished train episodes join their
-group, keyed by (sandbox, task_id, client code version: `Episode.train_group`, so an A/B never mixes
-versions in a group); a group with `group_size` finished episodes is ready, and the
-trainer takes ready groups in arrival order. Eval and debug episodes never train.
-
-Mix quotas hold in what trains, not only in what opens: each batch slot goes to the sandbox
-furthest below its share of the groups trained so far (`core.episodes.mix.next_group`), and waits
-for one under way; a sandbox silent for a lease is skipped, so a dead client costs at most a lease.
-Which groups make a batch is `core.episodes.batching`'s job (a pure function the registry calls
-under its lock).
-Which opens are admitted is `core.episodes.admission`'s job (an `Admission` the registry owns and
-calls under its lock). Staleness counts by the oldest weight version among an episode's calls.
-
-The state is explicit: each episode's credentials (key, path secret), lease length and next call
-index are one record (`core.episodes.keys`); the counters are `core.episodes.books.Books`; every change of an
-episode's state goes through `_end`, which checks it against `TRANSITIONS`. One lock guards all state,
-`paused` included (HTTP handlers and the trainer thread both touch it). The registry does not render,
-generate or train; it only keeps the books.
+Lifecycle: open -> (calls...) -> finished | aborted | expired, each change through `_end`, checked
+against `TRANSITIONS`. Finished train episodes join their group, keyed by `Episode.train_group`
+(sandbox, task, client code version: an A/B never mixes versions in a group); a group with
+`group_size` finished episodes is ready. Eval and debug episodes never train. Which groups make a
+batch (mix quotas, staleness by the oldest weight version of an episode's calls) is
+`core.episodes.batching`'s pure function; which opens are admitted is the `Admission` it owns
+(`core.episodes.admission`); each episode's key, path secret, lease and next call index are one
+record (`core.episodes.keys`); the counters are `core.episodes.books.Books`. One lock guards all of
+it, `paused` included (HTTP handlers and the trainer thread both touch it). The registry does not
+render, generate, train or decide who may open (`core.episodes.credentials`); it keeps the books.
 """
 
 from __future__ import annotations
