@@ -8,6 +8,9 @@
 #   device run, carry [".whl"]:  bash bench/gpu_check.sh          (~ a few minutes on an H200)
 #   bash bench/gpu_check.sh --small --device cpu      (a dry run of the whole check on a CPU)
 #
+# Not yet in it (docs/scaling.md says why): vLLM replicas (vLLM is not on the image), an FSDP2 resume
+# from a sharded checkpoint (not built).
+#
 # It prints one table per part (engine decode, trainer step and memory, 1.5B MFU) and the line
 # `gpu_check: decode_tok_s_b32=<x> train_step_s=<y> mfu=<z> peak_gib=<w>` (bench/gpu_check.py), then
 # the replicas figures (bench/replicas.py) and an FSDP2 step (bench/sharded_step.py) on a device
@@ -36,3 +39,8 @@ else
   echo "replicas: skipped (needs 2 GPUs, this device has $GPUS)"
   echo "sharded: skipped (FSDP2 on NCCL needs 2 GPUs, this device has $GPUS)"
 fi
+# Many devices, ready for real GPUs (issue 41): a process pinned to its GPU, the NCCL weight sync's
+# digest, version and bounded memory, a hung replica on NCCL killed and replaced, a colocated trainer's
+# offload; one `check <name>: ok|FAIL|skipped` line each, last line
+# `many_devices: sync_s=.. offload_freed_mib=.. peak_gib_gpu0=..`. On one GPU the first three skip.
+"$PY" bench/many_devices.py --device cuda

@@ -169,7 +169,7 @@ class _Slots:
             return
         work.wait()  # NCCL: the current stream now waits for the broadcast; the CPU does not
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the buffer's GPU, whatever this thread's is
         if i is None:
             self._finish(event)
         else:
