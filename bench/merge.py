@@ -46,9 +46,10 @@ async def episode(client: SwarmClient, turns: int, max_tokens: int, branch: bool
         for turn in range(turns):
             if branch and turn == turns // 2:  # a framework retry: same context sampled again, result dropped
                 await ep.openai.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                        max_tokens=max_tokens, seed=seed * 1000 + turn + 500)
+                                                        max_tokens=max_tokens)
+            # No request seed: a train episode's calls are sampled by the server's seeds (a request's own is a 400).
             r = await ep.openai.chat.completions.create(model="policy", messages=messages, tools=TOOLS,
-                                                        max_tokens=max_tokens, seed=seed * 1000 + turn)
+                                                        max_tokens=max_tokens)
             msg = r.choices[0].message
             messages.append(msg.model_dump(exclude_none=True))
             for call in msg.tool_calls or []:

@@ -27,7 +27,7 @@ def test_multi_turn_chat_records_exactly_the_generated_ids(live_server):
         messages = [{"role": "user", "content": "hello"}]
         replies = []
         for turn in range(3):
-            r = ep.openai.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True, seed=turn)
+            r = ep.openai.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True)
             replies.append(r)
             messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": f"turn {turn}"}]
         calls = _episode_calls(server, ep.id)
@@ -51,7 +51,7 @@ def test_later_turns_reuse_the_exact_ids_of_earlier_turns(live_server):
     with SwarmClient(server.url).episode(task_id="tito") as ep:
         messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
         for turn in range(5):
-            r = ep.openai.chat.completions.create(model="policy", messages=messages, max_tokens=6, seed=turn)
+            r = ep.openai.chat.completions.create(model="policy", messages=messages, max_tokens=6)
             messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
         calls = _episode_calls(server, ep.id)
         for prev, call in zip(calls, calls[1:]):
