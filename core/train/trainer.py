@@ -12,7 +12,8 @@ keep the engine generating through `backward` and swap weights in between two de
 4. micro-batches: with ``share_prompt``, each group's samples first become tree samples holding the
    group's common prompt once (``core.train.prompt_sharing.share_prompt``); then samples are packed to
    ``micro_batch_tokens`` padded tokens (``core.train.packing``);
-5. loss: token-level PPO-clip (or, with ``tis_cap``, truncated importance sampling) on the behaviour
+5. loss: token-level PPO-clip or CISPO (``trainer.loss``), with the rollout correction of
+   ``trainer.correction`` (``core.train.correction``: token/sequence TIS or MIS), on the behaviour
    logprobs the engine recorded, each token scored at its call's sampling temperature, plus an optional k3 KL
    to the reference (a frozen copy of the initial weights, or the base model with LoRA adapters
    off), normalised by the batch's weighted token count (``core.train.loss``);
@@ -23,8 +24,11 @@ keep the engine generating through `backward` and swap weights in between two de
 
 Samples with zero advantage contribute nothing to the PPO term, so without a KL term they are not
 run through the model at all; their tokens still count in the normaliser, as in plain GRPO. A step
-with nothing to run changes no weights, and says so (``train/updated`` 0): the run loop then keeps
-the weight version, so no episode goes stale for it.
+with nothing to run takes AdamW's step on zero gradients once AdamW has moments (its momentum moves
+the weights, as TRL's optimizer does; ``trainer.no_signal_steps: momentum``); before that, or with
+``skip``, it changes no weights and says so (``train/updated`` 0): the run loop then keeps the
+weight version, so no episode goes stale for it. Each step also reports the sampler/trainer mismatch
+(``core.train.mismatch``) and warns past ``trainer.mismatch_kl_bound``.
 
 The trainer does not fetch batches, pause engines, bump weight versions, write checkpoints or log
 to MLflow; ``core.run.loop`` does, with the ``core.train.outcome.StepOutcome`` a step comes to.
