@@ -8,8 +8,10 @@ whichever models acted; an unjudged sandbox's episodes in such a batch are logge
 `unjudged_reward/<sandbox>/mean`, never in reward/mean. The trainer's own means cover only the samples it trained, which leave out an
 episode that made no call (an agent that raised before calling the model), so the run logs these in
 their place; a batch of unjudged sandboxes keeps the trainer's (per model in a multi-model run). Beside them:
-`agent_reward/<sandbox>/mean`, what judged agents said of themselves (logged, never decided on), and
-`judge/<sandbox>/failed`, how many of a sandbox's episodes scored the failure value.
+`agent_reward/<sandbox>/mean`, what judged agents said of themselves (logged, never decided on),
+`judge/<sandbox>/failed`, how many of a sandbox's episodes scored the failure value, and what a judged
+sandbox's episodes cost: `calls/<sandbox>/mean` and `completion_tokens/<sandbox>/mean` per episode (a
+harness that buys its score with more compute shows it here, whatever its `max_calls` allows).
 
 Deliberately not here: scoring (the server's judges, `core.serve.judging`), logging (`core.run.telemetry`), and
 the A/B's cells (`core.episodes.pairing`, which is where `scored` lives, so the episode books can count with it).
@@ -23,18 +25,21 @@ from core.records import Episode
 
 def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
     """reward/mean (judged episodes only), reward/<sandbox>/mean, unjudged_reward/<sandbox>/mean,
-    agent_reward/<sandbox>/mean and judge/<sandbox>/failed of a batch."""
+    agent_reward/<sandbox>/mean, judge/<sandbox>/failed and each judged sandbox's calls and completion tokens
+    per episode, of a batch."""
     judged = {ep.sandbox for ep in episodes if ep.score is not None}
     if not judged:
         return {}
     values: dict[str, list[float]] = {}
     agent: dict[str, list[float]] = {}
     failed: dict[str, float] = {}
+    cost: dict[str, list[tuple[int, int]]] = {}  # judged sandbox -> (calls, completion tokens) per episode
     for ep in episodes:
         if (value := scored(ep)) is not None:
             values.setdefault(ep.sandbox, []).append(value)
         if ep.score is not None:
             failed[ep.sandbox] = failed.get(ep.sandbox, 0.0) + ep.metrics.get("judge/failed", 0.0)
+            cost.setdefault(ep.sandbox, []).append((len(ep.calls), sum(len(c.completion_ids) for c in ep.calls)))
             if "agent_reward" in ep.metrics:
                 agent.setdefault(ep.sandbox, []).append(ep.metrics["agent_reward"])
     out = {f"reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in values.items() if sandbox in judged}
@@ -44,6 +49,9 @@ def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
                 if sandbox not in judged})
     out.update({f"agent_reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in agent.items()})
     out.update({f"judge/{sandbox}/failed": n for sandbox, n in failed.items()})
+    for sandbox, per_episode in cost.items():
+        out[f"calls/{sandbox}/mean"] = sum(c for c, _ in per_episode) / len(per_episode)
+        out[f"completion_tokens/{sandbox}/mean"] = sum(t for _, t in per_episode) / len(per_episode)
     every = [x for sandbox, v in values.items() if sandbox in judged for x in v]
     out["reward/mean"] = sum(every) / len(every)
     return out

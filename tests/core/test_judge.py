@@ -93,6 +93,9 @@ def test_the_judge_scores_from_the_servers_record_and_the_agents_reward_is_only_
     metrics = judged_metrics(episodes)
     assert metrics["reward/judged/mean"] == metrics["reward/mean"] == 2.5
     assert metrics["agent_reward/judged/mean"] == pytest.approx(0.9) and metrics["judge/judged/failed"] == 0
+    # What the score cost, per episode: a harness that buys its score with more calls or tokens shows it.
+    assert metrics["calls/judged/mean"] == 2.0
+    assert metrics["completion_tokens/judged/mean"] == sum(len(c.completion_ids) for e in episodes for c in e.calls) / 4
     unjudged = [ep.model_copy(update={"score": None, "sandbox": "other"}) for ep in episodes]
     assert judged_metrics(unjudged) == {}  # unjudged batches keep the trainer's own means
     assert judged_metrics(episodes + unjudged)["reward/mean"] == 2.5  # a mixed batch: every episode counted once
