@@ -117,7 +117,7 @@ def _waiting(earlier: Sequence[Proposal], done: dict[str, ExperimentResult], bas
         if r is None or r.verdict is None or r.verdict.result != "incomplete" or is_reference(p, base_values):
             continue
         base = next((q for q in earlier if q.id == r.verdict.baseline), None)
-        if base is None or done.get(base.id) is None or done[base.id].status == "ok":
+        if base is None or done.get(base.id) is None or done[base.id].status != "failed":
             continue
         need = (steps_of(base, default_steps), _seeds(base), key(changed(base, base_values)))
         tried = [q for q in earlier if at_base_code(q)

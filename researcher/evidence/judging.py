@@ -80,7 +80,7 @@ def judge(results: list[ExperimentResult], proposals: list[Proposal], base_value
         if base_result is None:
             verdicts = decision.judge_round({r.proposal_id: r.seed_scores for r in group}, None, direction,
                                             incomplete={r.proposal_id: _incomplete(r) for r in group})
-        elif base_result.status != "ok":
+        elif base_result.status == "failed":  # ran, and no seed scored after its re-run (skipped: the budget)
             verdicts = {r.proposal_id: _baseline_failed(r, base_result) for r in group}
         else:
             raw, notes = {}, {}
