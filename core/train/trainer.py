@@ -273,8 +273,8 @@ class Trainer:
         sums["entropy"] += entropy_sum
         sums["behaviour_diff"] += stats["behaviour_diff_sum"]
         sums["behaviour_diff_max"] = max(sums["behaviour_diff_max"], stats["behaviour_diff_max"])
-        for name in ("masked_out", "ratio", "mismatch_kl"):  # for core.train.mismatch
-            sums[name] += stats[name if name == "masked_out" else f"{name}_sum"]
+        for name, key in (("masked_out", "masked_out"), ("ratio", "ratio_sum"), ("mismatch_kl", "mismatch_kl_sum")):
+            sums[name] += stats[key]  # for core.train.mismatch
         return terms.loss
 
     def _logprobs(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,8 +290,7 @@ class Trainer:
         return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
 
     def _has_momentum(self) -> bool:
-        """Whether a step on zero gradients would move the weights: `no_signal_steps: momentum` and AdamW
-        has moments from an earlier step (before the first, its update on zero gradients is exactly zero)."""
+        """Whether AdamW on zero gradients would move the weights (`no_signal_steps: momentum`, moments exist)."""
         return self.cfg.no_signal_steps == "momentum" and bool(self.optimizer.state)
 
     def _reference_logprobs(self, mb: Any) -> torch.Tensor:
