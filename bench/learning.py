@@ -102,7 +102,7 @@ def summary(runs: list[list[dict[str, float]]], threshold: float, window: int) -
     tokens = sum(sum(finite([s["train/trained_tokens"] for s in r])) for r in runs)
     seconds = sum(r[-1]["time_s"] for r in runs if r)
     kl = finite([s["train/mismatch_kl"] for r in runs for s in r])
-    return {"reached": len(hits), "seeds": len(runs),
+    return {"reached": len(hits), "seeds": len(runs), "failed": sum(1 for r in runs if not r),
             "steps": [h[0] for h in hits], "seconds": [h[1] for h in hits],
             "tokens_per_s": tokens / seconds if seconds else float("nan"),
             "groups_filtered": sum(sum(finite([s["train/groups_filtered"] for s in r])) for r in runs),
@@ -135,7 +135,8 @@ def compare(args: argparse.Namespace) -> None:
     print(f"{'arm':<44} {'reached':>7} {'seconds to threshold':>22} {'steps to threshold':>19} "
           f"{'tok/s':>7} {'filtered':>8} {'mismatch_kl':>11}")
     for name, r in rows.items():
-        print(f"{name:<44} {r['reached']}/{r['seeds']:<5} {spread(r['seconds'], '.0f'):>22} {spread(r['steps'], 'd'):>19} "
+        reached_of = f"{r['reached']}/{r['seeds']}" + (f" ({r['failed']} runs logged no step)" if r["failed"] else "")
+        print(f"{name:<44} {reached_of:<7} {spread(r['seconds'], '.0f'):>22} {spread(r['steps'], 'd'):>19} "
               f"{r['tokens_per_s']:>7.1f} {r['groups_filtered']:>8.0f} {r['mismatch_kl']:>11.2e}")
     last = " ".join(f"{name.replace(' ', '')}={spread(r['seconds'], '.0f').split(' ')[0]}/"
                     f"{spread(r['steps'], 'd').split(' ')[0]}" for name, r in rows.items())
