@@ -156,13 +156,14 @@ class ClientActor:
         self._stop: asyncio.Event | None = None
 
     async def run(self, client_data: dict[str, Any], url: str, group_size: int, client_id: str,
-                  seed: str | None = None) -> dict[str, int]:
-        """`seed`: the train split's task order (`core.clients.runner.run_agent`)."""
+                  seed: str | None = None, credential: str | None = None) -> dict[str, int]:
+        """`seed`: the train split's task order (`core.clients.runner.run_agent`); `credential`: the one the
+        driver issued this client (`core.episodes.credentials`)."""
         c = ClientConfig.model_validate(client_data)
         self._stop = asyncio.Event()
         stats = await run_agent(load_agent(c.agent), url, concurrency=c.concurrency, group_size=group_size,
                                 kind=c.kind, split=c.split, max_tasks=c.tasks, stop=self._stop, client_id=client_id,
-                                episode_timeout_s=c.episode_timeout, seed=seed)
+                                episode_timeout_s=c.episode_timeout, seed=seed, credential=credential)
         return {"finished": stats.finished, "failed": stats.failed, "pid": os.getpid()}
 
     async def stop(self) -> None:

@@ -38,6 +38,7 @@ from core.serve.chat import ChatRenderer
 from core.config import RunConfig
 from core.engine import Engine, EngineLoad, Generation, SamplingParams
 from core.run.plan import PlacementError
+from core.clients.sandbox import code_version
 from core.ray.actors import ClientActor, ModelActor, NotAdopted
 from core.ray.replicas import ray_replicas
 from core.run.loop import CLIENT_DRAIN_S, CoreRun
@@ -266,9 +267,13 @@ class RayRun(CoreRun):
         self._slots = []
         for n, c in enumerate(self.cfg.clients):
             data = {**c.model_dump(), "agent": portable_agent(c.agent)}
-            for i in range(c.ray.replicas):  # each replica its own task order, set by trainer.seed
+            # Each replica its own task order (set by trainer.seed) and its credential (core.episodes.credentials),
+            # bound to the code version of the folder the actors load (the same on every machine of a clean checkout).
+            version = code_version(data["agent"])
+            for i in range(c.ray.replicas):
                 slot = _ClientSlot(c.ray.num_cpus, c.ray.resources, (data, url, c.group_size or self.cfg.trainer.group_size,
-                                                                     f"{c.sandbox_name}-{i}", f"{self.cfg.trainer.seed}/{n}/{i}"))
+                                                                     f"{c.sandbox_name}-{i}", f"{self.cfg.trainer.seed}/{n}/{i}",
+                                                                     self._credential(c, n, version)))
                 slot.start()
                 self._slots.append(slot)
         threading.Thread(target=self._watch_clients, daemon=True, name="ray-clients").start()
@@ -411,4 +416,3 @@ def portable_agent(spec: str) -> str:
     name = spec.removeprefix("sandbox:")
     folder = Path(name) if Path(name).is_dir() else Path("sandboxes") / name
     return str(folder.resolve()) if (folder / "agent.py").is_file() else spec
-
