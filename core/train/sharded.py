@@ -31,7 +31,9 @@ Checkpoints are the single-trainer format: rank 0's full module holds the weight
 gathers the optimizer moments (and fp32 master copies) tensor by tensor, every rank together, into
 rank 0's host memory (the other ranks drop each once gathered), and `load_state_dict` scatters each
 rank its shard of them from rank 0 over the group (the pipes carry only their shapes). So a
-checkpoint resumes at any world size and under either sharding.
+checkpoint resumes at any world size and under either sharding. `save_sharded`/`load_sharded`
+write and read a sharded torch.distributed.checkpoint instead, each rank its own shards, resumable
+at another world size (`core.train.sharded_checkpoint`; the run's checkpoints do not use it yet).
 
 Units: one FSDP unit per decoder layer (`model.get_decoder().layers`) and a root unit holding the
 rest (embeddings, final norm, the tied head). The root is a small wrapper whose forward is the
@@ -51,7 +53,6 @@ from __future__ import annotations
 import copy
 import datetime
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,7 +64,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from core import models
 from core.config import ModelConfig, TrainerConfig
 from core.engine.devices import local_device, nccl_env
+from core.train import sharded_checkpoint
 from core.train.packing import micro_batch_count, pack, token_logprobs
+from core.train.sharded_checkpoint import _scatter, _sharded, full, skeleton
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
                               rank_seed, same_outcome, serve, tcp_store)
 from core.train.timelines import Sample
@@ -92,54 +95,6 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh) -> _Scorer:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return scorer
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A full tensor's shape and dtype, standing in for it in the state rank 0 sends the other ranks
-    (`skeleton`): the values follow over the group, each rank receiving its shard alone."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def full(x: Any, keep: bool = True) -> Any:
-    """`x` with every DTensor in it made whole, on the CPU. A collective: every rank calls it on the same
-    structure, one tensor at a time; `keep=False` (ranks 1..M-1) drops each one once gathered."""
-    if isinstance(x, DTensor):
-        whole = x.full_tensor()
-        return whole.cpu() if keep else None
-    if isinstance(x, dict):
-        return {k: full(v, keep) for k, v in x.items()}
-    if isinstance(x, list):
-        return [full(v, keep) for v in x]
-    return x
-
-
-def skeleton(state: dict[str, Any]) -> dict[str, Any]:
-    """A single-trainer state with each tensor a shard is cut from replaced by its `Shape` (what goes
-    over the pipes: a 7B model's moments to every rank would be 60 GB each)."""
-    def shape(v: Any) -> Any:
-        return Shape(tuple(v.shape), v.dtype) if torch.is_tensor(v) and v.dim() > 0 else v
-
-    opt = state["optimizer"]
-    return {**state, "optimizer": {**opt, "state": {i: {k: shape(v) for k, v in values.items()}
-                                                    for i, values in opt["state"].items()}},
-            "master": [shape(m) for m in state.get("master") or []]}
-
-
-def _sharded(value: Any, like: torch.Tensor) -> bool:
-    """Whether `like`'s shard is cut from `value` (a moment or master copy), not taken whole (a step count)."""
-    return isinstance(like, DTensor) and (isinstance(value, Shape) or torch.is_tensor(value) and value.dim() > 0)
-
-
-def _scatter(value: Any, like: torch.Tensor) -> Any:
-    """`like`'s shard of a full tensor that rank 0 holds (`value`) and the others know by `Shape`: a collective."""
-    if not _sharded(value, like):
-        return value
-    whole = (torch.empty(value.shape, dtype=value.dtype, device=like.device) if isinstance(value, Shape)
-             else value.to(like.device))
-    return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=0)
 
 
 class _Shard(Trainer):
@@ -289,7 +244,10 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     try:
         serve(conn, rank, {"backward": backward, "apply": lambda loss: trainer.step_and_gather(loss, None),
                            "discard": trainer.discard, "load": load, "state": state,
-                           "gradients": gradients})
+                           "gradients": gradients,
+                           "gather": lambda: trainer.gather_weights(None),
+                           "save_sharded": lambda path: sharded_checkpoint.save(trainer, path),
+                           "load_sharded": lambda path: sharded_checkpoint.load(trainer, path)})
     finally:
         dist.destroy_process_group()
 
@@ -392,6 +350,25 @@ class ShardedTrainer(Trainer):
         self.shard.load_state_dict(local)
         self.workers.gather()
         self.step_count = int(state["step"])
+
+    def save_sharded(self, path: str) -> None:
+        """Every rank writes its shards to the DCP folder `path` (`core.train.sharded_checkpoint`)."""
+        self._together("save_sharded", path)
+
+    def load_sharded(self, path: str) -> None:
+        """Every rank reads its shards of a DCP checkpoint written at any world size, then rank 0's full
+        module takes the loaded weights (the engines' copy)."""
+        self._together("load_sharded", path)
+        self.workers.send_all([("gather",)] * (self.world - 1))
+        with self.workers.blamed():
+            self.shard.gather_weights(self.policy)
+        self.workers.gather()
+
+    def _together(self, command: str, path: str) -> None:
+        self.workers.send_all([(command, path)] * (self.world - 1))
+        with self.workers.blamed():
+            getattr(sharded_checkpoint, command.removesuffix("_sharded"))(self.shard, path)
+        self.workers.gather()
 
     def close(self) -> None:
         self.workers.close()

@@ -34,6 +34,7 @@ from core.run import checkpoint
 from core.train.distributed import DistributedTrainer
 from core.train.packing import micro_batch_count
 from core.train.ranks import RankError, balance
+from core.train import sharded_checkpoint
 from core.train.sharded import ShardedTrainer
 from core.train.trainer import Trainer, seed_everything
 from tests.core.test_distributed_trainer import (
@@ -299,3 +300,32 @@ def test_a_nan_step_is_skipped_on_every_shard_not_called_a_disagreement():
         assert fsdp.apply(prepared) is False
         assert prepared.skipped and math.isnan(prepared.grad_norm)
         assert all(torch.equal(p, q) for p, q in zip(fsdp.policy.parameters(), base.parameters()))
+
+
+def test_a_sharded_dcp_checkpoint_written_at_two_ranks_resumes_in_one_unsharded_trainer(tmp_path):
+    """Each rank writes its own shards (torch.distributed.checkpoint): none holds the whole state; the
+    checkpoint loads at another world size (one trainer, no process group) with the same weights and
+    AdamW moments as the gathered single-trainer state, and back into 2 fresh fsdp2 ranks."""
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    path = str(tmp_path / "dcp")
+    with sharded(copy.deepcopy(base)) as fsdp:
+        prepared = fsdp.prepare(groups_for(base))
+        fsdp.backward(prepared)
+        assert fsdp.apply(prepared)
+        fsdp.save_sharded(path)
+        whole = fsdp.state_dict()
+        weights = {n: p.detach().clone() for n, p in fsdp.policy.named_parameters()}
+    one = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
+    sharded_checkpoint.load(one, path)
+    for name, p in one.policy.named_parameters():
+        torch.testing.assert_close(p, weights[name], rtol=0, atol=0, msg=name)
+    moments = [s["exp_avg"] for s in one.optimizer.state_dict()["state"].values()]
+    saved = [s["exp_avg"] for s in whole["optimizer"]["state"].values()]
+    assert len(moments) == len(saved) > 0
+    for got, want in zip(moments, saved):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with sharded(copy.deepcopy(base)) as again:
+        again.load_sharded(path)
+        for name, p in again.policy.named_parameters():
+            torch.testing.assert_close(p, weights[name], rtol=0, atol=0, msg=name)
