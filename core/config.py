@@ -63,6 +63,9 @@ class ModelTrainer(Strict):
     # next backward (`core.train.offload`). For `layout: colocated` on GPUs that do not hold a rank's
     # state and a replica at once (`core.run.plan` says). Replicated ranks only (not fsdp2).
     offload: bool = False
+    # FSDP2 only: recompute each decoder layer's activations in the backward instead of keeping them
+    # (`core.train.sharded`): about one extra forward a step for activations of one layer at a time.
+    activation_checkpointing: bool = False
 
     @model_validator(mode="after")
     def _one_device_per_rank(self) -> ModelTrainer:

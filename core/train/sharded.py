@@ -43,9 +43,11 @@ decoder and the head, not the causal LM's forward.
 The group is torch.distributed's default process group (gloo on CPU, NCCL on GPU), which FSDP2's
 device mesh is built on: so one process holds at most one fsdp2 trainer, and not beside anything
 else that takes the default group (an in-process vLLM engine). Deliberately not here: LoRA (its
-trainable state is its small adapters: replicate), CPU offload, mixed-precision policies (the
-shards are in the model's dtype; bf16 trains on fp32 master copies of the shards as one trainer
-does), and ranks on other machines.
+trainable state is its small adapters: replicate), CPU offload, a compute dtype other than the
+model's (the shards are in the model's dtype and bf16 trains on fp32 master copies of the shards as
+one trainer does; the only mixed-precision policy is the fp32 gradient reduction,
+`REDUCE_IN_FP32`), and ranks on other machines. Activation checkpointing per decoder layer is
+`models[].trainer.activation_checkpointing`.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import models
@@ -84,12 +86,22 @@ class _Scorer(torch.nn.Module):
         return token_logprobs(self.model, mb, positions=positions)
 
 
-def shard(model: torch.nn.Module, mesh: DeviceMesh) -> _Scorer:
-    """`model` sharded in place over `mesh`, one unit a decoder layer, gradients summed over ranks."""
+# Gradients reduce in fp32 whatever the weights' dtype: a bf16 reduce-scatter rounds each rank's
+# share before the sum (issue 41 measured a 1.5e-2 relative gap between 1 and 2 ranks). The weights
+# stay in their own dtype (param_dtype None); the reduced gradient is cast back to it.
+REDUCE_IN_FP32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+
+
+def shard(model: torch.nn.Module, mesh: DeviceMesh, checkpointing: bool = False) -> _Scorer:
+    """`model` sharded in place over `mesh`, one unit a decoder layer, gradients summed over ranks in
+    fp32; `checkpointing`: each decoder layer's activations recomputed in the backward instead of kept
+    (transformers' gradient checkpointing, non-reentrant, which FSDP2's hooks work with)."""
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     scorer = _Scorer(model)
     for layer in getattr(model.get_decoder(), "layers", []):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(scorer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=REDUCE_IN_FP32)
+    fully_shard(scorer, mesh=mesh, mp_policy=REDUCE_IN_FP32)
     for module in scorer.modules():
         if isinstance(module, FSDPModule):  # each unit's reduction is its own: set on every one
             module.set_gradient_divide_factor(1.0)
@@ -100,10 +112,11 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh) -> _Scorer:
 class _Shard(Trainer):
     """One rank's trainer over its shard: the same loss and step as `Trainer`, on DTensor parameters."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, name: str, mesh: DeviceMesh):
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, name: str, mesh: DeviceMesh,
+                 checkpointing: bool = False):
         self.model = model  # the causal LM, sharded in place below
         self._frozen = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-        self.scorer = shard(model, mesh)
+        self.scorer = shard(model, mesh, checkpointing)
         super().__init__(self.scorer, cfg, name, lora=False)
 
     def _make_reference(self, policy: torch.nn.Module) -> torch.nn.Module:
@@ -224,7 +237,7 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     device = local_device(devices[rank])  # this process sees its GPU alone (`core.engine.devices`)
     mesh = _join(backend, port, rank, world, device)
     model, _ = models.load(mc.model_copy(update={"device": device}))
-    trainer = _Shard(model, cfg, mc.name, mesh)
+    trainer = _Shard(model, cfg, mc.name, mesh, mc.trainer.activation_checkpointing)
     trainer.take_weights(None)
     trainer.take_reference()
 
@@ -281,7 +294,7 @@ class ShardedTrainer(Trainer):
         self.procs = self.workers.procs
         try:
             mesh = _join(backend, port, 0, self.world, devices[0])
-            self.shard = _Shard(copy.deepcopy(policy), cfg, mc.name, mesh)
+            self.shard = _Shard(copy.deepcopy(policy), cfg, mc.name, mesh, mc.trainer.activation_checkpointing)
             self.shard.take_weights(policy)  # rank 0's weights are the run's: a resumed module's included
             self.shard.take_reference()
             self.workers.wait_ready()

@@ -329,3 +329,19 @@ def test_a_sharded_dcp_checkpoint_written_at_two_ranks_resumes_in_one_unsharded_
         again.load_sharded(path)
         for name, p in again.policy.named_parameters():
             torch.testing.assert_close(p, weights[name], rtol=0, atol=0, msg=name)
+
+
+def test_activation_checkpointing_per_decoder_layer_gives_the_same_step():
+    """Each layer's activations recomputed in the backward (FSDP2 with transformers' non-reentrant
+    checkpointing): the same gradient and step as one trainer keeping them (the file's tolerances)."""
+    seed_everything(0)
+    base, _ = build_tiny(0)
+    single = Trainer(copy.deepcopy(base), CFG, MODEL, lora=False)
+    mc = MC.model_copy(update={"trainer": MC.trainer.model_copy(update={"activation_checkpointing": True})})
+    fsdp = ShardedTrainer(copy.deepcopy(base), CFG, mc, ["cpu", "cpu"])
+    try:
+        assert fsdp.shard.model.is_gradient_checkpointing
+        batch = groups_for(base)
+        assert_same_step(single, single.prepare(batch), fsdp, fsdp.prepare(batch))
+    finally:
+        fsdp.close()
