@@ -33,7 +33,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import httpx
@@ -42,7 +42,7 @@ from mlflow.tracking import MlflowClient
 from core.config import ab_metric
 from researcher.evidence.analysis import read_history
 from researcher.runs.launcher import Launcher, contain_mode, hide_env, log_tail, write_json
-from researcher.records import SwapSide
+from researcher.records import COST_METRICS, Cost, SwapSide
 from researcher.code.workspace import Workspace
 
 LIVE_KEY = "live"  # the live run's launch key: runs/live/ holds its checkout, checkpoints and server.json
@@ -217,6 +217,17 @@ class LiveRun:
             time.sleep(poll_s)
         return (SwapSide(version=",".join(record["from_versions"]), steps={s: sum(old[s]) / len(old[s]) for s in both}),
                 SwapSide(version=record["to_version"], steps={s: new[s] for s in both}), cut)
+
+    def cost(self, run_id: str, sandbox: str, versions: list[str], steps: Collection[int]) -> Cost | None:
+        """What the versions' episodes cost over `steps`: the core's per-version calls and tokens per episode
+        (`episode/<sandbox>/version/<v>/calls|tokens`), averaged; None when it logged neither."""
+        means = {}
+        for name, metric in COST_METRICS.items():
+            values = [v for version in versions
+                      for s, v in read_history(self.client, run_id, f"episode/{sandbox}/version/{version}/{metric.split('/')[-1]}")
+                      if s in steps]
+            means[name] = sum(values) / len(values) if values else None
+        return Cost(**means) if any(v is not None for v in means.values()) else None
 
     def before(self, run_id: str, record: dict, window: int) -> SwapSide:
         """The old version's last `window` steps up to the swap: the report's picture, never evidence."""

@@ -4,10 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
-from researcher.brief.schema import Objective
+from mlflow.tracking import MlflowClient
+
+from researcher.brief.schema import CodeSpec, Objective
+from researcher.code.workspace import Workspace
 from researcher.evidence import analysis, baselines
 from researcher.records import Cost, Launch, Proposal
+from researcher.runs.launcher import Launcher, LaunchTarget
+from researcher.runs.live_swaps import LiveRun
 
 UP = Objective(metric="reward/mean", direction="maximize", window=1)
 BASE = {"trainer.lr": 1.0e-5, "trainer.steps": 8}
@@ -46,3 +52,20 @@ def test_a_run_that_logged_no_cost_says_which_metrics_are_missing() -> None:
     assert "per episode: not known vs 1 calls, tokens not logged" in text
     assert analysis.run_cost({"episode/calls": [], "episode/tokens": []}) is None
     assert Cost().fmt() == "not logged (episode/calls, episode/tokens)"
+
+
+def test_an_ab_version_cost_is_read_from_the_cores_per_version_metrics(tmp_path: Path) -> None:
+    """The live A/B's sides: `episode/<sandbox>/version/<v>/calls|tokens` over the window's steps only."""
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    run = client.create_run(client.create_experiment("live")).info.run_id
+    for step, (calls, tokens) in {1: (9.0, 99.0), 2: (1.0, 12.0), 3: (1.0, 14.0)}.items():
+        client.log_metric(run, "episode/letters/version/old/calls", calls, step=step)
+        client.log_metric(run, "episode/letters/version/old/tokens", tokens, step=step)
+    client.log_metric(run, "episode/letters/version/new/calls", 4.5, step=2)
+    workspace = Workspace(tmp_path / "ws", CodeSpec(editable=["sandboxes/letters"]), tmp_path)
+    live = LiveRun(Launcher(LaunchTarget(command=["swarm", "run"], workdir=tmp_path, tracking_uri="", experiment="e",
+                                         study="s"), tmp_path / "state", 1, lambda *a, **k: None),
+                   client, tmp_path / "state", workspace)
+    assert live.cost(run, "letters", ["old"], {2: 0.1, 3: 0.1}) == Cost(calls=1.0, tokens=13.0)  # step 1 is outside
+    assert live.cost(run, "letters", ["new"], {2: 0.3}) == Cost(calls=4.5, tokens=None)
+    assert live.cost(run, "letters", ["gone"], {2: 0.3}) is None

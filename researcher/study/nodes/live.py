@@ -152,6 +152,10 @@ class LiveNode(RunNodes):
             elif old and new:
                 verdict = judge_ab(new.steps, old.steps, ctx.brief.objective.direction, baseline_id=old.version,
                                    round_verdicts=judged, pending=pending + len(records) - i - 1)
+                # Each version's calls and tokens per episode over the window: a harness that buys its score says so.
+                verdict = verdict.model_copy(update={
+                    "cost": runner.cost(run_id, record["sandbox"], [record["to_version"]], new.steps),
+                    "cost_baseline": runner.cost(run_id, record["sandbox"], record["from_versions"], old.steps)})
             else:
                 verdict = None
             judged[f"{p.id}/{record['n']}"] = verdict if verdict is not None else Verdict(result="inconclusive",
