@@ -208,6 +208,10 @@ class Proposal(ProposalDraft):
             rows.append(f"code: {len(self.edits)} edit(s)" if self.edits else "code: a patch")
         return "\n".join(rows) or "(no change: baseline)"
 
+    def steps(self, default: int) -> int:
+        """The trainer steps it runs: its own `trainer.steps` override, else `default` (the base config's)."""
+        return int(self.overrides.get("trainer.steps", default))
+
 
 class Decision(BaseModel):
     """Who decided what about a proposal, when and why."""

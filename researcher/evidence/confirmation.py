@@ -30,7 +30,7 @@ CONFIRMATION_PLANNER = "confirmation"
 
 
 def _steps(p: Proposal, default_steps: int) -> int:
-    return int(p.overrides.get("trainer.steps", default_steps))
+    return p.steps(default_steps)
 
 
 def search_recommendation(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,

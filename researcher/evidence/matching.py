@@ -35,7 +35,7 @@ def changed(p: Proposal, base_values: dict[str, Any]) -> dict[str, object]:
 
 
 def steps_of(p: Proposal, default_steps: int) -> int:
-    return int(p.overrides.get("trainer.steps", default_steps))
+    return p.steps(default_steps)
 
 
 def runs_code(p: Proposal) -> bool:

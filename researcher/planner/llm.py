@@ -173,7 +173,7 @@ def _describe_baseline(ctx: PlanContext) -> str:
         if not is_reference(p, ctx.base_values) or p.extends or r is None:
             continue
         seeds = ", ".join(f"{s}: {v:.4g}" for s, v in sorted(r.seed_scores.items())) or "none"
-        steps = p.overrides.get("trainer.steps", ctx.base_steps)
+        steps = p.steps(ctx.base_steps)
         config = {k: v for k, v in p.overrides.items() if k != "trainer.steps" and ctx.base_values.get(k) != v}
         code = f" at the code of {p.parent}" if p.parent else ""
         rows.append(f"- {p.id}, {steps} steps{f', {config}' if config else ''}{code}: {ctx.brief.objective.metric} = "

@@ -140,7 +140,7 @@ def status_json(name: str, state: dict[str, Any], phase: str, pid: int | None, b
 
 
 def trained_steps(p: Proposal) -> int:
-    return int(p.overrides.get("trainer.steps", 0))
+    return p.steps(0)
 
 
 def best_result(state: dict[str, Any], brief: Brief) -> tuple[Proposal, ExperimentResult] | None:

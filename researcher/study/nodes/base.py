@@ -108,7 +108,7 @@ class NodeBase:
         return watch.check(Launch.model_validate(state["live"]), state).model_dump()
 
     def _steps(self, p: Proposal) -> int:
-        return int(p.overrides.get("trainer.steps", self.base_steps))
+        return p.steps(self.base_steps)
 
     def _confirmation_owed(self, state: StudyState) -> Proposal | None:
         """The search's recommendation, while its held-out-seed confirmation has not been run."""
