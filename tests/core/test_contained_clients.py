@@ -238,7 +238,8 @@ def test_a_client_swapped_in_with_contain_sees_no_credential_and_writes_only_its
         assert os.getpgid(new_pid) == new_pid  # alive after `swarm swap` exited: detached, its own group
         # It registered the pid its starter sees (bwrap's), not pid 2 of its own namespace: the pid a study
         # watches exit.
-        [listed] = [c for c in httpx.get(f"{server.url}/swarm/v1/status", timeout=10).json()["clients"]
+        admin = {"Authorization": f"Bearer {server.admin_token}"}  # other clients' ids: the admin token's to read
+        [listed] = [c for c in httpx.get(f"{server.url}/swarm/v1/status", headers=admin, timeout=10).json()["clients"]
                     if c["client_id"] == client_id]
         assert listed["pid"] == new_pid
         seen = json.loads((workdir / "env.json").read_text())

@@ -127,7 +127,8 @@ def test_swarm_swap_replaces_a_live_runs_client_through_the_server(tmp_path: Pat
         assert (Path(server["admin_token_file"]).stat().st_mode & 0o777) == 0o600
 
         def status() -> dict:
-            return httpx.get(f"{url}/swarm/v1/status", timeout=10).json()
+            # other clients' ids and versions, and the swaps: the admin token's to read
+            return httpx.get(f"{url}/swarm/v1/status", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
 
         def letters() -> list[dict]:
             return [c for c in status()["clients"] if c["sandbox"] == "letters"]

@@ -15,8 +15,9 @@ import pytest
 
 from core.run import hotswap
 from core.episodes.client_table import ClientTable
+from core.episodes.credentials import Credentials
 from core.episodes.errors import Refusal
-from core.episodes.wire import DrainClients, RegisterClient
+from core.episodes.wire import ClientGrant, DrainClients, RegisterClient
 
 
 def _reg(cid: str, version: str, concurrency: int = 4) -> RegisterClient:
@@ -47,12 +48,17 @@ class _Server:
 
     def __init__(self, table: ClientTable):
         self.table = table
+        self.credentials = Credentials()  # what `/admin/credentials` issues from
 
     def __call__(self, url: str, token: str):
         return self
 
     def clients(self, sandbox: str) -> list[dict]:
         return [{**c, "finished": 1} for c in self.table.listing() if c["sandbox"] == sandbox]
+
+    def credential(self, grant: ClientGrant) -> str:
+        self.grants = [*getattr(self, "grants", []), grant]
+        return self.credentials.issue(grant)
 
     def drain(self, sandbox: str, ids: list[str], successor: str = "", ab: bool = False) -> dict | None:
         record = self.table.drain(DrainClients(sandbox=sandbox, client_ids=ids, successor=successor, ab=ab))
@@ -89,6 +95,8 @@ def test_swap_ab_keeps_both_versions_serving_with_an_even_split_and_records_the_
     clients = {c["client_id"]: c for c in server.clients("letters")}
     assert {c["state"] for c in clients.values()} == {"serving"} and set(clients) == {"old-a", "old-b", "new"}
     assert server.started == [4]  # the old clients' summed concurrency: as many episodes in flight per version
+    [grant] = server.grants  # the new client's credential binds the new code's version and the old one's settings
+    assert (grant.sandbox, grant.version, grant.kind, grant.group_size, grant.concurrency) == ("letters", "v2", "train", 2, 4)
     assert (clients["new"]["kind"], clients["new"]["group_size"]) == ("train", 2)
     [record] = server.table.swaps
     assert (record.ab, record.drained, record.from_versions, record.to_version) == (True, [], ["v1"], "v2")
