@@ -7,7 +7,9 @@ agent side (`clients/`) run in different processes, so neither reaches into the 
 run and the server ask any engine what they need through the `Engine` protocol (`core.engine`), never
 `isinstance(..., ReplicaEngine)`; a train step says it failed or was skipped in its `StepOutcome`
 (`core.train.outcome`, the one module that names those metrics), never by a metric name someone matches.
-Each bar is also run on a planted case of the old pattern, so it cannot pass by finding nothing.
+The run's callbacks reach the server, its client table and its engines when they are built, never set
+on them afterwards. Each bar is also run on a planted case of the old pattern, so it cannot pass by
+finding nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,26 @@ def engine_type_checks(root: Path) -> list[str]:
     return [f"{path}:{node.lineno}" for path, tree in _modules(root, ASKS_ENGINES) for node in ast.walk(tree)
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2 and _named(node.args[1], ENGINE_CLASS)]
+
+
+CALLBACKS = {"on_checkpoint", "on_shutdown", "on_swap", "on_lost", "is_open"}  # what the run hands the server side
+
+
+def late_callbacks(root: Path) -> list[str]:
+    """Callbacks set on an object after it was built: `x.on_lost = ...` on another object, or on `self`
+    outside `__init__`. `path:line`."""
+    found = []
+    for path, tree in _modules(root):
+        inits = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+                 for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AnnAssign, ast.AugAssign)) else []
+            for t in (e for target in targets for e in ast.walk(target)):
+                if isinstance(t, ast.Attribute) and t.attr in CALLBACKS and not (
+                        isinstance(t.value, ast.Name) and t.value.id == "self" and id(node) in inits):
+                    found.append(f"{path}:{node.lineno}")
+    return found
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
@@ -120,3 +142,22 @@ def test_a_planted_failure_metric_match_is_caught_and_a_docstring_is_not(tmp_pat
     (tmp_path / NAMES_STEP_FLAGS).write_text('NAMES = {"failed": "train/failed"}\n')  # the one place that names them
     assert step_flag_names(tmp_path) == ["core/run/loop.py:2", "core/run/loop.py:2", "core/run/loop.py:5",
                                          "core/run/loop.py:5"]
+
+
+def test_callbacks_are_given_at_construction_never_set_afterwards() -> None:
+    assert late_callbacks(ROOT) == [], "pass the callback to the constructor"
+
+
+def test_a_planted_late_callback_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "core" / "run").mkdir(parents=True)
+    (tmp_path / "core" / "run" / "loop.py").write_text(
+        "class Run:\n"
+        "    def __init__(self, server, on_lost):\n"
+        "        self.on_lost = on_lost\n"  # its own callback, given to it: fine
+        "        server.on_checkpoint = self.checkpoint\n"
+        "        server.clients.on_swap, x = self.swapped, 1\n"
+        "    def start(self, engine):\n"
+        "        self.on_lost = None\n"
+        "        engine.is_open: object = None\n")
+    assert late_callbacks(tmp_path) == ["core/run/loop.py:4", "core/run/loop.py:5", "core/run/loop.py:7",
+                                        "core/run/loop.py:8"]
