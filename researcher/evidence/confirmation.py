@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import BaseModel, Field
+
 from researcher.brief.schema import Brief
 from researcher.evidence import decision
 from researcher.evidence.analysis import config_of
@@ -139,19 +141,62 @@ def attach(results: list[ExperimentResult], proposals: Sequence[Proposal],
     return out
 
 
+class Recommendation(BaseModel):
+    """What the study concludes, decided once (`recommendation`) and rendered as text (`text`)."""
+
+    pick: Proposal | None = None  # the search's pick: better at the longest training (and than its parent)
+    result: ExperimentResult | None = None  # the pick's result, its confirmation attached
+    commit: str | None = None  # the code the pick's confirmation ran at; None: config only, or no pick
+    confirm: bool = True  # the brief's confirm.enabled
+    not_kept: list[str] = Field(default_factory=list)  # chained picks whose addition to their parent was not kept
+
+    @property
+    def recommended(self) -> bool:
+        """Judged better and confirmed on held-out seeds (or better, with confirmation off)."""
+        if self.pick is None or self.result is None:
+            return False
+        confirmed = self.result.confirmation
+        return confirmed.replicated if confirmed is not None else not self.confirm
+
+    def text(self) -> str:
+        """What the study may recommend, in one sentence for its stop reason and report."""
+        dropped = "; ".join(self.not_kept)
+        if self.pick is None or self.result is None:
+            if dropped:
+                return f"nothing to recommend: {dropped}"
+            return "no candidate was judged better than the baseline: nothing to recommend"
+        return f"{self._said()} ({dropped})" if dropped else self._said()
+
+    def _said(self) -> str:
+        assert self.pick is not None and self.result is not None
+        pick, confirmed = self.pick, self.result.confirmation
+        if confirmed is None:
+            if not self.confirm:
+                return f"{pick.id} was judged better (confirmation is off in the brief): recommended unconfirmed"
+            return f"{pick.id} was judged better but is not confirmed on held-out seeds: not recommended"
+        if confirmed.replicated:
+            return (f"recommend {pick.id}" + (f" (code at commit {self.commit})" if self.commit else "")
+                    + f": {confirmed.fmt()}")
+        return f"{pick.id} is not recommended: the effect {confirmed.fmt()}"
+
+
+def recommendation(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
+                   brief: Brief) -> Recommendation:
+    """The study's conclusion, walked once: its pick, the pick's confirmation and the chains not kept."""
+    found = search_recommendation(proposals, results, default_steps, brief)
+    dropped = not_kept(proposals, results, default_steps)
+    if found is None:
+        return Recommendation(confirm=brief.confirm.enabled, not_kept=dropped)
+    pick, result = found
+    return Recommendation(pick=pick, result=result, commit=commit_of(pick, proposals), confirm=brief.confirm.enabled,
+                          not_kept=dropped)
+
+
 def recommended(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
                 brief: Brief) -> tuple[Proposal, str | None] | None:
-    """The proposal the study recommends and the commit of its code (None: the base code), or None.
-
-    Recommended means judged better and confirmed on held-out seeds (or better, with confirmation off).
-    """
-    found = search_recommendation(proposals, results, default_steps, brief)
-    if found is None:
-        return None
-    pick, result = found
-    if result.confirmation is None and brief.confirm.enabled or result.confirmation and not result.confirmation.replicated:
-        return None
-    return pick, commit_of(pick, proposals)
+    """The proposal the study recommends and the commit of its code (None: the base code), or None."""
+    found = recommendation(proposals, results, default_steps, brief)
+    return (found.pick, found.commit) if found.recommended and found.pick is not None else None
 
 
 def commit_of(pick: Proposal, proposals: Sequence[Proposal]) -> str | None:
@@ -162,24 +207,4 @@ def commit_of(pick: Proposal, proposals: Sequence[Proposal]) -> str | None:
 def conclusion(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], default_steps: int,
                brief: Brief) -> str:
     """What the study may recommend, in one sentence for its stop reason and report."""
-    found = search_recommendation(proposals, results, default_steps, brief)
-    dropped = "; ".join(not_kept(proposals, results, default_steps))
-    if found is None:
-        if dropped:
-            return f"nothing to recommend: {dropped}"
-        return "no candidate was judged better than the baseline: nothing to recommend"
-    pick, result = found
-    if dropped:
-        return f"{_conclude(pick, result, proposals, brief)} ({dropped})"
-    return _conclude(pick, result, proposals, brief)
-
-
-def _conclude(pick: Proposal, result: ExperimentResult, proposals: Sequence[Proposal], brief: Brief) -> str:
-    if result.confirmation is None:
-        if not brief.confirm.enabled:
-            return f"{pick.id} was judged better (confirmation is off in the brief): recommended unconfirmed"
-        return f"{pick.id} was judged better but is not confirmed on held-out seeds: not recommended"
-    if result.confirmation.replicated:
-        commit = commit_of(pick, proposals)
-        return f"recommend {pick.id}" + (f" (code at commit {commit})" if commit else "") + f": {result.confirmation.fmt()}"
-    return f"{pick.id} is not recommended: the effect {result.confirmation.fmt()}"
+    return recommendation(proposals, results, default_steps, brief).text()
