@@ -45,6 +45,9 @@ DEBTS_KEPT = 4096  # per sandbox: far more than any client's concurrency can lea
 # episode of the other version can still finish there while it runs (max_staleness + 1 at most).
 CELL_MAX_VERSIONS = 4
 RECENT_PAIRS = 200  # compared pairs kept for `/status` (people, and the live A/B test, look at them)
+# Cells kept at most: a server whose weights never move (no trainer) forgets none by age, so the oldest with no
+# episode still running go first (as many as the registry keeps tombstones: far more than any A/B needs at once).
+CELLS_KEPT = 20_000
 
 
 @dataclass
@@ -164,6 +167,10 @@ class Pairs:
                and any(self._newest.get(m, v) - v > CELL_MAX_VERSIONS for m, v in key[2])]
         for key in old:
             del self._cells[key]
+        if len(self._cells) > CELLS_KEPT:
+            idle = [key for key, cell in self._cells.items() if not cell.open]
+            for key in idle[: len(self._cells) - CELLS_KEPT]:
+                del self._cells[key]
 
     def take(self) -> dict[str, float]:
         """The pairs completed since the last call, as metrics: per sandbox, each version's mean score over

@@ -16,6 +16,7 @@ from core.run.hotswap import inherited
 from core.clients.sdk import SwarmClient, SwarmError
 from core.episodes.client_table import ClientTable
 from core.config import ab_metric
+from core.episodes import pairing
 from core.episodes.pairing import DEBT_MAX_VERSIONS, Pairs, TaskPairing
 from core.episodes.registry import Registry
 from core.episodes.wire import DrainClients, OpenEpisode, RegisterClient
@@ -129,15 +130,16 @@ def _reg(cid: str, version: str) -> RegisterClient:
 
 
 def test_the_table_names_leaders_and_follower_until_the_loser_drains():
-    table = ClientTable()
+    pairing = TaskPairing()
+    table = ClientTable(on_ab_end=pairing.close)
     table.register(_reg("old", "v1"), "")
     table.register(_reg("new", "v2"), "")
     assert table.ab_role("s", "old") is None  # no A/B yet
     table.drain(DrainClients(sandbox="s", client_ids=["old"], successor="new", ab=True))
     assert (table.ab_role("s", "old"), table.ab_role("s", "new"), table.ab_open()) == ("leader", "follower", {"s": 1})
-    table.pairing.owe("s", "t", None, {})
+    pairing.owe("s", "t", None, {})
     table.drain(DrainClients(sandbox="s", client_ids=["old"], successor="new"))  # the old version lost
-    assert table.ab_role("s", "new") is None and table.ab_open() == {} and table.pairing.owed() == {}
+    assert table.ab_role("s", "new") is None and table.ab_open() == {} and pairing.owed() == {}
 
 
 def test_an_ab_whose_follower_left_is_over():
@@ -185,3 +187,18 @@ def test_over_http_the_follower_opens_the_tasks_its_leader_opened(live_server):
     finally:
         leader.close()
         follower.close()
+
+
+def test_a_server_whose_weights_never_move_forgets_its_oldest_idle_cells_but_never_a_running_one(monkeypatch):
+    monkeypatch.setattr(pairing, "CELLS_KEPT", 3)
+    pairs = Pairs()
+    running = _episode("held", "v1", 0, 0.0)
+    pairs.opened(running)
+    for i in range(6):
+        pairs.add(_episode(f"t{i}", "v1", 0, 1.0), 1.0)
+    pairs.add(_episode("t5", "v2", 0, 0.5), 0.5)  # the newest cells are kept: t5 pairs
+    pairs.add(running, 0.0)
+    pairs.add(_episode("held", "v2", 0, 1.0), 1.0)  # the running one's cell was never forgotten: it pairs too
+    assert pairs.take()["ab/s/pairs"] == 2.0
+    pairs.add(_episode("t0", "v2", 0, 0.5), 0.5)  # t0 was forgotten: alone, no pair
+    assert pairs.take() == {}

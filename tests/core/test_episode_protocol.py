@@ -116,6 +116,26 @@ def test_a_refused_call_names_the_limit_ends_the_episode_and_counts_every_choice
     assert {e.id: (e.score, len(e.calls)) for e in _ended(server)}[two.id] == (FAILURE, 0)
 
 
+def test_concurrent_calls_cannot_both_slip_under_max_calls(live_server, tmp_path):
+    server = _serve(live_server, _sandbox(tmp_path))
+    ep = SwarmClient(server.url).episode(None, sandbox="proto")
+
+    async def race() -> list[int]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": "policy", "messages": [{"role": "user", "content": f"{ep.task['prompt']} turn 0"}],
+                    "max_tokens": 2}
+            answers = await asyncio.gather(*[client.post(f"{ep.base_url}/chat/completions", json=body)
+                                             for _ in range(4)])
+        return sorted(r.status_code for r in answers)
+
+    codes = asyncio.run(race())
+    # One call was admitted; the three beyond max_calls are refused, and the first of them ends the episode, so
+    # the admitted call's reply is refused too (409) unless it was recorded before: no reply to pick from either way.
+    assert codes.count(400) == 3 and set(codes) - {400} <= {200, 409}, codes
+    (failed,) = _ended(server)
+    assert failed.score == FAILURE and len(failed.calls) <= 1
+
+
 def test_a_call_cut_off_mid_stream_still_counts(live_server, tmp_path):
     server = _serve(live_server, _sandbox(tmp_path))
     ep = SwarmClient(server.url).episode(None, sandbox="proto")
