@@ -19,6 +19,7 @@ from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
 from core.clients.sdk import SwarmClient, SwarmError
 from core.config import ab_metric
+from core.sandbox.judge import load_judge
 
 ROOT = Path(__file__).resolve().parents[2]
 FAILURE = -1.0
@@ -247,3 +248,25 @@ def test_an_expired_judged_episode_scores_failure_in_its_cell_which_waits_for_it
     metrics = server.registry.pairs.take()
     assert metrics[ab_metric("proto", "v1")] == FAILURE and metrics["ab/proto/pairs"] == 1.0
     assert metrics[ab_metric("proto", "v2")] > 1
+
+
+@pytest.mark.parametrize("protocol, named", [
+    ("max_calls = 0", "max_calls = 0"), ("max_calls = 1.5", "max_calls = 1.5"), ('max_calls = "1"', "max_calls = '1'"),
+    ("max_calls = true", "max_calls = True"), ("eval_sampling = 3", "eval_sampling must be a table"),
+    ("[eval_sampling]\ntemperature = 1.0", "eval_sampling.max_tokens: Field required"),
+    ("[eval_sampling]\nmax_tokens = 8\ntemperature = 9.0", "eval_sampling.temperature"),
+    ("[eval_sampling]\nmax_tokens = 0", "eval_sampling.max_tokens"),
+    ("[eval_sampling]\nmax_tokens = 8\nstop = [\"\"]", "eval_sampling.stop.0"),
+    ("[eval_sampling]\nmax_tokens = 8\nstop = [\"a\", \"b\", \"c\", \"d\", \"e\"]", "eval_sampling.stop"),
+    ("[eval_sampling]\nmax_tokens = 8\nseed = 3", "eval_sampling.seed: Extra inputs are not permitted"),
+])
+def test_a_malformed_episode_protocol_is_refused_at_load_naming_sandbox_toml_and_the_key(tmp_path, protocol, named):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "sandbox.toml").write_text(f'name = "bad"\njudge = "judge.py"\n{protocol}\n')
+    (folder / "judge.py").write_text(JUDGE)
+    (folder / "agent.py").write_text(AGENT.format(calls=1))
+    for load in (load_judge, load_agent):  # the server's judge and the client's agent both refuse it
+        with pytest.raises(ValueError) as refused:
+            load(folder if load is load_judge else str(folder))
+        assert "sandbox.toml" in str(refused.value) and named in str(refused.value), str(refused.value)
