@@ -13,7 +13,9 @@ per arm: the median (and range) of the seconds and the steps to a rolling `--win
 of `--threshold` (a seed that never gets there counts as not reached, and the median is over the seeds
 that did, with how many), trained tokens per second, the groups dynamic sampling kept out
 (`train/groups_filtered`, summed over the run) and the mean `train/mismatch_kl`. The last line:
-`learning: <arm>=<median s>/<median steps> ...` (`-` where no seed reached the threshold).
+`learning: <arm>=<median s>/<median steps> ...` (`-` where no seed reached the threshold). `--records DIR`
+(the folder a comparison prints) keeps its runs that logged steps and runs the rest, so a comparison
+cut short or with a failed run is finished without running again what it has.
 
     .venv/bin/python bench/learning.py [--config configs/smollm2-oneword.yaml] [--steps 40] [--out bench/out]
     .venv/bin/python bench/learning.py --config configs/smollm2-guess.yaml --from-log run.log
@@ -110,17 +112,24 @@ def summary(runs: list[list[dict[str, float]]], threshold: float, window: int) -
 
 
 def spread(xs: list[float], fmt: str) -> str:
-    return "-" if not xs else f"{format(statistics.median(xs), fmt)} [{format(min(xs), fmt)}-{format(max(xs), fmt)}]"
+    """median [min-max]; `fmt` applies to floats (the median of an even count of steps is one)."""
+    if not xs:
+        return "-"
+    median, low, high = (format(float(x), fmt) for x in (statistics.median(xs), min(xs), max(xs)))
+    return f"{median} [{low}-{high}]"
 
 
 def compare(args: argparse.Namespace) -> None:
     arms = {"default": []} | {arm: [s for s in arm.split(";") if s] for arm in args.options}
-    out = Path(tempfile.mkdtemp(prefix="learning-"))
+    out = args.records or Path(tempfile.mkdtemp(prefix="learning-"))
     rows: dict[str, dict[str, object]] = {}
     for name, sets in arms.items():
         runs = []
         for seed in args.seeds:
             record = out / f"{len(rows)}-{seed}.json"
+            if record.is_file() and json.loads(record.read_text())["steps"]:  # --records: done before, kept
+                runs.append(json.loads(record.read_text())["steps"])
+                continue
             cmd = [sys.executable, __file__, "--config", args.config, "--json", str(record), "--out", str(out),
                    "--set", f"trainer.seed={seed}", "--set", f"trainer.checkpoint_dir={out}/ckpt-{len(rows)}-{seed}",
                    "--set", f"telemetry.tracking_uri=sqlite:///{out}/mlflow.db"]
@@ -130,16 +139,17 @@ def compare(args: argparse.Namespace) -> None:
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
             runs.append(json.loads(record.read_text())["steps"])
         rows[name] = summary(runs, args.threshold, args.window)
-    print(f"\nthreshold: rolling {args.window}-step mean reward >= {args.threshold}; seeds {args.seeds}; "
+    print(f"\nrecords: {out}")
+    print(f"threshold: rolling {args.window}-step mean reward >= {args.threshold}; seeds {args.seeds}; "
           f"{args.config}, {args.steps or 'config'} steps")
     print(f"{'arm':<44} {'reached':>7} {'seconds to threshold':>22} {'steps to threshold':>19} "
           f"{'tok/s':>7} {'filtered':>8} {'mismatch_kl':>11}")
     for name, r in rows.items():
         reached_of = f"{r['reached']}/{r['seeds']}" + (f" ({r['failed']} runs logged no step)" if r["failed"] else "")
-        print(f"{name:<44} {reached_of:<7} {spread(r['seconds'], '.0f'):>22} {spread(r['steps'], 'd'):>19} "
+        print(f"{name:<44} {reached_of:<7} {spread(r['seconds'], '.0f'):>22} {spread(r['steps'], 'g'):>19} "
               f"{r['tokens_per_s']:>7.1f} {r['groups_filtered']:>8.0f} {r['mismatch_kl']:>11.2e}")
     last = " ".join(f"{name.replace(' ', '')}={spread(r['seconds'], '.0f').split(' ')[0]}/"
-                    f"{spread(r['steps'], 'd').split(' ')[0]}" for name, r in rows.items())
+                    f"{spread(r['steps'], 'g').split(' ')[0]}" for name, r in rows.items())
     print(f"learning: {last}")
 
 
@@ -175,6 +185,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--window", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--records", type=Path, help="the folder of an earlier comparison with the same arms: "
+                                                 "its finished runs are kept, the others run")
     args = ap.parse_args()
     if args.options is not None:
         compare(args)
