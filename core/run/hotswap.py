@@ -236,6 +236,8 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
     admin = _Admin(url, token)
     new: _NewClient | None = None
     try:
+        # The token first: other clients are listed to the admin token only, so a wrong one would read as "no client".
+        admin.drain(name, [])  # a drain of no clients: a wrong token must not leave two clients running
         old = [c for c in admin.clients(name) if c["state"] == "serving"]
         if not old:
             raise SwapError(f"no client of sandbox {name!r} is registered at {url}: start one (`swarm client`, "
@@ -243,7 +245,6 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
         if len({(c["kind"], c["group_size"]) for c in old}) > 1:
             log.warning("the clients of %s differ in kind or group size; the new one takes %s's", name,
                         old[0]["client_id"])
-        admin.drain(name, [])  # checks the token: a wrong one must not leave two clients running
         if ab and concurrency is None:  # as many episodes in flight as all the old clients: a 50/50 split
             concurrency = sum(c["concurrency"] for c in old)
         # The new client's credential binds what the old one's registration says, with the new code's version.
@@ -290,6 +291,7 @@ def drain_version(sandbox: str, server: str, version: str, *, admin_token: str |
         url, token = resolve_server(server, admin_token)
         name = load_agent(locate(sandbox)).name if Path(sandbox).is_dir() else sandbox
         admin = _Admin(url, token)
+        admin.drain(name, [])  # checks the token: other clients are listed to the admin token only
         clients = admin.clients(name)
         losers = [c["client_id"] for c in clients if c["version"] == version]
         if not losers:
