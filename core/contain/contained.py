@@ -188,13 +188,13 @@ def wrap(argv: Sequence[str], cwd: Path, writable: Sequence[Path], readable: Seq
         binds += ["--ro-bind", str(forward.parent), str(forward.parent)]
         command = [sys.executable, "-I", str(RELAY), "--socket", str(forward), "--port", str(port), "--", *argv]
     tied = [] if detached else ["--die-with-parent"]
-    # In its own pid namespace the command sees itself as pid 2, a pid nobody outside can watch; the host pid
-    # of bwrap (which lives exactly as long as the namespace) is given to it instead, as $SWARMRL_HOST_PID:
-    # a shell that execs bwrap keeps its pid, so `$$` is known before bwrap starts.
-    if user_namespace_refusal(exe) is not None and not _warned_root:
+    if user_namespace_refusal(exe) is not None and not _warned_root:  # `auto` only: `required` refused already
         log.warning("the kernel refuses bwrap a user namespace (%s): contained code runs as its starter's uid "
                     "inside the sandbox, root where that is root; %s", user_namespace_refusal(exe), USERNS_FIX)
         _warned_root = True
+    # In its own pid namespace the command sees itself as pid 2, a pid nobody outside can watch; the host pid
+    # of bwrap (which lives exactly as long as the namespace) is given to it instead, as $SWARMRL_HOST_PID:
+    # a shell that execs bwrap keeps its pid, so `$$` is known before bwrap starts.
     return ["/bin/sh", "-c", f'exec "$0" --setenv {HOST_PID_ENV} "$$" "$@"', exe,
             *system_args(exe, tmp_bytes), *binds, *tied, "--chdir", str(Path(cwd).resolve()), "--", *command]
 
