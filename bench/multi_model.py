@@ -87,10 +87,10 @@ def main() -> None:
                 names = ("policy", "policy") if name == "single" else ROLES
                 b = batch(data, names, core.server.versions(), args.group_size)
                 started = time.perf_counter()
-                metrics = core._train_batch(b)
+                outcomes = core._train_batch(b)
                 if step:
                     times[name].append(time.perf_counter() - started)
-                tokens[name] = sum(v for k, v in metrics.items() if k.endswith("train/tokens"))
+                tokens[name] = sum(o.metrics.get("train/tokens", 0.0) for o in outcomes.values())
     finally:
         for core in runs.values():
             core.server.close()
