@@ -2,8 +2,9 @@
 
 `judged_finish` is what the finish route does for a judged sandbox (DESIGN §3.7): the judge
 (`core.sandbox.judge`, loaded from the sandbox folder the run config names) scores the task the
-server dealt and what the server recorded of the episode's calls, plus the answer `rollout`
-returned. That score is the reward of every model that acted and the number `reward/*` and `eval/*`
+server dealt and every call the server recorded of the episode, in order, plus the answer `rollout`
+returned; an episode with more calls than its sandbox's `max_calls` scores the failure value (the
+gateway refuses such a call in the first place, `core.serve.protocol`). That score is the reward of every model that acted and the number `reward/*` and `eval/*`
 report; the reward the agent sent is kept only as the metric `agent_reward`. A judge that raises
 or returns no finite number scores its failure value, logged with the reason.
 
@@ -29,8 +30,11 @@ def judged_finish(server: ServerState, ep: Episode, body: FinishEpisode) -> tupl
     agent = body.reward.values() if isinstance(body.reward, dict) else [body.reward]
     metrics = {"agent_reward": sum(agent) / max(len(agent), 1)}  # logged as agent_reward/*, never decided on
     task = server.dealer.task_of(ep.id)
+    limit = judge.protocol.max_calls
     if task is None:
         score, why = judge.failure, "the server has no record of the task it dealt this episode"
+    elif limit is not None and len(ep.calls) > limit:  # the gateway refuses such a call; this holds whatever path
+        score, why = judge.failure, f"{len(ep.calls)} calls recorded, beyond sandbox.toml max_calls = {limit}"
     else:
         score, why = judge.score(task, judge_episode(ep, body.answer, lambda call: _text(server, call)))
     if why is not None:

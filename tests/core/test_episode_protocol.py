@@ -270,3 +270,16 @@ def test_a_malformed_episode_protocol_is_refused_at_load_naming_sandbox_toml_and
         with pytest.raises(ValueError) as refused:
             load(folder if load is load_judge else str(folder))
         assert "sandbox.toml" in str(refused.value) and named in str(refused.value), str(refused.value)
+
+
+def test_the_finish_fails_an_episode_with_more_recorded_calls_than_max_calls_whatever_path_recorded_them(
+        live_server, tmp_path):
+    server = _serve(live_server, _sandbox(tmp_path))
+    ep = SwarmClient(server.url).episode(None, sandbox="proto")
+    assert _ask(ep, f"{ep.task['prompt']} turn 0").status_code == 200
+    open_ep = server.registry.get_open(ep.id)
+    second = open_ep.calls[0].model_copy(update={"messages": [{"role": "user", "content": f"{ep.task['prompt']} turn 1"}]})
+    server.registry.record(open_ep, second)  # a second call no gateway route admitted: the judge alone would score 2+
+    assert ep.finish(0.0)["reward"] == {"policy": FAILURE}
+    (failed,) = _ended(server)
+    assert failed.score == FAILURE and failed.metrics["judge/failed"] == 1.0
