@@ -295,6 +295,11 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     lines += ["## Decision", "", confirmation.conclusion(proposals, list(results.values()),
                                                           int(base_flat.get("trainer.steps", 0)), brief) + ".",
               "", DECISION_RULE, ""]
+    if state.get("sealed_judges"):  # the one judge every arm was scored by (researcher/code/sealed.py)
+        sealed = state["sealed_judges"]
+        boxes = ", ".join(f"{j['sandbox']} ({len(j['files'])} files)" for j in sealed.get("judges", []))
+        lines += [f"Judges: sealed at study start from base commit `{str(sealed.get('base', ''))[:12]}` ({boxes}); "
+                  "every run was scored by that copy, never by the judge in the code it ran.", ""]
     lines += stage_lines(results)  # each look of a comparison that bought more seeds
     lines += _recommended_code(proposals, list(results.values()), int(base_flat.get("trainer.steps", 0)), brief,
                                state.get("workspace_base", ""), paths)

@@ -12,10 +12,13 @@ from mlflow.tracking import MlflowClient
 
 from core.config_io import load_config
 from core.sandbox.judge import JudgeEpisode, load_judges
+from researcher.brief.schema import Brief
 from researcher.code.sealed import SealError, seal, verify
 from researcher.code.workspace import Workspace
 from researcher.records import Edit, Launch
+from researcher.review.report import render
 from researcher.runs.launcher import Launcher, LaunchTarget
+from researcher.study.store import study_paths
 from tests.researcher.helpers import make_brief
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,3 +122,15 @@ def test_an_edit_cannot_reach_the_sealed_copy(ws: Workspace, tmp_path: Path) -> 
     ws.apply_edits(tree, [Edit(file="sandboxes/letters/agent.py", search="MAX_TOKENS = 12", replace="MAX_TOKENS = 8")])
     assert not sealed.resolve().is_relative_to(ws.root.resolve())
     verify(sealed)
+
+
+def test_the_report_names_the_sealed_judge_every_run_was_scored_by(ws: Workspace, tmp_path: Path) -> None:
+    record = seal(ws, tmp_path / "judges", ws.base())
+    brief = Brief.model_validate({"objective": {"metric": "reward/mean"}, "run": {"base_config": "base.yaml"},
+                                  "search_space": {"lr": {"kind": "choice", "values": [1e-5]}}})
+    paths = study_paths(tmp_path / "studies", "s")
+    paths.root.mkdir(parents=True)
+    state = {"proposals": [], "sealed_judges": record.model_dump()}
+    markdown = render("s", brief, state, MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db"), paths, {})
+    assert f"Judges: sealed at study start from base commit `{ws.base()[:12]}` (letters (" in markdown
+    assert "never by the judge in the code it ran" in markdown
