@@ -184,8 +184,7 @@ class RemoteEngine(Engine):
             self.link.version += 1
         return changed
 
-    def load(self) -> EngineLoad:
-        """The actor's engine's load, for the hang watchdog; no retry: an actor that cannot answer is the diagnosis."""
+    def load(self) -> EngineLoad:  # no retry: an actor that cannot answer is the watchdog's diagnosis
         return self.link.call("load")
 
     def close(self) -> None:
@@ -357,14 +356,10 @@ def ray_core_run(cfg: RunConfig) -> RayRun:
             run.failure = error
             run.stop.set()
 
-    # The replica actors are built before the run and its server: they reach the run through `run`,
-    # which is set before any episode can be pinned to a replica (nothing is served until then).
+    # Replica actors come before the run; they reach it through `run`, set before anything is served.
     def episodes_lost(episode_ids: list[str]) -> None:  # a lost replica's open episodes: the run aborts them
         if run is not None:
             run.abort_lost(episode_ids)
-
-    def episode_open(episode_id: str) -> bool:
-        return run is None or run.server.registry.is_open(episode_id)
 
     policies, trainers = {}, {}
     try:
@@ -378,7 +373,8 @@ def ray_core_run(cfg: RunConfig) -> RayRun:
             engine = RemoteEngine(link)
             if mc.replicas > 1:  # rollouts on replica actors, synced from this model actor's trainer
                 engine = ray_replicas(cfg, mc, lambda link=link: link.call("weights", retry=True),
-                                      link.info["max_context"], on_lost=episodes_lost, is_open=episode_open)
+                                      link.info["max_context"], on_lost=episodes_lost,
+                                      is_open=lambda e: run is None or run.server.registry.is_open(e))
             policies[mc.name] = Policy(mc.name, None, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
             if mc.trainable:
                 trainers[mc.name] = RemoteTrainer(link)
