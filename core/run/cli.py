@@ -33,6 +33,7 @@ from core.config import CONTAIN_MODES, ContainLimits, RunConfig
 from core.config_io import ConfigError, load_config
 from core.contain.contained import bwrap, require_bwrap, run_contained
 from core.sandbox.folder import SandboxNotFound, locate, sandbox_roots
+from core.local_state import local_admin_token
 from core.run import warm
 
 app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
@@ -344,7 +345,11 @@ def contain(
 def status(url: str = typer.Argument("http://127.0.0.1:8000", help="swarm server URL"), as_json: bool = typer.Option(False, "--json")):
     """Show a server's state, models, buffer, episodes and throughput."""
     try:
-        data = httpx.get(url.rstrip("/") + "/swarm/v1/status", timeout=10).json()
+        # A person's view: this machine's index holds the server's admin token when it runs here, and other
+        # clients' ids and versions are shown to the admin token only (`core.episodes.credentials`).
+        token = os.environ.get("SWARMRL_ADMIN_TOKEN") or local_admin_token(url) or ""
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        data = httpx.get(url.rstrip("/") + "/swarm/v1/status", headers=headers, timeout=10).json()
     except (httpx.HTTPError, ValueError) as e:
         console.print(f"[red]cannot reach {url}: {e}[/red]")
         raise typer.Exit(1) from None
