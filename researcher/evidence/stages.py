@@ -102,19 +102,20 @@ def _search_budget(brief: Brief, default_steps: int, per_run: int, add: int, run
     return runs_left - spare_runs, steps_left - spare_steps
 
 
-def _search_root(proposals: Sequence[Proposal], results: dict[str, ExperimentResult], brief: Brief,
-                 base_values: dict[str, Any], default_steps: int) -> Proposal | None:
-    """The search's most promising inconclusive comparison at the longest training, or None."""
+def _search_roots(proposals: Sequence[Proposal], results: dict[str, ExperimentResult], brief: Brief,
+                  base_values: dict[str, Any], default_steps: int) -> list[Proposal]:
+    """The search's inconclusive comparisons at the longest training that point the objective's way, the most
+    promising (largest effect) first."""
     sign = 1.0 if brief.objective.direction == "maximize" else -1.0
     judged = [(p, results[p.id].verdict) for p in proposals
               if p.confirms is None and p.extends is None and not is_reference(p, base_values) and p.mode != "hot_swap"
               and p.id in results and results[p.id].verdict is not None]
     if not judged:
-        return None
+        return []
     longest = max(steps_of(p, default_steps) for p, _ in judged)
     open_ = [(p, v) for p, v in judged if steps_of(p, default_steps) == longest and v is not None
              and v.result == "inconclusive" and v.test != decision.NO_TEST and sign * (v.effect or 0.0) > 0]
-    return max(open_, key=lambda pv: sign * (pv[1].effect or 0.0))[0] if open_ else None
+    return [p for p, _ in sorted(open_, key=lambda pv: -sign * (pv[1].effect or 0.0))]
 
 
 def next_stage(proposals: Sequence[Proposal], results: Sequence[ExperimentResult], brief: Brief,
@@ -127,24 +128,34 @@ def next_stage(proposals: Sequence[Proposal], results: Sequence[ExperimentResult
     confirming = [p for p in proposals if p.confirms and not is_reference(p, base_values)]
     if confirming:
         last = max(confirming, key=lambda p: p.stage)
-        first = root(last, proposals)
         verdict = done[last.id].verdict if last.id in done else None
-        looks = last.looks
-    else:
-        if confirmation.search_recommendation(proposals, results, default_steps, brief) is not None:
-            return None  # something is better: the confirmation round is owed, not a stage
-        first = _search_root(proposals, done, brief, base_values, default_steps)
-        if first is None:
-            return None
+        return _stage(root(last, proposals), last, verdict, last.looks, proposals, brief, base_values, default_steps,
+                      number, runs_left, steps_left, code)
+    if confirmation.search_recommendation(proposals, results, default_steps, brief) is not None:
+        return None  # something is better: the confirmation round is owed, not a stage
+    # The most promising comparison first; one whose planned looks are spent leaves the next its stage, so a
+    # study ends "nothing to recommend" with budget left only when no comparison points the right way.
+    for first in _search_roots(proposals, done, brief, base_values, default_steps):
         last = line(first, proposals)[-1]
         verdict = done[first.id].verdict if last.id in done else None  # the root carries its line's last look
         looks = last.looks
         if looks is None:
             seeds = len(first.seeds or brief.seeds)
             add = brief.replicate.stage_seeds or seeds
-            per_run = steps_of(first, default_steps)
-            spend = _search_budget(brief, default_steps, per_run, add, runs_left, steps_left)
-            looks = design(seeds, add, brief.replicate.max_looks, *spend, per_run) if spend else None
+            spend = _search_budget(brief, default_steps, steps_of(first, default_steps), add, runs_left, steps_left)
+            looks = design(seeds, add, brief.replicate.max_looks, *spend, steps_of(first, default_steps)) if spend else None
+        fresh = _stage(first, last, verdict, looks, proposals, brief, base_values, default_steps, number, runs_left,
+                       steps_left, code)
+        if fresh is not None:
+            return fresh
+    return None
+
+
+def _stage(first: Proposal, last: Proposal, verdict: Verdict | None, looks: list[int] | None,
+           proposals: Sequence[Proposal], brief: Brief, base_values: dict[str, Any], default_steps: int, number: int,
+           runs_left: int, steps_left: int, code: dict[str, CodeVersion] | None) -> list[Proposal] | None:
+    """The two arms of the next stage of `first`'s line (its latest look `last`, judged `verdict`), or None when its
+    look decided, its planned looks are spent, or the budget cannot pay the stage."""
     if verdict is None or verdict.result != "inconclusive" or looks is None or last.stage >= len(looks):
         return None
     add = looks[last.stage] - looks[last.stage - 1]

@@ -96,3 +96,24 @@ def test_a_comparison_pointing_the_wrong_way_gets_no_stage_whatever_the_budget(t
     verdict = next(r for r in results if r.proposal_id == "r1-1").verdict
     assert verdict is not None and verdict.effect is not None and verdict.effect < 0
     assert stages.next_stage(worse, results, brief, BASE, 8, 2, 10**6, 10**9) is None
+
+
+def test_when_the_best_comparisons_looks_are_spent_the_next_one_pointing_the_right_way_gets_its_stage(
+        tmp_path: Path) -> None:
+    brief = make_brief(tmp_path, "  trainer.lr:\n    kind: choice\n    values: [0.03, 0.001]",
+                       "seeds: [0, 1, 2]\nreplicate: {max_looks: 2}")
+    search = [arm("r1-1", FIX), arm("r1-2", NULL), arm("r1-3", 1.0e-5)]
+    # Both candidates inconclusive and pointing up; the larger effect is r1-1's.
+    results = analysis.judge([run(p, [0, 1, 2]) for p in search], search, BASE, 8, UP)
+    results = [r.model_copy(update={"verdict": r.verdict.model_copy(update={"result": "inconclusive", "effect": e})})
+               if r.verdict else r for r, e in zip(results, (0.3, 0.1, None))]
+    first = stages.next_stage(search, results, brief, BASE, 8, 2, 10**6, 10**9)
+    assert first is not None and first[0].extends == "r1-1" and first[0].looks == [3, 6]
+    # Its one planned stage ran and stayed inconclusive (its looks are spent): r1-2's turn, not the end.
+    proposals = [*search, *first]
+    staged = [analysis.experiment_result(p.id, [], {}).model_copy(update={"status": "ok"}) for p in first]
+    after = stages.attach([*results, *staged], proposals)
+    after = [r.model_copy(update={"verdict": r.verdict.model_copy(update={"result": "inconclusive", "look": 2})})
+             if r.proposal_id == "r1-1" and r.verdict else r for r in after]
+    second = stages.next_stage(proposals, after, brief, BASE, 8, 3, 10**6, 10**9)
+    assert second is not None and second[0].extends == "r1-2"
