@@ -6,12 +6,12 @@ AdamW's moments, as DTensors; FSDP2 all-gathers a layer's weights for its forwar
 reduce-scatters its gradients after. Rank 0 is the run's own process, as under
 `core.train.distributed`; ranks 1..M-1 are processes of this machine (`core.train.ranks`).
 
-What rank 0 keeps for engines: `ShardedTrainer.policy` stays the run's full, unsharded module (what
-engines generate with, replicas sync from and checkpoints write). Rank 0 trains on a sharded deep
-copy of it; after every step that changed the weights, every rank joins one all-gather per
-parameter (`DTensor.full_tensor`) and rank 0 copies the result into the full module. So rank 0
-holds one full copy of the weights besides its shard (an engine on its device needs them anyway);
-ranks 1..M-1 hold their shard only, beyond the moment of the gather.
+`ShardedTrainer.policy` stays the run's full module (engines, replicas and checkpoints read it).
+Every rank, rank 0 too, builds its model on the meta device (`core.train.meta`), shards it, then
+allocates its shards alone and takes their values from rank 0's module: no rank loads or copies the
+whole model. After a step that changed the weights every rank joins one all-gather per parameter
+(`DTensor.full_tensor`) and rank 0 copies the result into its full module; the KL reference is
+whole on every rank (built empty, filled from rank 0's).
 
 A step (rank 0 prepares as one trainer does; the normaliser is the WHOLE batch's):
 
@@ -60,14 +60,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from core import models
 from core.config import ModelConfig, TrainerConfig
 from core.engine.devices import local_device, nccl_env
 from core.train import sharded_checkpoint
-from core.train.packing import micro_batch_count, pack, token_logprobs
+from core.train.meta import meta_model, shard
+from core.train.packing import micro_batch_count, pack
 from core.train.sharded_checkpoint import _scatter, _sharded, full, skeleton
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
                               rank_seed, same_outcome, serve, tcp_store)
@@ -75,48 +75,20 @@ from core.train.timelines import Sample
 from core.train.trainer import PreparedStep, Trainer, seed_everything
 
 
-class _Scorer(torch.nn.Module):
-    """The causal LM behind a module whose forward is the trainer's scoring pass (FSDP2's root hooks it)."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, mb: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(self.model, mb, positions=positions)
-
-
-# Gradients reduce in fp32 whatever the weights' dtype: a bf16 reduce-scatter rounds each rank's
-# share before the sum (issue 41 measured a 1.5e-2 relative gap between 1 and 2 ranks). The weights
-# stay in their own dtype (param_dtype None); the reduced gradient is cast back to it.
-REDUCE_IN_FP32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
-
-
-def shard(model: torch.nn.Module, mesh: DeviceMesh, checkpointing: bool = False) -> _Scorer:
-    """`model` sharded in place over `mesh`, one unit a decoder layer, gradients summed over ranks in
-    fp32; `checkpointing`: each decoder layer's activations recomputed in the backward instead of kept
-    (transformers' gradient checkpointing, non-reentrant, which FSDP2's hooks work with)."""
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    scorer = _Scorer(model)
-    for layer in getattr(model.get_decoder(), "layers", []):
-        fully_shard(layer, mesh=mesh, mp_policy=REDUCE_IN_FP32)
-    fully_shard(scorer, mesh=mesh, mp_policy=REDUCE_IN_FP32)
-    for module in scorer.modules():
-        if isinstance(module, FSDPModule):  # each unit's reduction is its own: set on every one
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-    return scorer
-
-
 class _Shard(Trainer):
     """One rank's trainer over its shard: the same loss and step as `Trainer`, on DTensor parameters."""
 
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, name: str, mesh: DeviceMesh,
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, name: str, mesh: DeviceMesh, device: str,
                  checkpointing: bool = False):
+        """`model` on the meta device (`core.train.meta`): sharded, then only its shards (and the KL
+        reference) allocated on `device`; their values come with `take_weights` / `take_reference`."""
         self.model = model  # the causal LM, sharded in place below
         self._frozen = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
         self.scorer = shard(model, mesh, checkpointing)
+        model.to_empty(device=device)
+        if self._frozen is not None:
+            self._frozen.to_empty(device=device)
+            self._frozen.tie_weights()  # `to_empty` gives tied parameters (embeddings, head) one tensor each
         super().__init__(self.scorer, cfg, name, lora=False)
 
     def _make_reference(self, policy: torch.nn.Module) -> torch.nn.Module:
@@ -165,11 +137,16 @@ class _Shard(Trainer):
                 targets[i].copy_(whole)
 
     @torch.no_grad()
-    def take_reference(self) -> None:
-        """Every rank's KL reference from rank 0's (a collective): the other ranks built theirs from the
-        model they loaded, which need not be the module rank 0 was handed."""
+    def take_reference(self, source: torch.nn.Module | None) -> None:
+        """Every rank's KL reference from rank 0's full module (`source`; None on the other ranks): a
+        collective, each rank's built empty on the meta device's shapes."""
         if self.reference is not None:
-            for t in self.reference.parameters():
+            mine = [*self.reference.named_parameters(), *self.reference.named_buffers()]
+            if source is not None:  # by name, non-persistent buffers too (a state dict leaves those out)
+                theirs = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+                for name, t in mine:
+                    t.data.copy_(theirs[name])
+            for _, t in mine:
                 dist.broadcast(t.data, src=0)
 
     @torch.no_grad()
@@ -181,6 +158,13 @@ class _Shard(Trainer):
                 continue
             whole = sources[i].detach() if sources is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
             p.copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=0))
+        mine = list(self.model.buffers())  # not sharded, and unset by `to_empty` (rotary frequencies)
+        if source is not None:
+            for b, theirs in zip(mine, source.buffers()):
+                b.copy_(theirs)
+        for b in mine:
+            dist.broadcast(b, src=0)
+        self.master.read_model()  # the fp32 copies start from the weights taken, not from the empty ones
 
     def full_state(self, keep: bool = True) -> dict[str, Any]:
         """The single-trainer checkpoint state, gathered on the CPU (every rank calls it; see `full`)."""
@@ -236,10 +220,10 @@ def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: i
     seed_everything(rank_seed(cfg.seed, rank))  # its own dropout masks, not rank 0's
     device = local_device(devices[rank])  # this process sees its GPU alone (`core.engine.devices`)
     mesh = _join(backend, port, rank, world, device)
-    model, _ = models.load(mc.model_copy(update={"device": device}))
-    trainer = _Shard(model, cfg, mc.name, mesh, mc.trainer.activation_checkpointing)
+    dtype = models.resolve_dtype(mc, torch.device(device))
+    trainer = _Shard(meta_model(mc, dtype), cfg, mc.name, mesh, device, mc.trainer.activation_checkpointing)
     trainer.take_weights(None)
-    trainer.take_reference()
+    trainer.take_reference(None)
 
     def backward(share: list[Sample], normalizer: float, passes: int, pad: Sample | None) -> None:
         reduce_sums(trainer.accumulate(share, normalizer, passes, pad), _device(trainer), _all_reduce)
@@ -294,9 +278,11 @@ class ShardedTrainer(Trainer):
         self.procs = self.workers.procs
         try:
             mesh = _join(backend, port, 0, self.world, devices[0])
-            self.shard = _Shard(copy.deepcopy(policy), cfg, mc.name, mesh, mc.trainer.activation_checkpointing)
+            dtype = next(policy.parameters()).dtype
+            self.shard = _Shard(meta_model(mc, dtype), cfg, mc.name, mesh, devices[0],
+                                mc.trainer.activation_checkpointing)
             self.shard.take_weights(policy)  # rank 0's weights are the run's: a resumed module's included
-            self.shard.take_reference()
+            self.shard.take_reference(policy)
             self.workers.wait_ready()
         except BaseException:
             self.close()

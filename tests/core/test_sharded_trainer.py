@@ -345,3 +345,21 @@ def test_activation_checkpointing_per_decoder_layer_gives_the_same_step():
         assert_same_step(single, single.prepare(batch), fsdp, fsdp.prepare(batch))
     finally:
         fsdp.close()
+
+
+def test_fsdp2_ranks_built_on_meta_from_the_config_alone_give_the_same_first_step(tmp_path):
+    """The model's folder holds its config and no weights: every rank builds it on the meta device,
+    shards it and allocates only its shards, filled from rank 0's module (before, each rank loaded the
+    whole model from disk, and here could not start). The first step is one trainer's."""
+    seed_everything(0)
+    base, _ = build_tiny(KL_SEED)
+    base.config.save_pretrained(tmp_path)  # config.json alone
+    cfg = CFG.model_copy(update={"kl_coef": 0.1})  # the KL reference is built empty and filled too
+    single = Trainer(copy.deepcopy(base), cfg, MODEL, lora=False)
+    fsdp = ShardedTrainer(copy.deepcopy(base), cfg, ModelConfig(name=MODEL, device="cpu", source=str(tmp_path)),
+                          ["cpu", "cpu"])
+    try:
+        batch = groups_for(base)
+        assert_same_step(single, single.prepare(batch), fsdp, fsdp.prepare(batch))
+    finally:
+        fsdp.close()
