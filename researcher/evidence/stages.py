@@ -2,7 +2,8 @@
 
 When the search is over and nothing was judged better at the longest training, the most promising
 comparison there (inconclusive, its effect in the objective's direction) gets seeds the study never
-used, for the candidate and its reference alike, a stage at a time; once something is `better`, the
+used, for the candidate and its reference alike, a stage at a time (once its planned looks are spent, the
+next most promising one gets its stages); once something is `better`, the
 confirmation round runs on held-out seeds, and while *its* look is inconclusive it too gets more
 seeds in stages. Each stage is a round of two arms (planner `replication`, approved by the study:
 more seeds of arms already approved) that `extends` the arm it adds to; their scores pool with it.
