@@ -7,6 +7,7 @@ update, and inf * 0 is NaN, so each step is skipped and the weights (and generat
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 EXIT_WAIT_S = 300.0  # start-up plus a few steps on a busy 2-core machine
 NAN_LOSS = ("--set", "trainer.kl_coef=.inf", "--set", "trainer.max_failed_steps=2")
+
+
+PERSON = "serve-person-token"  # the admin token of the `swarm serve` tests here, which their feeder opens with
 
 
 def swarm(*args: str) -> list[str]:
@@ -43,7 +47,9 @@ def test_a_run_whose_every_step_is_skipped_ends_failed_with_a_non_zero_exit(tmp_
 
 @pytest.mark.slow
 def test_swarm_serve_train_exits_non_zero_when_its_run_ends_failed(tmp_path: Path):
-    serve = subprocess.Popen(swarm("serve", TINY, *NAN_LOSS, "--set", "server.port=0",
+    # The feeder is a person's `swarm client`: it opens with the server's admin token (a training server takes
+    # no anonymous opens), given here because a port-0 server is not in this machine's index.
+    serve = subprocess.Popen(swarm("serve", TINY, *NAN_LOSS, "--set", "server.port=0", "--set", f"server.admin_token={PERSON}",
                                    "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
                                    "--set", "telemetry.experiment=serve-failed"),
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -58,6 +64,7 @@ def test_swarm_serve_train_exits_non_zero_when_its_run_ends_failed(tmp_path: Pat
                 url = found.group(1)
         assert url is not None, "".join(seen)[-3000:]
         feeder = subprocess.Popen(swarm("client", "sandbox:letters", "--server", url), cwd=ROOT,
+                                  env={**os.environ, "SWARMRL_ADMIN_TOKEN": PERSON},
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out, _ = serve.communicate(timeout=EXIT_WAIT_S)
         out = "".join(seen) + out

@@ -192,17 +192,23 @@ def test_swarm_serve_stopped_by_sigterm_or_admin_shutdown_ends_its_run_killed(tm
         assert [r.info.status for r in runs] == ["KILLED"], out[-3000:]
 
 
-def test_swarm_serve_after_its_last_step_serves_on_and_refuses_train_episodes_with_a_409(tmp_path: Path, start):
+def test_swarm_serve_after_its_last_step_serves_on_and_refuses_train_episodes_with_a_409(tmp_path: Path, start,
+                                                                                         monkeypatch):
+    # The feeder is a person's `swarm client`, opening with the admin token (a training server takes no anonymous
+    # opens), given here because a port-0 server is not in this machine's index.
     serve = start(swarm("serve", TINY, "--set", "trainer.steps=2", "--set", "server.port=0",
+                        "--set", "server.admin_token=serve-person-token",
                         "--set", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}", "--set", "telemetry.experiment=serve-done"))
     url = read_until(serve, r"serving .* at (http://\S+)")[0].group(1)
+    monkeypatch.setenv("SWARMRL_ADMIN_TOKEN", "serve-person-token")  # the feeder's: start() passes our environment
     feeder = start(swarm("client", "sandbox:letters", "--server", url))
     read_until(serve, r"trainer done after 2 steps")
     # letters is judged: its episodes open without a task_id and the server deals the task (core.sandbox.dealer)
-    refused = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters"}, timeout=30)
+    person = {"Authorization": "Bearer serve-person-token"}  # a training server takes no anonymous opens
+    refused = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters"}, headers=person, timeout=30)
     assert refused.status_code == 409, refused.text  # at once: no back-pressure wait that could never end
     assert "takes no more train episodes" in refused.json()["error"]["message"]
-    evaluated = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters", "kind": "eval"},
+    evaluated = httpx.post(f"{url}/swarm/v1/episodes", json={"sandbox": "letters", "kind": "eval"}, headers=person,
                            timeout=30)
     assert evaluated.status_code == 200, evaluated.text  # the server serves on
     assert serve.poll() is None
