@@ -291,14 +291,18 @@ def new_client_id(name: str) -> str:
 def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, group_size: int | None = None,
                kind: str = "train", max_consecutive_failures: int = MAX_CONSECUTIVE_FAILURES,
                client_id: str | None = None, split: str = "train", max_tasks: int | None = None,
-               episode_timeout_s: float | None = None, seed: str | None = None) -> int:
+               episode_timeout_s: float | None = None, seed: str | None = None, code_version: str | None = None) -> int:
     """`swarm client`: run an agent against a server until done, drained or stopped; the exit code says how
-    it ended. It registers with the server first (and gives up at once when it cannot)."""
+    it ended. It registers with the server first (and gives up at once when it cannot). `code_version`: the
+    version its launcher bound to its credential, reported instead of the one computed here (a contained
+    client sees no git, so it would hash its files instead; the server decides either way)."""
     try:
         agent = load_agent(spec)
     except ValueError as e:
         log.error("%s", e)
         return EXIT_GAVE_UP
+    if code_version:
+        agent.version = code_version
     client_id = client_id or new_client_id(agent.name)
     stats = RunnerStats()
     try:

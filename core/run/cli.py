@@ -222,6 +222,8 @@ def client(
     episode_timeout: float = typer.Option(  # None: core.clients.deadline.EPISODE_TIMEOUT_S (not imported: start-up time)
         None, min=0, help="cancel a rollout and abort its episode after this many seconds (default 600; 0: no limit)"),
     seed: str = typer.Option(None, help="draw the train split's tasks in an order shuffled by this seed (default: as yielded)"),
+    code_version: str = typer.Option(None, "--code-version", help="the code version to report: the one its run or swap "
+                                     "bound to its credential (default: the sandbox folder's git commit or file hash)"),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Attach a client to a running server; SIGTERM drains (at most one lease), a second SIGTERM or SIGINT exits now."""
@@ -235,7 +237,7 @@ def client(
 
     sys.exit(run_client(sandbox, server, concurrency=concurrency, episodes=episodes, group_size=group_size, kind=kind,
                         max_consecutive_failures=max_consecutive_failures, client_id=client_id, split=split,
-                        max_tasks=tasks, episode_timeout_s=episode_timeout, seed=seed))
+                        max_tasks=tasks, episode_timeout_s=episode_timeout, seed=seed, code_version=code_version))
 
 
 @app.command()

@@ -34,6 +34,9 @@ class ClientSpec:
     tasks: int | None = None  # stop after this many tasks
     episode_timeout: float | None = None  # seconds
     seed: str | None = None  # the train split's task order
+    # The code version its launcher bound to its credential: a contained client cannot read its folder's git,
+    # so it would name its code by a hash of the files instead, and the server would refuse every open.
+    code_version: str | None = None
 
     def to_argv(self) -> list[str]:
         """The command line that starts it."""
@@ -41,7 +44,8 @@ class ClientSpec:
         for option, value in (("--concurrency", self.concurrency), ("--group-size", self.group_size),
                               ("--kind", self.kind), ("--client-id", self.client_id), ("--workdir", self.workdir),
                               ("--split", self.split), ("--tasks", self.tasks),
-                              ("--episode-timeout", self.episode_timeout), ("--seed", self.seed)):
+                              ("--episode-timeout", self.episode_timeout), ("--seed", self.seed),
+                              ("--code-version", self.code_version)):
             if value is not None:
                 argv += [option, str(value)]
         return argv

@@ -154,11 +154,11 @@ def _probe(spec: str, python: str) -> tuple[str, str]:
     return name, version
 
 
-def _start(spec: str, python: str, url: str, name: str, old: dict, concurrency: int | None, credential: str,
-           contain: ContainMode = "off", run_folder: Path | None = None) -> _NewClient:
+def _start(spec: str, python: str, url: str, name: str, version: str, old: dict, concurrency: int | None,
+           credential: str, contain: ContainMode = "off", run_folder: Path | None = None) -> _NewClient:
     client_id = f"{name}-{socket.gethostname()}-swap-{secrets.token_hex(3)}"
     client = ClientSpec(python, spec, url, client_id=client_id, concurrency=concurrency or old["concurrency"],
-                        group_size=old["group_size"], kind=old["kind"], **inherited(old))
+                        group_size=old["group_size"], kind=old["kind"], code_version=version, **inherited(old))
     log_path = pid_dir() / f"{safe_name(client_id)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:  # the new client outlives this command: it must not hold our stdout
@@ -252,7 +252,7 @@ def swap(spec: str, server: str, *, concurrency: int | None = None, admin_token:
         credential = admin.credential(ClientGrant(
             sandbox=name, version=version, kind=first["kind"], split=first.get("split", "train"),
             group_size=first["group_size"], concurrency=concurrency or first["concurrency"], seed=first.get("seed")))
-        new = _start(spec, python, url, name, first, concurrency, credential, contain, _run_folder(server))
+        new = _start(spec, python, url, name, version, first, concurrency, credential, contain, _run_folder(server))
         log.info("started the new client %s (pid %d, version %s); waiting for it to register", new.client_id,
                  new.proc.pid, version)
         if not _until(lambda: _proven(admin.clients(name), new.client_id), register_timeout_s, new):

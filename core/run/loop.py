@@ -149,11 +149,12 @@ class CoreRun:
             if c.isolate:
                 spec = locate(c.agent, roots)  # an absolute folder: the client runs in a working folder of its own
                 workdir = run_folder(self.cfg.trainer.checkpoint_dir) / "clients" / f"{i}-{c.sandbox_name}"
+                version = code_version(spec)  # read here, where the folder's git is visible; bound and passed on
                 cmd = ClientSpec(client_python(spec), spec, url, concurrency=c.concurrency,
                                  group_size=c.group_size or self.cfg.trainer.group_size, kind=c.kind, workdir=workdir,
                                  split=c.split, tasks=c.tasks or None, episode_timeout=c.episode_timeout,
-                                 seed=f"{self.cfg.trainer.seed}/{i}").to_argv()
-                credential = self._credential(c, i, code_version(spec))
+                                 seed=f"{self.cfg.trainer.seed}/{i}", code_version=version).to_argv()
+                credential = self._credential(c, i, version)
                 self.supervisor.start(c.agent, cmd, workdir, reads=[Path(spec)] if Path(spec).is_dir() else [],
                                       server=url, env={GRANT_ENV: credential})
         if local:

@@ -25,14 +25,14 @@ def parsed(argv: list[str]) -> dict:
 def test_every_option_the_spec_builds_reaches_the_client_command_with_its_value(tmp_path):
     spec = ClientSpec(sys.executable, "sandbox:toy", "http://127.0.0.1:8000", concurrency=3, group_size=2,
                       kind="eval", client_id="toy-host-1", workdir=tmp_path / "w", split="test", tasks=7,
-                      episode_timeout=12.5, seed="0/1")
+                      episode_timeout=12.5, seed="0/1", code_version="abc123def456")
     argv = spec.to_argv()
     assert argv[:4] == [sys.executable, "-m", CLI_MODULE, "client"]
     params = parsed(argv)
     assert params["sandbox"] == "sandbox:toy" and params["server"] == "http://127.0.0.1:8000"
     assert (params["concurrency"], params["group_size"], params["kind"], params["client_id"]) == (3, 2, "eval", "toy-host-1")
     assert (params["workdir"], params["split"], params["tasks"]) == (tmp_path / "w", "test", 7)
-    assert (params["episode_timeout"], params["seed"]) == (12.5, "0/1")
+    assert (params["episode_timeout"], params["seed"], params["code_version"]) == (12.5, "0/1", "abc123def456")
 
 
 def test_an_option_left_unset_is_not_passed_so_the_commands_default_holds():
