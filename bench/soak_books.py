@@ -15,7 +15,8 @@ It computes, never from the study's own counters of these things:
 - budget_drift_s: the budget's compute time (`researcher.budget.Spent.wall_s` of the state) minus
   the union of the observed process lifetimes;
 - stuck: a proposal (in the state or on the review board in MLflow) neither decided in the state
-  nor among those the study's review waits on, or approved in the state and never launched;
+  nor among those the study's review waits on (nor decided on the board by the review node of a round
+  it still waits on), or approved in the state and never launched;
 - approve_to_launch_s: for every approved proposal, the seconds from its approval (the decision's
   `at`) to the start of its first launch, and the longest of them (a proposal approved and never
   launched counts up to the moment the books are read).
@@ -160,7 +161,13 @@ def check(state: dict[str, Any], waiting: list[str], runs: list[CoreRunRecord], 
 
     decided = {d["proposal_id"] for d in state.get("decisions", [])}
     proposals = {p["id"] for p in state.get("proposals", [])} | set(board)
-    stuck = sorted(p for p in proposals if p not in decided and p not in waiting)
+    # The review node decides a round's baselines and stages by policy on the board at once, but the state holds
+    # those decisions only when the node returns, after the round's last person's decision: while it waits, a
+    # proposal of a waiting round that the board shows decided is in review, not stuck.
+    rounds = {p["id"]: p.get("round") for p in state.get("proposals", [])}
+    reviewing = {rounds.get(w) for w in waiting} - {None}
+    in_review = {p for p in proposals if rounds.get(p) in reviewing and board.get(p) in ("approved", "vetoed")}
+    stuck = sorted(p for p in proposals if p not in decided and p not in waiting and p not in in_review)
     problems += [f"stuck: {p} is neither decided nor pending (board: {board.get(p, 'absent')})" for p in stuck]
     never = unlaunched(state)
     stuck += never

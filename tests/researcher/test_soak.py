@@ -73,6 +73,16 @@ def test_books_count_a_proposal_neither_decided_nor_pending_as_stuck() -> None:
     assert books.stuck == 2 and {p.split()[1] for p in books.problems} == {"r1-2", "r1-3"}
 
 
+def test_books_hold_a_policy_decision_of_a_round_still_in_review_as_in_review_not_stuck() -> None:
+    state, _, runs, board, lifetimes = _clean()
+    state["proposals"] = [{"id": "r3-1", "round": 3}, {"id": "r3-4", "round": 3}, {"id": "r2-1", "round": 2}]
+    state["decisions"] = []
+    board.clear()
+    board.update({"r3-1": "pending", "r3-4": "approved", "r2-1": "approved"})  # r3-4: a baseline, by policy
+    books = _books(state, ["r3-1"], runs, board, lifetimes)
+    assert books.problems == ["stuck: r2-1 is neither decided nor pending (board: approved)"]  # its round is over
+
+
 def test_books_count_an_approved_proposal_that_never_launched_as_stuck() -> None:
     state, waiting, runs, board, lifetimes = _clean()
     state["decisions"].append({"proposal_id": "r1-2", "verdict": "approved", "at": AT_T0})  # approved; no launch followed
