@@ -66,11 +66,13 @@ def check_pinned() -> None:
     report("pinned", count == 1 and uuid == want, f"sees {count} GPU(s), CUDA_VISIBLE_DEVICES={visible}")
 
 
-def replica(device: str, index: int) -> ProcessEngine:
+def replica(device: str, index: int, lost: list[str] | None = None) -> ProcessEngine:
+    """A replica process (hf, tiny model) on `device`, its weights group hosted from cuda:0; `lost`
+    collects why it was taken out of service."""
     mc = ModelConfig(device=device)
     spec = ReplicaSpec(index=index, model=mc.model_dump(), engine=EngineConfig(kind="hf").model_dump(),
                        max_context=256, seed=index)
-    return ProcessEngine(spec, 600.0, lambda r, why: None, "cuda:0")
+    return ProcessEngine(spec, 600.0, lambda r, why: (lost if lost is not None else []).append(why), "cuda:0")
 
 
 def check_nccl_sync() -> float:
@@ -101,9 +103,8 @@ def check_nccl_sync() -> float:
 
 def check_hung_nccl() -> None:
     model, _ = models.load(ModelConfig(device="cuda:0"))
-    r = replica("cuda:1", 1)
     lost: list[str] = []
-    r.on_lost = lambda _, why: lost.append(why)
+    r = replica("cuda:1", 1, lost)
     r.sync(weights_of(model), 0)
     process.SYNC_S, saved = HUNG_SYNC_S, process.SYNC_S
     transfer = r._transfer
