@@ -416,7 +416,8 @@ def test_the_total_memory_cap_holds_for_several_children_together(tmp_path):
 
 
 SOCKETS = """
-import os, sys
+import os, sys, urllib.request
+urllib.request.urlopen(sys.argv[2] + "/swarm/v1/status", timeout=60).read()  # its own forwarder is up by now
 found = []
 for folder, _, files in os.walk(sys.argv[1]):
     found += [os.path.join(folder, f) for f in files if f.endswith(".sock")]
@@ -439,7 +440,7 @@ def test_with_tmpdir_outside_tmp_a_sibling_sandboxs_forwarder_socket_stays_invis
         while not list(tmpdir.rglob("forward.sock")) and time.monotonic() < deadline and sibling.poll() is None:
             time.sleep(0.1)
         assert len(list(tmpdir.rglob("forward.sock"))) == 1, "the sibling's forwarder never came up"
-        done = _contain("--server", url, "--", sys.executable, "-c", SOCKETS, str(tmpdir), cwd=tmp_path, env=env)
+        done = _contain("--server", url, "--", sys.executable, "-c", SOCKETS, str(tmpdir), url, cwd=tmp_path, env=env)
     finally:
         sibling.terminate()
         sibling.wait(timeout=60)
