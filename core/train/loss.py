@@ -110,7 +110,7 @@ def policy_loss(
     correction: Correction | None = None,
     loss: LossKind = "ppo_clip",
     cispo_min: float = 0.0,
-    cispo_max: float = 4.0,
+    cispo_max: float = 5.0,
 ) -> LossTerms:
     """PPO-clip or CISPO (+ k3 KL) over [B, T] per-token tensors; `mask` is bool, True on trained tokens.
 
