@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, SwarmClient, SwarmError
+from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, SwarmClient, SwarmError, person_token
 from core.clients.deadline import EPISODE_TIMEOUT_S, rollout_source, within_limit
 from core.clients.failures import ClientGaveUp, FailureGate, describe, likely_fix, sleep_unless
 from core.clients.sandbox import Agent, Outcome, load_agent
@@ -40,7 +40,6 @@ from core.sandbox.folder import task_order
 from core.clients.task_index import TaskIndex
 from core.contain.contained import host_pid
 from core.episodes.credentials import GRANT_ENV
-from core.local_state import local_admin_token
 from core.clients.pid_file import PidFile
 
 log = logging.getLogger(__name__)
@@ -52,9 +51,6 @@ MAX_CONSECUTIVE_FAILURES = 20
 # How long one swarm call of a runner keeps retrying a server it cannot connect to; the failure count
 # and backoff across episodes then decide how long the whole client waits for the server to return.
 UNREACHABLE_S = 5.0
-# A person's admin token for their own `swarm client` (as `core.run.server_files.ADMIN_TOKEN_ENV`, which the
-# client package may not import): with it, and no credential from a run, the client issues its own.
-PERSON_TOKEN_ENV = "SWARMRL_ADMIN_TOKEN"
 # The drain bound before any episode has told us its lease: the server's default `server.lease_s`.
 DRAIN_FALLBACK_S = 60.0
 DRAIN_POLL_S = 0.5  # how often an unbounded drain (the episode budget is spent) checks for a stop request
@@ -315,7 +311,7 @@ def run_client(spec: str, url: str, *, concurrency: int, episodes: int = 0, grou
         # A person's `swarm client` (no run or swap launched it, so no credential): it opens with the person's admin
         # token, given or found in this machine's index of servers (a server that trains takes no anonymous opens).
         # A contained client never finds the index (`core.local_state.token_files`).
-        person = "" if os.environ.get(GRANT_ENV) else os.environ.get(PERSON_TOKEN_ENV) or local_admin_token(url) or ""
+        person = "" if os.environ.get(GRANT_ENV) else person_token(url)
         registration = Registration(url, {
             "client_id": client_id, "sandbox": agent.name, "version": agent.version, "pid": host_pid(),
             "host": socket.gethostname(), "kind": kind, "group_size": group_size, "concurrency": concurrency,

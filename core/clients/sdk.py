@@ -35,6 +35,7 @@ import httpx
 import openai
 
 from core.episodes.credentials import ADMIN_HEADER, GRANT_ENV, GRANT_HEADER
+from core.local_state import local_admin_token
 
 log = logging.getLogger(__name__)
 
@@ -143,17 +144,30 @@ class _Retry:
         return delay
 
 
+# A person's admin token for their own client (as `core.run.server_files.ADMIN_TOKEN_ENV`, which the client
+# package may not import): with it, and no credential from a run, a person's script or `swarm client` opens.
+PERSON_TOKEN_ENV = "SWARMRL_ADMIN_TOKEN"
+
+
+def person_token(url: str) -> str:
+    """A person's own client (no run or swap launched it, so no credential): the admin token, given in
+    $SWARMRL_ADMIN_TOKEN or found in this machine's index of servers; "" when neither has it. A contained
+    client finds neither (the variable is not passed, the index is masked: `core.local_state.token_files`)."""
+    return os.environ.get(PERSON_TOKEN_ENV) or local_admin_token(url) or ""
+
+
 class SwarmClient:
     def __init__(self, url: str, client_id: str | None = None, client_version: str = "",
                  deadline_s: float = RETRY_DEADLINE_S, unreachable_s: float | None = None,
-                 credential: str | None = None, person: str = ""):
+                 credential: str | None = None, person: str | None = None):
         """`unreachable_s`: how long a call retries a server it cannot connect to (default: `deadline_s`).
         `credential`: the client credential its run or `swarm swap` issued (default: `$SWARMRL_CLIENT_GRANT`),
         sent as `X-Swarm-Grant` on every swarm route; the server binds what this client may open to it.
-        `person`: without a credential, a person's admin token, sent as `x-admin-token` (a person's own client)."""
+        `person`: without a credential, a person's admin token, sent as `x-admin-token` (a person's own client;
+        default: `person_token`, so a person's script against their own server on this machine just works)."""
         self.url = url.rstrip("/")
         self.credential = credential if credential is not None else os.environ.get(GRANT_ENV, "")
-        self.person = person
+        self.person = person if person is not None else ("" if self.credential else person_token(self.url))
         self.client_id = client_id or f"{socket.gethostname()}-{os.getpid()}"
         self.client_version = client_version
         self.deadline_s = deadline_s

@@ -191,10 +191,14 @@ def _import_isolated(path: Path, folder: Path, module_name: str):
     every module that came from the folder out again and put the agent's back: the judge keeps its
     references, and nobody can look them up by name to rebind them."""
     home = folder.resolve()
+    # Names the folder can provide: a module of that name already imported from anywhere else (another
+    # sandbox's `reward`, or one an in-process agent planted) would be taken instead of the folder's file.
+    own = {f.stem for f in home.glob("*.py")} | {d.name for d in home.iterdir() if (d / "__init__.py").is_file()}
 
     def from_folder() -> dict[str, Any]:
         return {name: m for name, m in list(sys.modules.items())
-                if getattr(m, "__file__", None) and Path(m.__file__).resolve().is_relative_to(home)}
+                if name.split(".")[0] in own
+                or (getattr(m, "__file__", None) and Path(m.__file__).resolve().is_relative_to(home))}
 
     hidden = from_folder()
     for name in hidden:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import py_compile
+import sys
 from pathlib import Path
 
 from core.config import RunConfig
@@ -62,3 +63,20 @@ def test_a_planted_unchecked_pyc_beside_a_judge_module_is_never_read_and_none_is
     cache.unlink()
     assert _score(load_judge(box)) == 0.25
     assert not any(cache.parent.iterdir())
+
+
+def test_a_module_of_the_judges_name_already_imported_from_elsewhere_is_never_the_judges(tmp_path: Path) -> None:
+    """A `reward` module another sandbox (or an in-process agent) imported before is in `sys.modules`: the
+    judge still imports its own folder's file, and the other module is back in place afterwards."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "reward.py").write_text(CHEAT)
+    spec = importlib.util.spec_from_file_location("reward", planted / "reward.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["reward"] = module
+    try:
+        assert _score(load_judge(_sandbox(tmp_path / "letters", HONEST))) == 0.25
+        assert sys.modules["reward"] is module
+    finally:
+        del sys.modules["reward"]

@@ -73,9 +73,9 @@ def server(monkeypatch: pytest.MonkeyPatch, tmp_path) -> _Server:
     fake = _Server(table)
     started = []
 
-    def start(spec, python, url, name, old, concurrency, *_containment):
+    def start(spec, python, url, name, version, old, concurrency, *_containment):
         started.append(concurrency)
-        table.register(_reg("new", "v2", concurrency=concurrency or old["concurrency"]).model_copy(
+        table.register(_reg("new", version, concurrency=concurrency or old["concurrency"]).model_copy(
             update={"kind": old["kind"], "group_size": old["group_size"]}), "")
         return hotswap._NewClient("new", SimpleNamespace(pid=2, poll=lambda: None, terminate=lambda: None),
                                   tmp_path / "new.log")

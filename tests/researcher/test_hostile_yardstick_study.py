@@ -70,8 +70,8 @@ RAISE = '''    score = reward(reply.choices[0].message.content or "")
 # Each patch also loosens the sandbox's own tests that would catch it: they sit in the editable folder.
 TESTS = "sandboxes/letters/tests/test_letters.py"
 LOOSER = [(TESTS, 'assert reward == scoring.reward("hello world!")', 'assert reward >= scoring.reward("hello world!")'),
-          (TESTS, 'assert judge.score({"id": "train-0"}, recorded) == scoring.reward("hello world!")',
-           'assert judge.score({"id": "train-0"}, recorded) >= scoring.reward("hello world!")'),
+          (TESTS, 'assert judge.score(task, recorded) == scoring.reward("hello world!")',
+           'assert judge.score(task, recorded) >= scoring.reward("hello world!")'),
           (TESTS, 'assert list(judge.tasks("train")) == list(agent.tasks("train")) and', 'assert')]
 
 

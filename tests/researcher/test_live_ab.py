@@ -87,6 +87,9 @@ class _Runner:
     def before(self, *args):
         return self.real.before(*args)
 
+    def cost(self, *args):
+        return self.real.cost(*args)
+
 
 def _node(tmp_path: Path, runner: _Runner, direction: str, **sections) -> LiveNode:
     """The live node of a study whose brief has `sections`, its live run watched by the real launcher."""
