@@ -96,10 +96,16 @@ def _digests_match(engine, model) -> bool:
     return [r.weights_digest() for r in engine.replicas] == [weights_digest(weights_of(model).items())] * 2
 
 
+def _all_up(engine) -> bool:
+    return all(r is not None for r in engine.replicas) and all(s["healthy"] for s in engine.status())
+
+
 def _wait_all_healthy(engine) -> None:
+    """Every replica slot filled (no restart under way) and healthy, within RESTART_WAIT_S."""
     deadline = time.monotonic() + RESTART_WAIT_S
-    while time.monotonic() < deadline and not all(s["healthy"] for s in engine.status()):
+    while time.monotonic() < deadline and not _all_up(engine):
         time.sleep(0.5)
+    assert _all_up(engine), f"the replicas were not all up within {RESTART_WAIT_S:g} s: {engine.status()}"
 
 
 def _logprobs_under(model, prompt: list[int], gen) -> list[float]:
@@ -253,7 +259,7 @@ def test_a_replica_killed_before_or_during_a_sync_neither_hangs_nor_fails_it_and
 
 
 def test_a_replica_that_hangs_after_taking_the_weights_is_restarted_and_the_run_goes_on(replicas, monkeypatch):
-    """Stopped once its weights are sent (SIGSTOP: alive, its heartbeat still recent), it never answers
+    """Stopped once it has taken the weights (SIGSTOP: alive, its heartbeat still recent), it never answers
     the sync: at the sync's deadline it is killed like a dead one and restarted at the new version,
     never left "healthy" and behind (ReplicaBehind would fail the run)."""
     engine, model, _, _ = replicas
@@ -262,15 +268,35 @@ def test_a_replica_that_hangs_after_taking_the_weights_is_restarted_and_the_run_
     victim = engine.replicas[0]
     pid = victim.pid
     transfer = victim._transfer
+    hang: dict[str, int] = {}
+
+    class StopAtTheAnswer(dict):
+        """The parent's table of requests awaiting an answer. The sync's answer, which the child sends
+        once it has received and loaded the weights, is where the child "hangs": it is stopped there
+        and its answer never reaches the parent. (Stopping it after the parent's broadcast returned
+        raced the child's answer on a loaded host: the answer could be in before the SIGSTOP.)"""
+
+        def get(self, seq, default=None):
+            if seq == hang.get("seq"):
+                os.kill(pid, signal.SIGSTOP)
+                return default  # to the reader: nobody waits on this answer, as if it never came
+            return super().get(seq, default)
 
     def transfer_then_hang(*args):
+        hang["seq"] = max(victim._acks)  # the sync's request, sent just before its transfer
         transfer(*args)
-        os.kill(pid, signal.SIGSTOP)
+    victim._acks = StopAtTheAnswer(victim._acks)
     victim._transfer = transfer_then_hang
     _perturb(model)
     target = engine.version + 1
-    engine.resume(target)  # raises ReplicaBehind if the hung replica is taken for a live one behind
-    assert engine.version == target and victim.lost
+    try:
+        engine.resume(target)  # raises ReplicaBehind if the hung replica is taken for a live one behind
+        assert engine.version == target and victim.lost
+        # killed at the sync's deadline (not found silent by the heartbeat's 60 s, not refused)
+        assert re.search(r"did not answer sync within|by the sync's deadline", victim.lost), victim.lost
+    finally:
+        if not victim.lost:  # a failed check must not leave a stopped replica to the tests after it
+            victim.kill("the hang test ended with it still in service")
     _wait_all_healthy(engine)
     rows = engine.status()
     assert all(s["healthy"] for s in rows) and rows[0]["pid"] != pid
@@ -285,6 +311,7 @@ def test_a_heartbeat_sent_before_a_sync_never_reports_the_replica_one_version_ba
     _perturb(model)
     engine.resume(target)
     replica = engine.replicas[0]
+    assert replica is not None, f"replica 0 was lost during the sync: {engine.status()}"
     replica._on_beat(target - 1, replica.load())  # the beat the child sent just before it took the sync
     assert replica.version == target and engine.status()[0]["version"] == target
 
