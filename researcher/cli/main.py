@@ -9,14 +9,13 @@ and turns every known error into one clear line and exit code 2.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import getpass
 import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import FrameType
@@ -44,9 +43,11 @@ from researcher.study.store import (
     StudyMeta,
     StudyPaths,
     failure,
+    detach,
     list_studies,
     load_meta,
     owner_pid,
+    stop_background,
     study_brief,
     study_paths,
 )
@@ -123,16 +124,6 @@ def _drive(paths: StudyPaths, wait: bool) -> None:
                       "resumes.")
 
 
-def _detach(paths: StudyPaths) -> int:
-    """Resume the study in a background process of its own; its output goes to the study log."""
-    paths.state.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "researcher.cli.main", "study", "--studies-dir", str(paths.root.parent),
-            "resume", paths.root.name]
-    with open(paths.log, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env={**os.environ, "COLUMNS": "120"})
-    return proc.pid
-
 
 @study_app.command()
 def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The research brief (Markdown)."),
@@ -154,7 +145,7 @@ def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The resear
                   + (" (offline default: no LLM configured)" if spec.kind == "heuristic" and planner is None else "")
                   + f"; MLflow experiment {meta.experiment} at {meta.tracking_uri}")
     if detach:
-        pid = _detach(paths)
+        pid = detach(paths)
         console.print(f"running in the background, pid {pid}; log {paths.log}")
         return
     _drive(paths, wait)
@@ -184,7 +175,7 @@ def resume(ctx: typer.Context, name: Optional[str] = typer.Argument(None, help="
     if every:
         names = _unfinished(ctx.obj)
         for n in names:
-            console.print(f"resuming {n} in the background, pid {_detach(study_paths(ctx.obj, n))}")
+            console.print(f"resuming {n} in the background, pid {detach(study_paths(ctx.obj, n))}")
         if not names:
             console.print(f"no unfinished study to resume in {ctx.obj}")
         return
@@ -196,7 +187,7 @@ def resume(ctx: typer.Context, name: Optional[str] = typer.Argument(None, help="
         raise _fail(str(e)) from None
     paths.held.unlink(missing_ok=True)  # a person resuming it lifts their own stop
     if detach:
-        console.print(f"resuming in the background, pid {_detach(paths)}; log {paths.log}")
+        console.print(f"resuming in the background, pid {detach(paths)}; log {paths.log}")
         return
     _drive(paths, wait)
 
@@ -311,7 +302,7 @@ def _decide(ctx: typer.Context, name: str, ids: list[str], every: bool, verdict:
     if owner:
         console.print(f"study {name} is running (pid {owner}) and takes the decision up at its next check")
     elif resume_:
-        console.print(f"study {name} was not running: resumed in the background, pid {_detach(paths)}; log {paths.log}")
+        console.print(f"study {name} was not running: resumed in the background, pid {detach(paths)}; log {paths.log}")
 
 
 @study_app.command()
@@ -342,8 +333,10 @@ def stop(ctx: typer.Context, name: str,
     paths, meta = _load(ctx, name)
     paths.held.write_text(f"stopped by {getpass.getuser()} at {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n")
     pid = owner_pid(paths)
+    stop_background(paths)  # a background resume still starting would take the study over after this stop
     if pid and pid > 0:
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may be one of those, already signalled
+            os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + _STOP_WAIT_S
         while owner_pid(paths) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -14,6 +14,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -260,3 +262,51 @@ def owner_pid(paths: StudyPaths) -> int | None:
                 return -1  # held, but the pid file is not written yet
         fcntl.flock(fh, fcntl.LOCK_UN)
         return None
+
+
+# Background resumes started by this machine's commands (`start --detach`, an approve or veto of a study that
+# was not running): a person's `stop` must also end one still starting up, or it would take the study over
+# after the stop (a README walk on a loaded host: `resume` then found the study "already running").
+BACKGROUND = "background.pids"
+
+
+def note_background(paths: StudyPaths, pid: int) -> None:
+    with open(paths.state / BACKGROUND, "a") as fh:
+        fh.write(f"{pid}\n")
+
+
+def stop_background(paths: StudyPaths) -> list[int]:
+    """SIGTERM every background resume of this study still alive (checked by its command line, since a pid
+    can be reused); -> the pids signalled. The list is emptied."""
+    path = paths.state / BACKGROUND
+    try:
+        pids = [int(x) for x in path.read_text().split()]
+    except (OSError, ValueError):
+        return []
+    path.unlink(missing_ok=True)
+    signalled = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"resume" in argv and paths.root.name.encode() in argv:
+            try:
+                os.kill(pid, signal.SIGTERM)
+                signalled.append(pid)
+            except ProcessLookupError:
+                pass
+    return signalled
+
+
+def detach(paths: StudyPaths) -> int:
+    """Resume the study in a background process of its own (its output goes to the study log); -> its pid,
+    noted so that a person's `stop` ends it even before it holds the study's lock."""
+    paths.state.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "researcher.cli.main", "study", "--studies-dir", str(paths.root.parent),
+            "resume", paths.root.name]
+    with open(paths.log, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, "COLUMNS": "120"})
+    note_background(paths, proc.pid)
+    return proc.pid
