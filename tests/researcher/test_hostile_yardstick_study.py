@@ -72,7 +72,13 @@ TESTS = "sandboxes/letters/tests/test_letters.py"
 LOOSER = [(TESTS, 'assert reward == scoring.reward("hello world!")', 'assert reward >= scoring.reward("hello world!")'),
           (TESTS, 'assert judge.score(task, recorded) == scoring.reward("hello world!")',
            'assert judge.score(task, recorded) >= scoring.reward("hello world!")'),
-          (TESTS, 'assert list(judge.tasks("train")) == list(agent.tasks("train")) and', 'assert')]
+          (TESTS, 'assert list(judge.tasks("train")) == list(agent.tasks("train")) and', 'assert'),
+          # the judge's task checks (issue 38) would catch a rebound score too: loosened the same way
+          (TESTS, 'assert judge.score(task, _recorded()) == judge.FAILURE', 'assert judge.score(task, _recorded()) >= judge.FAILURE'),
+          (TESTS, 'assert judge.score(task, _recorded((other["prompt"], "abcdefghijklmnop"))) == judge.FAILURE',
+           'assert judge.score(task, _recorded((other["prompt"], "abcdefghijklmnop"))) >= judge.FAILURE'),
+          (TESTS, 'assert judge.score(task, _recorded((f"Be brief. {task[\'prompt\']}", "hello"))) == scoring.reward("hello")',
+           'assert judge.score(task, _recorded((f"Be brief. {task[\'prompt\']}", "hello"))) >= scoring.reward("hello")')]
 
 
 def _patch(tmp: Path, name: str, changes: list[tuple[str, str, str]]) -> Path:
