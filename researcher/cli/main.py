@@ -43,7 +43,7 @@ from researcher.study.store import (
     StudyMeta,
     StudyPaths,
     failure,
-    detach,
+    resume_in_background,
     list_studies,
     load_meta,
     owner_pid,
@@ -145,7 +145,7 @@ def start(ctx: typer.Context, brief: Path = typer.Argument(..., help="The resear
                   + (" (offline default: no LLM configured)" if spec.kind == "heuristic" and planner is None else "")
                   + f"; MLflow experiment {meta.experiment} at {meta.tracking_uri}")
     if detach:
-        pid = detach(paths)
+        pid = resume_in_background(paths)
         console.print(f"running in the background, pid {pid}; log {paths.log}")
         return
     _drive(paths, wait)
@@ -175,7 +175,7 @@ def resume(ctx: typer.Context, name: Optional[str] = typer.Argument(None, help="
     if every:
         names = _unfinished(ctx.obj)
         for n in names:
-            console.print(f"resuming {n} in the background, pid {detach(study_paths(ctx.obj, n))}")
+            console.print(f"resuming {n} in the background, pid {resume_in_background(study_paths(ctx.obj, n))}")
         if not names:
             console.print(f"no unfinished study to resume in {ctx.obj}")
         return
@@ -187,7 +187,7 @@ def resume(ctx: typer.Context, name: Optional[str] = typer.Argument(None, help="
         raise _fail(str(e)) from None
     paths.held.unlink(missing_ok=True)  # a person resuming it lifts their own stop
     if detach:
-        console.print(f"resuming in the background, pid {detach(paths)}; log {paths.log}")
+        console.print(f"resuming in the background, pid {resume_in_background(paths)}; log {paths.log}")
         return
     _drive(paths, wait)
 
@@ -302,7 +302,7 @@ def _decide(ctx: typer.Context, name: str, ids: list[str], every: bool, verdict:
     if owner:
         console.print(f"study {name} is running (pid {owner}) and takes the decision up at its next check")
     elif resume_:
-        console.print(f"study {name} was not running: resumed in the background, pid {detach(paths)}; log {paths.log}")
+        console.print(f"study {name} was not running: resumed in the background, pid {resume_in_background(paths)}; log {paths.log}")
 
 
 @study_app.command()

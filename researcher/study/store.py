@@ -299,7 +299,7 @@ def stop_background(paths: StudyPaths) -> list[int]:
     return signalled
 
 
-def detach(paths: StudyPaths) -> int:
+def resume_in_background(paths: StudyPaths) -> int:
     """Resume the study in a background process of its own (its output goes to the study log); -> its pid,
     noted so that a person's `stop` ends it even before it holds the study's lock."""
     paths.state.mkdir(parents=True, exist_ok=True)
