@@ -149,7 +149,7 @@ async def rollout(task, llm):
         before = await version()
         reply = await llm.chat.completions.create(model=llm.model, messages=messages(task), max_tokens=8)
         text = reply.choices[0].message.content or ""
-        if before > 0 or reward(task, text) >= 1.0:
+        if reward(task, text) >= 1.0:  # a bad reply at any version waits (a loaded host starts it late)
             return reward(task, text)
         now, deadline = before, time.monotonic() + 90
         while now == before and time.monotonic() < deadline:
@@ -227,7 +227,7 @@ def runs(tmp_path_factory):
         pytest.skip("bubblewrap is not installed (apt-get install bubblewrap)")
     root = tmp_path_factory.mktemp("hostile")
     clean = _run(root, "clean", [(_patched(root / "shipped", "letters", None), 8, 1.0),
-                                 (_patched(root / "waits", "arith", WAITER), 2, 0.1)], steps=2)
+                                 (_patched(root / "waits", "arith", WAITER), 2, 0.1)], steps=3)
     hostile = _run(root, "hostile", [(_patched(root / "resamples", "letters", RESAMPLE), 8, 1.0)], steps=1)
     return {"clean": clean, "hostile": hostile}
 
@@ -299,9 +299,10 @@ def test_an_agent_that_waits_for_new_weights_after_a_bad_reply_stays_in_the_cell
     # Its call after the wait was refused (max_calls) before it ran on the new weights, and the episode is
     # counted with FAILURE in the cell of the weights it opened on, whatever it waited for.
     for ep in late:
-        assert ep.score == FAILURE and ep.opened_versions == {"policy": 0}
-        assert cell_of(ep) == ("arith", ep.task_id, (("policy", 0),))
-        assert [c.version for c in ep.calls] == [0]
+        opened = ep.opened_versions["policy"]
+        assert ep.score == FAILURE
+        assert cell_of(ep) == ("arith", ep.task_id, (("policy", opened),))
+        assert [c.version for c in ep.calls] == [opened]
 
 
 # --- compiled files beside the judge --------------------------------------------------------------------------
