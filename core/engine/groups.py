@@ -5,8 +5,9 @@ of its trainer's group and of one weights group per replica) and tests can start
 lives in the engine layer because both the replicas' weight sync (`core.engine.weight_sync`) and
 the trainer's ranks (`core.train`, a layer above) build their groups this way.
 
-Deliberately not here: what travels over a group (each user says), and groups across machines
-(the store listens on loopback).
+The store's host is loopback unless the caller names another: a Ray replica actor on another node
+reaches its model actor's store at that node's address (`core.ray.replicas`). Deliberately not
+here: what travels over a group (each user says), and finding that address.
 """
 
 from __future__ import annotations
@@ -27,17 +28,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tcp_store(port: int, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
-    """The rendezvous of a group's `world` members on this machine (rank 0 hosts it on `port`)."""
+def tcp_store(port: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1") -> dist.TCPStore:
+    """The rendezvous of a group's `world` members (rank 0 hosts it on `host`:`port`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+    return dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
 
 
-def process_group(backend: str, port: int, rank: int, world: int, timeout_s: float) -> Any:
-    """A group of `world` over a TCP store on `port` (rank 0 hosts the store), gloo or NCCL; its
+def process_group(backend: str, port: int, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1") -> Any:
+    """A group of `world` over a TCP store on `host`:`port` (rank 0 hosts the store), gloo or NCCL; its
     collectives fail after `timeout_s` instead of waiting for ever on a dead member."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = tcp_store(port, rank, world, timeout_s)
+    store = tcp_store(port, rank, world, timeout_s, host)
     if backend == "nccl":
         nccl_env()  # the same NCCL settings as the peer, which got them in its start environment
         opts = dist.ProcessGroupNCCL.Options()

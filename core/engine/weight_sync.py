@@ -28,10 +28,13 @@ not match.
 
 Backend: NCCL when both ends are on distinct GPUs; gloo otherwise, through host memory (CPU, or a
 replica sharing the trainer's GPU: NCCL refuses two ranks on one device).
+Ray replica actors (`core.ray.replicas`) use the same two ends, `WeightSender` in the model actor and
+`WeightReceiver` in the replica actor, with the backend named by the caller (each actor sees its own
+GPU as cuda:0) and the store at the model actor's node address.
 
 The groups are groups of their own (`core.engine.groups`), not the process-wide default group.
 Deliberately not here: when to sync and what a failure means
-(`core.engine.process`, `core.engine.replicas`), and Ray's path (`core.ray.replicas`, the object store).
+(`core.engine.process`, `core.engine.replicas`, `core.ray.replicas`).
 """
 
 from __future__ import annotations
@@ -274,14 +277,15 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 class WeightSender:
     """Rank 0's end of one replica's group: the backend, the group, the layout the replica accepted."""
 
-    def __init__(self, source_device: str, replica_device: str):
-        self.backend = backend_for(source_device, replica_device)
+    def __init__(self, source_device: str, replica_device: str, backend: str | None = None):
+        """`backend`: None to choose from the two devices (`backend_for`), or named by the caller."""
+        self.backend = backend or backend_for(source_device, replica_device)
         self.buffers = buffer_device(self.backend, source_device)
         self.group: Any = None
         self.layout: Layout | None = None  # None until the replica accepts one, and after it refuses one
 
-    def join(self, port: int, timeout_s: float) -> None:
-        self.group = process_group(self.backend, port, 0, 2, timeout_s)
+    def join(self, port: int, timeout_s: float, host: str = "127.0.0.1") -> None:
+        self.group = process_group(self.backend, port, 0, 2, timeout_s, host)
 
     def send(self, weights: dict[str, torch.Tensor], deadline: float | None = None) -> None:
         if self.group is None or self.layout is None:
@@ -307,10 +311,10 @@ class WeightReceiver:
         self.layout: Layout | None = None
         self.params: list[torch.nn.Parameter] = []
 
-    def join(self, port: int, backend: str, timeout_s: float) -> str:
+    def join(self, port: int, backend: str, timeout_s: float, host: str = "127.0.0.1") -> str:
         if backend == "nccl":
             torch.cuda.set_device(torch.device(self.device))
-        self.group = process_group(backend, port, 1, 2, timeout_s)
+        self.group = process_group(backend, port, 1, 2, timeout_s, host)
         self.buffers = buffer_device(backend, self.device)
         return "ok"
 
