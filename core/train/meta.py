@@ -3,7 +3,8 @@ cut into FSDP2 units (`shard`: one a decoder layer, a root for the rest, gradien
 and summed over the ranks).
 
 Every FSDP2 rank builds its model here, shards it (`fully_shard`) and only then allocates storage
-(`to_empty`): its shard of each parameter, never the whole model. The values come from rank 0's
+(`to_empty`): its shard of each parameter, never the whole model; the frozen KL reference the same
+way (`shard_frozen`). The values come from rank 0's
 module over the group (`_Shard.take_weights`, buffers included: `to_empty` leaves them unset). So
 a rank never loads the checkpoint from disk or holds a full copy; rank 0 holds the run's full module,
 which the engines and checkpoints need anyway. Deliberately not here: loading weights
@@ -70,4 +71,14 @@ def shard(model: torch.nn.Module, mesh: DeviceMesh, checkpointing: bool = False)
         if isinstance(module, FSDPModule):  # each unit's reduction is its own: set on every one
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+    return scorer
+
+
+def shard_frozen(model: torch.nn.Module, mesh: DeviceMesh) -> _Scorer:
+    """A frozen copy (the KL reference) sharded like `shard`'s units: no gradients, so no reduction
+    settings; scored under no_grad, each unit all-gathered for its forward and freed after it."""
+    scorer = _Scorer(model.eval().requires_grad_(False))
+    for layer in getattr(model.get_decoder(), "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(scorer, mesh=mesh)
     return scorer

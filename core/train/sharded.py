@@ -10,8 +10,10 @@ reduce-scatters its gradients after. Rank 0 is the run's own process, as under
 Every rank, rank 0 too, builds its model on the meta device (`core.train.meta`), shards it, then
 allocates its shards alone and takes their values from rank 0's module: no rank loads or copies the
 whole model. After a step that changed the weights every rank joins one all-gather per parameter
-(`DTensor.full_tensor`) and rank 0 copies the result into its full module; the KL reference is
-whole on every rank (built empty, filled from rank 0's).
+(`DTensor.full_tensor`) and rank 0 copies the result into its full module. The KL reference is
+sharded the same way (`core.train.meta.shard_frozen`: frozen, no optimizer), filled from rank 0's
+module at start, so no rank holds a whole reference; its forward is a collective too, so a pad pass
+(below) scores it as a real micro-batch does.
 
 A step (rank 0 prepares as one trainer does; the normaliser is the WHOLE batch's):
 
@@ -66,7 +68,7 @@ from core import models
 from core.config import ModelConfig, TrainerConfig
 from core.engine.devices import local_device, nccl_env
 from core.train import sharded_checkpoint
-from core.train.meta import meta_model, shard
+from core.train.meta import meta_model, shard, shard_frozen
 from core.train.packing import micro_batch_count, pack
 from core.train.sharded_checkpoint import _scatter, _sharded, full, skeleton
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
@@ -81,19 +83,26 @@ class _Shard(Trainer):
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, name: str, mesh: DeviceMesh, device: str,
                  checkpointing: bool = False):
         """`model` on the meta device (`core.train.meta`): sharded, then only its shards (and the KL
-        reference) allocated on `device`; their values come with `take_weights` / `take_reference`."""
+        reference's, sharded the same way) allocated on `device`; their values come with
+        `take_weights` / `take_reference`."""
         self.model = model  # the causal LM, sharded in place below
-        self._frozen = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        frozen = copy.deepcopy(model) if cfg.kl_coef > 0 else None  # still on meta: a copy costs nothing
         self.scorer = shard(model, mesh, checkpointing)
         model.to_empty(device=device)
-        if self._frozen is not None:
-            self._frozen.to_empty(device=device)
-            self._frozen.tie_weights()  # `to_empty` gives tied parameters (embeddings, head) one tensor each
+        self.frozen = shard_frozen(frozen, mesh) if frozen is not None else None
+        if self.frozen is not None:
+            self.frozen.to_empty(device=device)
         super().__init__(self.scorer, cfg, name, lora=False)
 
     def _make_reference(self, policy: torch.nn.Module) -> torch.nn.Module:
-        assert self._frozen is not None  # made whenever kl_coef > 0, before sharding: each rank scores with all of it
-        return self._frozen
+        assert self.frozen is not None  # made whenever kl_coef > 0
+        return self.frozen.model  # its causal LM, whose parameters are DTensor shards
+
+    def _reference_logprobs(self, mb: Any) -> torch.Tensor:
+        """A collective, as the policy's pass: every rank scores the reference as often as the policy."""
+        assert self.frozen is not None
+        with torch.no_grad():
+            return self.frozen(mb, mb.loss_mask)[0]
 
     def _logprobs(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.scorer(mb, mb.loss_mask)
@@ -116,7 +125,10 @@ class _Shard(Trainer):
             self._micro_batch(mb.to(device), normalizer, sums).backward()
         for _ in range(passes - len(batches)):
             assert pad is not None  # rank 0 sends one whenever a rank runs fewer micro-batches than passes
-            logp, _ = self._logprobs(pack([pad], self.cfg.micro_batch_tokens)[0].to(device))
+            padded = pack([pad], self.cfg.micro_batch_tokens)[0].to(device)
+            logp, _ = self._logprobs(padded)
+            if self.frozen is not None:  # the reference's gathers too, as in a real micro-batch's pass
+                self._reference_logprobs(padded)
             (torch.where(torch.isfinite(logp), logp, 0.0).sum() * 0.0).backward()
         return sums
 
@@ -138,32 +150,15 @@ class _Shard(Trainer):
 
     @torch.no_grad()
     def take_reference(self, source: torch.nn.Module | None) -> None:
-        """Every rank's KL reference from rank 0's full module (`source`; None on the other ranks): a
-        collective, each rank's built empty on the meta device's shapes."""
-        if self.reference is not None:
-            mine = [*self.reference.named_parameters(), *self.reference.named_buffers()]
-            if source is not None:  # by name, non-persistent buffers too (a state dict leaves those out)
-                theirs = {**dict(source.named_parameters()), **dict(source.named_buffers())}
-                for name, t in mine:
-                    t.data.copy_(theirs[name])
-            for _, t in mine:
-                dist.broadcast(t.data, src=0)
+        """Every rank's shard of the KL reference from rank 0's full module (`source`; None on the other
+        ranks): a collective."""
+        if self.frozen is not None:
+            _fill(self.frozen.model, source)
 
     @torch.no_grad()
     def take_weights(self, source: torch.nn.Module | None) -> None:
         """Every rank's shard from rank 0's full module (`source`; None on the other ranks)."""
-        sources = list(source.parameters()) if source is not None else None
-        for i, p in enumerate(self.model.parameters()):
-            if not isinstance(p, DTensor):
-                continue
-            whole = sources[i].detach() if sources is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            p.copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=0))
-        mine = list(self.model.buffers())  # not sharded, and unset by `to_empty` (rotary frequencies)
-        if source is not None:
-            for b, theirs in zip(mine, source.buffers()):
-                b.copy_(theirs)
-        for b in mine:
-            dist.broadcast(b, src=0)
+        _fill(self.model, source)
         self.master.read_model()  # the fp32 copies start from the weights taken, not from the empty ones
 
     def full_state(self, keep: bool = True) -> dict[str, Any]:
@@ -201,6 +196,24 @@ class _Shard(Trainer):
             else:
                 per_param[where][key] = _scatter(value, like)
         return {**state, "optimizer": {**state["optimizer"], "state": per_param}, "master": master}
+
+
+@torch.no_grad()
+def _fill(module: torch.nn.Module, source: torch.nn.Module | None) -> None:
+    """`module`'s shards and buffers from rank 0's full module of the same names (`source`; None on
+    the other ranks): one scatter a parameter, one broadcast a buffer (unsharded, and unset by
+    `to_empty`: rotary frequencies; non-persistent ones too, which a state dict leaves out)."""
+    params = dict(source.named_parameters()) if source is not None else {}
+    for name, p in module.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        whole = params[name].detach() if source is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        p.copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=0))
+    buffers = dict(source.named_buffers()) if source is not None else {}
+    for name, b in module.named_buffers():
+        if source is not None:
+            b.copy_(buffers[name])
+        dist.broadcast(b, src=0)
 
 
 def _join(backend: str, port: int, rank: int, world: int, device: str) -> DeviceMesh:
