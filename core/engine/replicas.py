@@ -29,7 +29,10 @@ Faults. A replica found dead or hung (`ProcessEngine.healthy`, checked on each r
 by a monitor thread) leaves routing at once; the episodes pinned to it are handed to `on_lost`
 (the run aborts them, so they never train half-done and their clients start new ones) and its
 waiting requests fail with `ReplicaLost`. It is then restarted, synced to the current weights
-and version, and routed to again. Deliberately not here: the trainer, episodes and HTTP.
+and version, and routed to again. The restarted replica catches up only while the trainer's module holds the
+version it is labelled with (`_stable`: not between `hold` and `resume`, nor inside `swap_weights`,
+when the step writes it), so it never serves a mix of two versions under one label. Deliberately
+not here: the trainer, episodes and HTTP.
 """
 
 from __future__ import annotations
@@ -89,6 +92,11 @@ class ReplicaEngine(Engine):
         self.failure: BaseException | None = None  # a replica that could not be brought back, for the run
         self._lock = threading.RLock()  # pins and slots; held briefly, also on the event loop
         self._version_lock = threading.Lock()  # a sync, or a restarted replica catching up: never both
+        # The trainer's module holds `version`'s weights and nothing writes it (a step starts at `hold`
+        # and ends at `resume`; an overlapped one is `swap_weights`): only then may a restarted replica
+        # read it. Waited on under `_version_lock`; False also after a sync that did not go through.
+        self._stable, self._held = True, False
+        self._settled = threading.Condition(self._version_lock)
         self._pins: OrderedDict[str, int] = OrderedDict()
         self.restarts = [0] * count
         self.episodes_total = [0] * count  # episodes ever routed to each replica slot
@@ -164,6 +172,7 @@ class ReplicaEngine(Engine):
 
     # -- admission and weight sync ----------------------------------------------------------------
     def hold(self) -> None:
+        self._stable, self._held = False, True  # a step may write the module from here (`pause_blocking`)
         for r in self._live():
             r.hold()
 
@@ -171,6 +180,8 @@ class ReplicaEngine(Engine):
         await asyncio.to_thread(self.pause_blocking)
 
     def pause_blocking(self) -> None:
+        self._held = True
+        self._unsettle()  # once this returns the step may write the module: no catch-up reads it then
         for r in self._live():
             try:
                 r.pause_blocking()
@@ -180,7 +191,8 @@ class ReplicaEngine(Engine):
     def resume(self, new_version: int | None = None) -> None:
         """Admit again; with a new version, first bring every replica to the trainer's weights."""
         if new_version is not None and new_version != self.version:
-            self._sync_all(new_version)
+            self._sync_all(new_version)  # raises ReplicaBehind: the module's version was not published
+        self._settle()
         for r in self._live():
             r.resume(None)
 
@@ -212,10 +224,23 @@ class ReplicaEngine(Engine):
     def swap_weights(self, apply: Callable[[], bool]) -> bool:
         """`apply` changes the trainer's module (nothing generates with it); the replicas then take the
         new weights between two of their decode steps, and the version goes up by one."""
+        self._unsettle()
         changed = bool(apply())
         if changed:
             self._sync_all(self.version + 1)
+        self._settle()
         return changed
+
+    def _unsettle(self) -> None:
+        """The module is about to be written: wait out a catch-up sync reading it, then let none start."""
+        with self._settled:
+            self._stable = False
+
+    def _settle(self) -> None:
+        """The module holds `version` again (published to the replicas): restarted replicas may catch up."""
+        with self._settled:
+            self._stable, self._held = True, False
+            self._settled.notify_all()
 
     def _sync_all(self, version: int) -> None:
         """Every live replica to the trainer's weights at `version`; raises ReplicaBehind if one is not."""
@@ -282,11 +307,15 @@ class ReplicaEngine(Engine):
             log.warning("restarting replica %d (attempt %d)", index, self.restarts[index])
             try:
                 replica = self._start(index, self._lost)
-                if self._closed.is_set():  # closed while it started: it must not outlive the engine
-                    replica.close()
-                    return
-                with self._version_lock:  # the version cannot move while a new replica catches up with it
+                with self._settled:  # the version and the module cannot move while a new replica catches up
+                    while not self._stable and not self._closed.is_set():  # a step writes the module now
+                        self._settled.wait(MONITOR_S)
+                    if self._closed.is_set():  # closed while it started or waited: it must not outlive the engine
+                        replica.close()
+                        return
                     replica.sync(self.weights(), self.version)
+                    if self._held:  # a step began while it caught up: admit nothing until its resume
+                        replica.hold()
                     self.replicas[index] = replica
                 log.warning("replica %d is back, serving version %d", index, replica.version)
                 return
