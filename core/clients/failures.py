@@ -1,7 +1,7 @@
 """A client runner's failed episodes: when to back off, when to give up, and the one line a person reads.
 
 `FailureGate` counts a runner's failed episodes in a row: while the last one failed it admits one
-episode at a time after an exponential backoff (`core.clients.sdk.backoff_delay`), and after its
+episode at a time after an exponential backoff (`core.clients.retries.backoff_delay`), and after its
 limit the runner raises `ClientGaveUp` whose message is `describe` (the error in one line, the
 server's own message when it sent one) and `likely_fix` (what to change, from the error's kind).
 It is deliberately not the runner: it runs no episode, retries nothing and talks to no server
@@ -18,7 +18,7 @@ import openai
 
 from core.clients.deadline import EpisodeTimeout
 from core.clients.sandbox import Agent
-from core.clients.sdk import ServerUnreachable, SwarmError, backoff_delay
+from core.clients.retries import ServerUnreachable, SwarmError, backoff_delay
 
 
 class ClientGaveUp(RuntimeError):

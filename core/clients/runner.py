@@ -3,7 +3,7 @@
 `run_agent` opens `group_size` episodes per task and runs them concurrently under a semaphore. A
 failed episode is retried (so its group can still fill), but failures are also counted: while the
 last episode failed, the runner admits one episode at a time after an exponential backoff (the
-`core.clients.sdk.backoff_delay` schedule), so a failing client never opens episodes faster than it
+`core.clients.retries.backoff_delay` schedule), so a failing client never opens episodes faster than it
 finishes them. After `max_consecutive_failures` failed episodes in a row it gives up with one line
 naming the error, the sandbox and the likely fix (`core.clients.failures`). Every rollout has a deadline (`--episode-timeout`):
 one that runs past it, even while it still awaits (and so still heartbeats), is cancelled and its
@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.clients.sdk import ABORT_DEADLINE_S, ClientStopping, SwarmClient, SwarmError, person_token
+from core.clients.retries import ClientStopping, SwarmError
+from core.clients.sdk import ABORT_DEADLINE_S, SwarmClient, person_token
 from core.clients.deadline import EPISODE_TIMEOUT_S, rollout_source, within_limit
 from core.clients.failures import ClientGaveUp, FailureGate, describe, likely_fix, sleep_unless
 from core.clients.sandbox import Agent, Outcome, load_agent

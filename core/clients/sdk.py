@@ -8,9 +8,9 @@
 The episode context opens the episode, keeps its lease alive from a background heartbeat, hands out
 OpenAI clients bound to it, and aborts it if the block is left without a reward. Swarm routes are
 retried with backoff when the server is down or answers 503 + Retry-After (paused, back-pressure), so
-a client waits instead of crashing; `backoff_delay` is the one backoff schedule, which the sandbox
-runner reuses between failed episodes. `finish` is safe to retry because the server makes it
-idempotent. The async twin, `client.aepisode(...)`, does the same for asyncio code.
+a client waits instead of crashing; how long and how often, and the errors a call raises, are
+`core.clients.retries`'s. `finish` is safe to retry because the server makes it idempotent. The async
+twin, `client.aepisode(...)`, does the same for asyncio code.
 
 The model naming rule: an episode's `model` (also on its bound OpenAI client, `ep.openai.model`) is
 the server's single served model, read from the open response; code that names a model explicitly
@@ -24,7 +24,6 @@ import asyncio
 import functools
 import logging
 import os
-import random
 import socket
 import ssl
 import threading
@@ -34,13 +33,12 @@ from typing import Any
 import httpx
 import openai
 
+from core.clients.retries import RETRY_DEADLINE_S, CallRetry, ClientStopping, SwarmError, settle
 from core.episodes.credentials import ADMIN_HEADER, GRANT_ENV, GRANT_HEADER
 from core.local_state import local_admin_token
 
 log = logging.getLogger(__name__)
 
-RETRY_DEADLINE_S = 300.0  # how long a swarm call waits out a paused or busy server (503) before giving up
-BACKOFF_START_S, BACKOFF_MAX_S = 0.2, 5.0
 HEARTBEAT_FRACTION = 1 / 3  # renew the lease after a third of it: two missed beats still keep it
 OPENAI_TIMEOUT_S = 600.0  # a generation may wait behind a weight sync; latency, not an error
 # An abort is a courtesy: an episode nobody finishes expires with its lease anyway, so a client that
@@ -56,39 +54,6 @@ def tls_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-class SwarmError(RuntimeError):
-    def __init__(self, status: int, body: Any):
-        msg = body.get("error", {}).get("message") if isinstance(body, dict) else str(body)
-        super().__init__(f"swarm server answered {status}: {msg}")
-        self.status, self.body = status, body
-
-
-class ServerUnreachable(SwarmError):
-    """No connection to the swarm server for longer than the caller was willing to wait."""
-
-    def __init__(self, url: str, waited_s: float, cause: Exception):
-        RuntimeError.__init__(self, f"swarm server at {url} unreachable for {waited_s:.0f}s ({type(cause).__name__}: {cause})")
-        self.status, self.body = 503, str(cause)
-
-
-class ClientStopping(SwarmError):
-    """The client was told to stop while it waited to open an episode: nothing was opened."""
-
-    def __init__(self) -> None:
-        super().__init__(503, "the client is stopping; no new episodes")
-
-
-def backoff_delay(attempt: int, retry_after: str | None = None) -> float:
-    """Seconds to wait before retry number `attempt` (0-based): the server's Retry-After when it sent one,
-    else exponential from BACKOFF_START_S up to BACKOFF_MAX_S, with jitter so that clients spread out."""
-    if retry_after:
-        try:
-            return float(retry_after)
-        except ValueError:
-            pass
-    return min(BACKOFF_MAX_S, BACKOFF_START_S * 2 ** min(attempt, 32)) * (0.5 + random.random() / 2)
-
-
 def _bearer(key: str | None) -> dict[str, str]:
     """Headers that carry an episode key: heartbeat, finish and abort are refused (401) without it."""
     return {"Authorization": f"Bearer {key}"} if key else {}
@@ -102,46 +67,6 @@ def model_to_call(served: tuple[str, ...] | list[str]) -> str:
         raise ValueError("no served model is known here: this OpenAI client is not bound to a swarm episode; "
                          "pass model= explicitly")
     raise ValueError(f"the server serves several models {sorted(served)}: pass model= explicitly")
-
-
-def _settle(resp: httpx.Response) -> dict:
-    if resp.status_code >= 400:
-        try:
-            body = resp.json()
-        except ValueError:
-            body = resp.text
-        raise SwarmError(resp.status_code, body)
-    return resp.json()
-
-
-class _Retry:
-    """The schedule of one swarm call: a busy server (503) is waited out for `deadline_s`, an unreachable
-    one for `unreachable_s`; past either, the call raises."""
-
-    def __init__(self, url: str, path: str, deadline_s: float, unreachable_s: float):
-        self.url, self.path, self.deadline_s, self.unreachable_s = url, path, deadline_s, unreachable_s
-        self.start = time.monotonic()
-        self.attempt = 0
-        self.unreachable_since: float | None = None
-
-    def after_busy(self, resp: httpx.Response) -> float:
-        self.unreachable_since = None
-        delay = backoff_delay(self.attempt, resp.headers.get("retry-after"))
-        if time.monotonic() - self.start + delay > self.deadline_s:
-            raise SwarmError(503, f"gave up on {self.path} after {self.deadline_s:.0f}s: {resp.text[:200]}")
-        self.attempt += 1
-        return delay
-
-    def after_unreachable(self, error: httpx.TransportError) -> float:
-        now = time.monotonic()
-        self.unreachable_since = self.unreachable_since if self.unreachable_since is not None else now
-        delay = backoff_delay(self.attempt)
-        waited = now - self.unreachable_since
-        if waited + delay > self.unreachable_s or now - self.start + delay > self.deadline_s:
-            raise ServerUnreachable(self.url, waited, error)
-        log.debug("swarm server unreachable (%s); retrying in %.1fs", error, delay)
-        self.attempt += 1
-        return delay
 
 
 # A person's admin token for their own client (as `core.run.server_files.ADMIN_TOKEN_ENV`, which the client
@@ -179,9 +104,9 @@ class SwarmClient:
             return {GRANT_HEADER: self.credential}
         return {ADMIN_HEADER: self.person} if self.person else {}
 
-    def retry(self, path: str, deadline_s: float | None = None) -> _Retry:
+    def retry(self, path: str, deadline_s: float | None = None) -> CallRetry:
         deadline = self.deadline_s if deadline_s is None else deadline_s
-        return _Retry(self.url, path, deadline, min(deadline, self.unreachable_s))
+        return CallRetry(self.url, path, deadline, min(deadline, self.unreachable_s))
 
     def call(self, method: str, path: str, json: dict | None = None, deadline_s: float | None = None,
              key: str | None = None) -> dict:
@@ -192,7 +117,7 @@ class SwarmClient:
             try:
                 resp = self._http.request(method, f"{self.url}/swarm/v1{path}", json=json, headers=headers)
                 if resp.status_code != 503:
-                    return _settle(resp)
+                    return settle(resp)
                 delay = retry.after_busy(resp)
             except httpx.TransportError as e:
                 delay = retry.after_unreachable(e)
@@ -358,7 +283,7 @@ class AsyncEpisode(_EpisodeBase):
             try:
                 resp = await self._http.post(f"{self.client.url}/swarm/v1{path}", json=json, headers=headers)
                 if resp.status_code != 503:
-                    return _settle(resp)
+                    return settle(resp)
                 delay = retry.after_busy(resp)
             except httpx.TransportError as e:
                 delay = retry.after_unreachable(e)

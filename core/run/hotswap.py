@@ -46,7 +46,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from core.contain.contained import CLIENT_ENV, Contained, popen_contained, require_bwrap
-from core.clients.sdk import SwarmClient, SwarmError
+from core.clients.retries import SwarmError
+from core.clients.sdk import SwarmClient
 from core.clients.sandbox import load_agent
 from core.episodes.credentials import GRANT_ENV
 from core.episodes.wire import ClientGrant

@@ -2,7 +2,7 @@
 
 In a swarm clients crash and the run goes on. `swarm run` starts each `clients[].isolate: true`
 client as its own process (`swarm client`); when one dies (a non-zero exit, or a signal such as
-SIGKILL or the OOM killer) it is started again after `core.clients.sdk.backoff_delay`. A death counts
+SIGKILL or the OOM killer) it is started again after `core.clients.retries.backoff_delay`. A death counts
 against the client when the process finished no episode in its life (the registry's per-client
 record) and was not SIGKILLed: a client that did work, or that someone killed from outside (an
 operator, the OOM killer, the chaos bench), is simply restarted, while one that crashes before its
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.contain.contained import CLIENT_ENV, Contained, die_with_parent, popen_contained
-from core.clients.sdk import backoff_delay
+from core.clients.retries import backoff_delay
 from core.config import ContainmentConfig
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from core.run.hotswap import inherited
-from core.clients.sdk import SwarmClient, SwarmError
+from core.clients.retries import SwarmError
+from core.clients.sdk import SwarmClient
 from core.episodes.client_table import ClientTable
 from core.config import ab_metric
 from core.episodes import pairing

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from core.clients.sdk import SwarmClient, SwarmError
+from core.clients.retries import SwarmError
+from core.clients.sdk import SwarmClient
 from core.config_io import load_config
 from core.run.loop import CoreRun
 from core.episodes.credentials import GRANT_HEADER

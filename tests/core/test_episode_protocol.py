@@ -17,7 +17,8 @@ import pytest
 
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
-from core.clients.sdk import SwarmClient, SwarmError
+from core.clients.retries import SwarmError
+from core.clients.sdk import SwarmClient
 from core.config import ab_metric
 from core.sandbox.judge import load_judge
 

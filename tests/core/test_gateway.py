@@ -10,7 +10,8 @@ import openai
 import pytest
 import torch
 
-from core.clients.sdk import SwarmClient, SwarmError
+from core.clients.retries import SwarmError
+from core.clients.sdk import SwarmClient
 from tests.support import ADD_TOOL, USER_PROMPTS, credential, tiny_policy
 
 

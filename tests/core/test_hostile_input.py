@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core.clients.sdk import SwarmClient, SwarmError
+from core.clients.retries import SwarmError
+from core.clients.sdk import SwarmClient
 from core.config import EngineConfig
 from core.engine import GenerationError, SamplingParams
 from core.engine.hf import HFEngine

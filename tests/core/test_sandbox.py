@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from core.clients.sdk import BACKOFF_MAX_S, BACKOFF_START_S, backoff_delay, model_to_call
+from core.clients.retries import BACKOFF_MAX_S, BACKOFF_START_S, backoff_delay
+from core.clients.sdk import model_to_call
 from core.clients.failures import FailureGate
 from core.clients.sandbox import load_agent
 
