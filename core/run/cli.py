@@ -7,7 +7,7 @@
     swarm contain --writable tree --timeout 60 -- python -c 'print(1)'   # one command, contained
 
 Commands parse arguments and print; the work happens in `core.serve.server`, `core.run.processes` (run, serve), `core.clients.runner`,
-`core.run.hotswap` and `core.contain.contained`. Start-up stays light: torch and the server load only
+`core.run.hotswap` and `core.run.contain_command`. Start-up stays light: torch and the server load only
 inside the commands that need them.
 """
 
@@ -18,23 +18,21 @@ import gc
 import json
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
 import httpx
 import typer
-from pydantic import ValidationError
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from core.config import CONTAIN_MODES, ContainLimits, RunConfig
 from core.config_io import ConfigError, load_config
-from core.contain.contained import bwrap, require_bwrap, run_contained
+from core.contain.contained import require_bwrap
 from core.sandbox.folder import SandboxNotFound, locate, sandbox_roots
 from core.local_state import local_admin_token
 from core.run import warm
+from core.run.contain_command import EXIT_TIMED_OUT, run_command
 
 app = typer.Typer(help="swarmrl core: swarm servers and clients for agentic RL of LLMs.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -48,9 +46,6 @@ SERVE_STEPS = 1_000_000_000
 # closed (bench/startup.py). Nothing left then needs collecting, so the last pass is skipped by
 # freezing the heap; atexit handlers (logging, Ray, temporary folders) still run.
 atexit.register(gc.freeze)
-# `swarm contain`'s exit code when its command ran past --timeout (and its process group was killed):
-# the code of coreutils' `timeout`, which scripts already read that way.
-EXIT_TIMED_OUT = 124
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -303,44 +298,8 @@ def contain(
     _setup_logging(False)
     given = {"cpu_s": cpu_s, "address_space": address_space, "file_size": file_size, "processes": processes,
              "open_files": open_files, "memory": memory}
-    bad = [e for e in env if "=" not in e or not e.split("=", 1)[0]]
-    try:
-        if bad:
-            raise ConfigError(f"--env {bad[0]!r} must look like KEY=value")
-        if server is not None and not server.startswith(("http://", "https://")):
-            raise ConfigError(f"--server {server!r} must be an http(s) URL of a swarm server")
-        require_bwrap("required" if required else "auto", "swarm contain --required")
-        limits = ContainLimits(**{k: v for k, v in given.items() if v is not None})
-    except ValidationError as e:  # a limit out of range: one line naming the option
-        why = "; ".join(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']}" for err in e.errors())
-        console.print(f"[red]swarm contain: {escape(why)}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
-    except ConfigError as e:
-        console.print(f"[red]swarm contain: {escape(str(e))}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
-    if bwrap() is None:
-        console.print("[yellow]swarm contain: bwrap is not on PATH: running without the filesystem boundary "
-                      "(apt-get install bubblewrap)[/yellow]", soft_wrap=True)
-
-    def stopped(sig: int, _frame: object) -> None:  # run_contained then kills the command's group on its way out
-        raise SystemExit(128 + sig)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, stopped)
-    try:  # every run's token and server files are masked by run_contained itself (contain.masked_paths)
-        code, _ = run_contained(argv, cwd or Path.cwd(), timeout_s=timeout or None, writable=writable,
-                                extra_env=dict(e.split("=", 1) for e in env), limits=limits, capture=False,
-                                hidden=hide, server=server)
-    except ValueError as e:  # a credential passed with --env (its name is the caller's data: never markup)
-        console.print(f"[red]swarm contain: {escape(str(e))}[/red]", soft_wrap=True)
-        raise typer.Exit(2) from None
-    except OSError as e:
-        console.print(f"[red]swarm contain: cannot start {escape(argv[0])}: {escape(str(e))}[/red]", soft_wrap=True)
-        raise typer.Exit(127) from None
-    if code is None:
-        console.print(f"swarm contain: timed out after {timeout:g} s; its process group was killed", soft_wrap=True)
-        raise typer.Exit(EXIT_TIMED_OUT)
-    raise typer.Exit(code if code >= 0 else 128 - code)
+    raise typer.Exit(run_command(argv, writable=writable, cwd=cwd, env=env, timeout=timeout, required=required,
+                                 limits=given, server=server, hide=hide))
 
 
 @app.command()

@@ -61,7 +61,7 @@ _SERVE_POLL_S = 0.5
 # What `swarm contain` itself may take beyond its command's timeout (its own start-up, killing the
 # group); past it the validator kills `swarm contain`, and its command dies with it (PDEATHSIG).
 CONTAIN_GRACE_S = 30.0
-EXIT_TIMED_OUT = 124  # `swarm contain`'s exit code for a command past its --timeout (core/run/cli.py)
+EXIT_TIMED_OUT = 124  # `swarm contain`'s exit code for a command past its --timeout (core/run/contain_command.py)
 
 # Run in a fresh interpreter inside the sandbox folder: import the entry file and check its contract.
 _IMPORT_CHECK = """
