@@ -6,11 +6,18 @@ swap, inside the actor, and no weights cross the network. The driver (`core.ray.
 it step by step: generate, hold/pause/resume, prepare/backward/apply, save/restore. Every method
 is async and runs blocking work on a thread, so generation goes on while the trainer works.
 
+A model with `replicas` (2 or more) generates on its replica actors only (`core.ray.replicas`):
+its model actor builds no engine (no in-process vLLM takes GPU memory or torch.distributed's
+default group beside the trainer), keeps the served version, and is rank 0 of one weights group
+of two per replica actor (`core.ray.weights.WeightHost`): the weights go over those groups in
+buckets (`core.engine.weight_sync`), never through Ray's object store.
+
 `ClientActor` runs the client runner (`core.clients.runner.run_agent`) against the gateway's URL, like
 `swarm client` does, so agent code spreads over the cluster's CPUs.
 
 The classes are plain: the driver makes them actors (`ray.remote(ModelActor).options(...)`) with
-the resources from the config, so this module does not import Ray. It runs inside Ray workers and
+the resources from the config, so this module does not import Ray (`core.ray.weights` asks it for
+the node's address). It runs inside Ray workers and
 deliberately holds no recovery or scheduling logic (that is the driver's, `core.ray.driver`).
 """
 
@@ -23,12 +30,12 @@ from typing import Any
 
 from core.run import checkpoint
 from core.config import ClientConfig, RunConfig
-from core.engine import EngineLoad, Generation, SamplingParams
+from core.engine import Engine, EngineLoad, Generation, SamplingParams
 from core.records import Episode
 from core.clients.runner import run_agent
 from core.clients.sandbox import load_agent
-from core.serve.server import load_policies
-from core.engine.weight_sync import weights_of
+from core.serve.server import load_model, load_policies
+from core.ray.weights import WeightHost
 from core.train.distributed import DistributedTrainer, build_trainer
 from core.train.sharded import ShardedTrainer
 from core.train.outcome import StepOutcome
@@ -54,10 +61,15 @@ class ModelActor:
         seed_everything(cfg.trainer.seed)
         mc = next(m for m in cfg.models if m.name == name)
         self.name = name
-        # The model's replicas (if any) are actors of their own (`core.ray.replicas`), not processes of this one.
-        self.policy = load_policies(cfg.model_copy(update={"models": [mc.model_copy(update={"replicas": 1})]}))[name]
-        self.engine = self.policy.engine
-        self.trainer = build_trainer(self.policy.model, cfg, name) if mc.trainable else None
+        self.engine: Engine | None = None
+        if mc.replicas > 1:  # they generate, as actors of their own (`core.ray.replicas`): no engine here
+            self.model, _, self.max_context = load_model(mc)
+        else:
+            policy = load_policies(cfg.model_copy(update={"models": [mc]}))[name]
+            self.model, self.engine, self.max_context = policy.model, policy.engine, policy.engine.max_context
+        self.version = 0  # the served version without an engine (the driver moves it, as an engine's)
+        self.weights = WeightHost(self.model)
+        self.trainer = build_trainer(self.model, cfg, name) if mc.trainable else None
         self.prepared: PreparedStep | None = None
 
     async def adopt(self) -> dict[str, Any]:
@@ -67,29 +79,43 @@ class ModelActor:
 
     async def info(self) -> dict[str, Any]:
         t = self.trainer
-        return {"pid": os.getpid(), "version": self.engine.version, "max_context": self.engine.max_context,
+        return {"pid": os.getpid(), "version": self._version(), "max_context": self.max_context,
                 "trainable": t is not None, "lora": bool(t and t.lora), "overlap_safe": bool(t and t.overlap_safe),
-                "step_count": t.step_count if t else 0}
+                "step_count": t.step_count if t else 0, "engine": type(self.engine).__name__ if self.engine else None,
+                "weights_groups": self.weights.keys()}
 
     # -- the engine -------------------------------------------------------------------------------
+    # Without an engine (replicas) admission is the replicas' and the version is only counted here.
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         self._serving()
+        if self.engine is None:
+            raise RuntimeError(f"model {self.name!r} generates on its replica actors, not in its model actor")
         return await self.engine.generate(prompt_ids, params)
 
     async def pause(self) -> None:
         self._serving()
-        await asyncio.to_thread(self.engine.pause_blocking)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.pause_blocking)
 
     async def hold(self) -> None:
         self._serving()
-        self.engine.hold()
+        if self.engine is not None:
+            self.engine.hold()
 
     async def resume(self, new_version: int | None) -> int:
-        self.engine.resume(new_version)
-        return self.engine.version
+        if self.engine is not None:
+            self.engine.resume(new_version)
+        elif new_version is not None:
+            self.version = new_version
+        return self._version()
 
     async def load(self) -> EngineLoad:
+        if self.engine is None:
+            return EngineLoad(queued=0, active=0, admitting=True, oldest_s=None)
         return self.engine.load()
+
+    def _version(self) -> int:
+        return self.engine.version if self.engine is not None else self.version
 
     # -- the trainer ------------------------------------------------------------------------------
     async def prepare(self, groups: list[list[Episode]]) -> bool:
@@ -103,7 +129,7 @@ class ModelActor:
         """The optimizer step; with `swap`, between two decode steps while generation goes on (the
         engine's version then goes up here), else directly (the engine is paused; the driver resumes it)."""
         trainer, prepared = self._trainer(), self._prepared()
-        if swap:
+        if swap and self.engine is not None:
             return await asyncio.to_thread(self.engine.swap_weights, lambda: trainer.apply(prepared))
         return await asyncio.to_thread(trainer.apply, prepared)
 
@@ -122,13 +148,35 @@ class ModelActor:
         ckpt = checkpoint.load(path)
         await asyncio.to_thread(checkpoint.restore_one, ckpt, self.name, self._trainer(adopted=False))
 
-    async def weights(self) -> dict[str, Any]:
-        """The trainer's trainable weights (on CPU) for the model's replica actors (`core.ray.replicas`)."""
+    # -- the replica actors' weights groups (`core.ray.weights`) -------------------------------
+    async def weights_address(self) -> tuple[str, int]:
+        """Where a replica actor's weights group meets: this node's address and a free port on it."""
+        return self.weights.address()
+
+    async def host_weights(self, key: str, host: str, port: int, backend: str, replica_device: str) -> None:
+        """Rank 0 of the replica actor `key`'s group; returns once the replica actor joined it."""
+        await asyncio.to_thread(self.weights.host, key, host, port, backend, replica_device)
+
+    async def weights_layout(self) -> list:
+        """The trainable weights' layout (names, shapes, dtypes): what one sync sends."""
         self._serving()
-        return await asyncio.to_thread(lambda: {n: t.cpu() for n, t in weights_of(self.policy.model).items()})
+        return self.weights.layout()
+
+    async def send_weights(self, key: str, layout: list, timeout_s: float) -> None:
+        """Broadcast the trainable weights on `key`'s group (the replica accepted `layout`)."""
+        self._serving()
+        await asyncio.to_thread(self.weights.send, key, layout, timeout_s)
+
+    async def drop_weights(self, key: str) -> None:
+        self.weights.drop(key)
+
+    async def weights_digest(self) -> str:
+        return await asyncio.to_thread(self.weights.digest)
 
     async def close(self) -> None:
-        self.engine.close()
+        self.weights.close()
+        if self.engine is not None:
+            self.engine.close()
         if isinstance(self.trainer, DistributedTrainer | ShardedTrainer):  # their rank processes
             self.trainer.close()
 

@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
@@ -27,7 +28,7 @@ from core.sandbox.dealer import Dealer
 from core.sandbox.judge import load_judges
 from core.episodes.client_table import ClientTable
 from core.episodes.credentials import Credentials
-from core.config import RunConfig
+from core.config import ModelConfig, RunConfig
 from core.engine.replicas import make_model_engine
 from core.episodes.registry import Registry
 from core.episodes.wire import SwapRecord
@@ -180,14 +181,19 @@ def load_policies(cfg: RunConfig, on_lost: Callable[[list[str]], None] | None = 
     """Every model `cfg` names, loaded, each behind its engine; `on_lost` and `is_open` go to replica engines."""
     policies = {}
     for mc in cfg.models:
-        model, tok = models.load(mc)
-        if mc.trainable and mc.lora is not None:
-            model = models.prepare_policy(model, mc.lora)  # peft is imported only for LoRA runs
-        max_context = mc.max_context or min(getattr(model.config, "max_position_embeddings", 2048), 1 << 16)
+        model, tok, max_context = load_model(mc)
         # one engine, or replicas (core.engine.replicas)
         engine = make_model_engine(cfg, mc, model, tok, max_context, on_lost=on_lost, is_open=is_open)
         policies[mc.name] = Policy(mc.name, model, tok, ChatRenderer(tok), engine, trainable=mc.trainable)
     return policies
+
+
+def load_model(mc: ModelConfig) -> tuple[Any, Any, int]:
+    """`mc`'s module (with its LoRA adapters when it trains them), tokenizer and context length, no engine."""
+    model, tok = models.load(mc)
+    if mc.trainable and mc.lora is not None:
+        model = models.prepare_policy(model, mc.lora)  # peft is imported only for LoRA runs
+    return model, tok, mc.max_context or min(getattr(model.config, "max_position_embeddings", 2048), 1 << 16)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,72 +1,168 @@
 """Replicas under Ray placement (core/ray/replicas.py): the replica run's config on a local Ray cluster.
 
-One model with 2 replica actors and 2 trainer ranks (in the model actor), multi-turn client actors:
-the run trains to the end, both replica actors serve every new version after each step and hold the
-model actor's weights bit for bit (they arrive as one object in Ray's store a sync), both get
-episodes, and what trained is whole. The cluster is a throwaway `ray start --head` (tests/ray_cluster.py).
+A model with replicas has a model actor that holds the trainer and no engine of its own; its replica
+actors take the weights from it over a process group of two each (gloo here, on CPU), never through
+Ray's object store. One model with 2 replica actors and 2 trainer ranks (in the model actor),
+multi-turn client actors: the run trains to the end, both replica actors serve every new version
+after each step and hold the model actor's weights bit for bit, both get episodes, and what trained
+is whole. A replica actor killed as a sync starts is replaced (a new actor, a new group) and the run
+goes on. The cluster is a throwaway `ray start --head` (tests/ray_cluster.py), shared by the module.
 """
 
 from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 import ray
 
 from core.config_io import load_config
+from core.engine import SamplingParams
 from core.engine.replicas import ReplicaEngine
-from core.engine.weight_sync import weights_digest
+from core.ray.actors import ModelActor
 from core.ray.replicas import RayReplica
 from tests.core.turns_agent import TURNS
 from tests.ray_cluster import local_ray_cluster
 
 STEPS = 3
+BACK_S = 180.0  # how long a replaced replica actor may take to start and catch up on a busy 2-core host
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def replica_run_config(address: str, tmp_path: Path, steps: int = STEPS):
+    return load_config({
+        "placement": {"kind": "ray", "address": address},
+        "models": [{"device": "cpu", "replicas": 2, "trainer": {"world_size": 2}, "ray": {"num_cpus": 0.25}}],
+        "server": {"port": 0},
+        "engine": {"default_max_tokens": 6},
+        "trainer": {"steps": steps, "batch_groups": 1, "group_size": 2, "max_staleness": 0, "lr": 0.01,
+                    "checkpoint_every_s": 0, "checkpoint_dir": str(tmp_path / "ckpt")},
+        "clients": [{"agent": "tests.core.turns_agent", "concurrency": 4, "ray": {"num_cpus": 0.25}}],
+    })
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    with local_ray_cluster(num_cpus=2) as (address, _):
+        yield address
+
+
+@pytest.fixture
+def puts(monkeypatch):
+    """Every `ray.put` the driver makes, counted (the object-store path put the weights once a sync)."""
+    made: list[type] = []
+    put = ray.put
+
+    def counting(value, *args, **kwargs):
+        made.append(type(value))
+        return put(value, *args, **kwargs)
+
+    monkeypatch.setattr(ray, "put", counting)
+    return made
+
+
+def test_a_model_actor_with_replicas_builds_no_engine_of_its_own(tmp_path):
+    # The in-process engine took GPU memory and torch.distributed's default group beside the trainer
+    # (so a sharded trainer refused to start); with replicas the actor only trains and sends weights.
+    cfg = load_config(ROOT / "configs/tiny.yaml", [f"trainer.checkpoint_dir={tmp_path}", "models=[{source: tiny, replicas: 2}]"])
+    actor = ModelActor(cfg.model_dump(), "policy")
+    try:
+        info = asyncio.run(actor.adopt())
+        assert actor.engine is None and info["engine"] is None and info["trainable"] is True
+        assert info["max_context"] > 0 and info["version"] == 0
+        assert asyncio.run(actor.resume(3)) == 3 and asyncio.run(actor.info())["version"] == 3
+        assert asyncio.run(actor.weights_layout())  # what a sync sends: the trainable weights' layout
+        with pytest.raises(RuntimeError, match="generates on its replica actors"):
+            asyncio.run(actor.generate([1, 2, 3], SamplingParams(max_tokens=2)))
+    finally:
+        asyncio.run(actor.close())
 
 
 @pytest.mark.slow
-def test_a_ray_run_serves_rollouts_from_replica_actors_synced_after_every_step(tmp_path):
+def test_a_ray_run_syncs_replica_actors_over_process_groups_after_every_step(ray_address, tmp_path, puts):
     from core.run.placement import core_run  # imports Ray's driver: only in the tests that start a cluster
 
-    with local_ray_cluster(num_cpus=2) as (address, _):
-        cfg = load_config({
-            "placement": {"kind": "ray", "address": address},
-            "models": [{"device": "cpu", "replicas": 2, "trainer": {"world_size": 2}, "ray": {"num_cpus": 0.25}}],
-            "server": {"port": 0},
-            "engine": {"default_max_tokens": 6},
-            "trainer": {"steps": STEPS, "batch_groups": 1, "group_size": 2, "max_staleness": 0, "lr": 0.01,
-                        "checkpoint_every_s": 0, "checkpoint_dir": str(tmp_path / "ckpt")},
-            "clients": [{"agent": "tests.core.turns_agent", "concurrency": 4, "ray": {"num_cpus": 0.25}}],
-        })
-        core = core_run(cfg)
-        engine = core.server.policies["policy"].engine
-        assert isinstance(engine, ReplicaEngine) and all(isinstance(r, RayReplica) for r in engine.replicas)
-        seen: list[tuple[int, list[int | None]]] = []
-        digests: list[tuple[str, list[str]]] = []
-        trained = []
-        train_batch = core._train_batch
+    core = core_run(replica_run_config(ray_address, tmp_path))
+    engine = core.server.policies["policy"].engine
+    assert isinstance(engine, ReplicaEngine) and all(isinstance(r, RayReplica) for r in engine.replicas)
+    link = core.trainers["policy"].link
+    model_actor = link.call("info")
+    assert model_actor["engine"] is None  # the model actor trains and sends; only the replica actors serve
+    assert len(model_actor["weights_groups"]) == 2  # one group per replica actor, hosted by the model actor
+    seen: list[tuple[int, list[int | None]]] = []
+    digests: list[tuple[str, list[str]]] = []
+    trained = []
+    train_batch = core._train_batch
 
-        def observed(batch):
-            trained.extend(batch.episodes)
-            return train_batch(batch)
+    def observed(batch):
+        trained.extend(batch.episodes)
+        return train_batch(batch)
 
-        core._train_batch = observed
-        last: list[dict] = []
+    core._train_batch = observed
+    last: list[dict] = []
 
-        def on_step(step, metrics):
-            rows = engine.status()
-            seen.append((core.server.versions()["policy"], [r["version"] for r in rows]))
-            trainer = weights_digest(ray.get(engine.weights()).items())  # the model actor's, as the sync puts them
-            digests.append((trainer, [r.weights_digest() for r in engine.replicas]))
-            last[:] = rows
+    def on_step(step, metrics):
+        rows = engine.status()
+        seen.append((core.server.versions()["policy"], [r["version"] for r in rows]))
+        digests.append((link.call("weights_digest"), [r.weights_digest() for r in engine.replicas]))
+        last[:] = rows
 
-        try:
-            core.server.start()
-            core.start_clients()
-            core.train(on_step=on_step)
-            core.stop_clients()
-        finally:
-            core.server.close()
-        assert core.failure is None and core.step == STEPS
-        assert all(replicas == [version, version] for version, replicas in seen), seen
-        assert len(digests) == STEPS and all(replicas == [trainer] * 2 for trainer, replicas in digests)
-        assert seen[-1][0] >= 1
-        assert all(r["episodes_total"] > 0 and r["healthy"] for r in last)
-        assert trained and all(e.state == "finished" and len(e.calls_of("policy")) == TURNS for e in trained)
+    try:
+        core.server.start()
+        core.start_clients()
+        core.train(on_step=on_step)
+        core.stop_clients()
+    finally:
+        core.server.close()
+    assert core.failure is None and core.step == STEPS
+    assert all(replicas == [version, version] for version, replicas in seen), seen
+    assert len(digests) == STEPS and all(replicas == [trainer] * 2 for trainer, replicas in digests)
+    assert seen[-1][0] >= 1
+    assert all(r["episodes_total"] > 0 and r["healthy"] for r in last)
+    assert trained and all(e.state == "finished" and len(e.calls_of("policy")) == TURNS for e in trained)
+    assert puts == []  # no weights (nor anything else) went into the object store: the groups carried them
+
+
+@pytest.mark.slow
+def test_a_replica_actor_killed_as_a_sync_starts_is_replaced_and_the_run_goes_on(ray_address, tmp_path):
+    from core.run.placement import core_run
+
+    core = core_run(replica_run_config(ray_address, tmp_path, steps=4))
+    engine = core.server.policies["policy"].engine
+    link = core.trainers["policy"].link
+    first = engine.replicas[0]
+    killed: list[int] = []
+    sync = first.sync
+
+    def dying_sync(layout, version):  # SIGKILL the replica actor's process once its sync is under way
+        if not killed and version >= 1:
+            killed.append(first.pid)
+            os.kill(first.pid, signal.SIGKILL)
+        return sync(layout, version)
+
+    first.sync = dying_sync
+    try:
+        core.server.start()
+        core.start_clients()
+        core.train()
+        deadline = time.monotonic() + BACK_S
+        while engine.replicas[0] is None and time.monotonic() < deadline:
+            time.sleep(0.5)  # restarted in the background; the run did not wait for it
+        back, rows = engine.replicas[0], engine.status()
+        groups = link.call("info")["weights_groups"]
+        digests = {link.call("weights_digest")} | {r.weights_digest() for r in engine.replicas if r is not None}
+        core.stop_clients()
+    finally:
+        core.server.close()
+    assert killed and core.failure is None and core.step == 4  # the run went on past the lost replica
+    assert first.lost  # found dead by the transfer or its heartbeat, whichever came first: killed, not behind
+    assert back is not None and back is not first and back.pid != killed[0]
+    # The new actor joined a new group; the dead one's was dropped by the model actor.
+    assert sorted(groups) == sorted(r.key for r in engine.replicas) and first.key not in groups
+    version = core.server.versions()["policy"]
+    assert [r["version"] for r in rows] == [version, version] and all(r["healthy"] for r in rows)
+    assert len(digests) == 1  # both replica actors hold the model actor's weights bit for bit
