@@ -7,17 +7,20 @@ grad clip 1.0, fp32, no gradient checkpointing, 12 steps; LoRA arms use r 16, al
 v_proj at lr 1e-4. swarmrl runs on-policy (`max_staleness: 0`) and async (`max_staleness: 1`), plus a
 `dtype: bfloat16` arm. Each arm is its own process (peak RSS is per arm), on the same thread count.
 
-It prints per arm: s/step (median of steps 2..N), completions/s (steps 2..N), train and rollout time
-per step, steps with zero advantage (swarmrl skips their update, TRL does not), peak RSS, mean reward
-of the first and last 3 steps, the achieved fraction of a compute limit built from the issue's
-measurements of this CPU, and for swarmrl the mean gap between the trainer's and the engine's
-logprobs of the same tokens (`train/behaviour_logp_diff`, the training-inference mismatch a dtype
-brings), and the seconds of steps each arm took to reach a rolling 3-step mean reward of 0.5; then each
-arm's reward by step, and `vs_trl: onpolicy_ratio=<x> async_ratio=<y> time_to_reward_ratio=<z>`
-(completions/s over TRL's, full fine-tune; TRL's seconds to that reward over on-policy swarmrl's). TRL comes from the optional `bench` extra: `make bench-setup`.
+It prints per (arm, seed): s/step (median of steps 2..N), completions/s (steps 2..N), train and rollout
+time per step, steps with zero advantage, peak RSS, mean reward of the first and last 3 steps, the achieved
+fraction of a compute limit built from the issue's measurements of this CPU, for swarmrl the mean gap
+between the trainer's and the engine's logprobs of the same tokens (`train/behaviour_logp_diff`), and the
+seconds and steps each took to reach a rolling 3-step mean reward of 0.5; then each run's reward by step;
+then, over the seeds of each arm, the median (and range) of those seconds and steps, and the lines
+`vs_trl_seeds: <arm> learning_per_s=<TRL's median seconds over ours> steps_ratio=<our median steps over
+TRL's>` (issue 43), and `vs_trl: onpolicy_ratio=<x> async_ratio=<y>` (completions/s over TRL's, first seed).
+Every seed of either side trains on the same tasks in the same order; the seed varies the samples (TRL's
+`seed`, swarmrl's `trainer.seed` with `engine.repeatable_sampling`, so a seed repeats step for step).
+TRL comes from the optional `bench` extra: `make bench-setup`.
 
-    .venv/bin/python bench/vs_trl.py [--arms trl swarmrl-onpolicy ...] [--steps 12] [--threads 1]
-                                     [--parallel 1] [--deadline-s SECONDS]
+    .venv/bin/python bench/vs_trl.py [--arms trl swarmrl-onpolicy ...] [--steps 12] [--seeds 0 1 2]
+                                     [--stop-at-reward] [--threads 1] [--parallel 1] [--deadline-s SECONDS]
 
 Arms run back to back by default. `--parallel N` runs N arms at once, so that on a shared machine
 they see the same background load (each arm is still its own process with its own threads). Each
@@ -63,12 +66,15 @@ ARMS = {  # name -> (side, dtype, lora, max_staleness)
     "swarmrl-lora-onpolicy": ("swarmrl", "float32", True, 0),
     "swarmrl-lora-async": ("swarmrl", "float32", True, 1),
     "swarmrl-bf16": ("swarmrl", "bfloat16", False, 0),
+    "swarmrl-filter": ("swarmrl", "float32", False, 0),
 }
+# Trainer settings of an arm beyond the shared ones: dynamic sampling keeps tied groups out of the batch.
+TRAINER_EXTRA = {"swarmrl-filter": {"dynamic_sampling": "filter"}}
 
 
 # The arms import their side inside (torch, TRL, the core): TRL is an optional extra, and the parent
 # process only launches arms and prints, so it never loads either framework.
-def run_trl(arm: str, steps: int, out: Path, report) -> dict:
+def run_trl(arm: str, steps: int, seed: int, out: Path, report) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -95,7 +101,7 @@ def run_trl(arm: str, steps: int, out: Path, report) -> dict:
         num_generations=GENERATIONS, per_device_train_batch_size=PROMPTS * GENERATIONS, gradient_accumulation_steps=1,
         max_completion_length=addition.MAX_TOKENS, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
         model_init_kwargs={"dtype": getattr(torch, dtype)}, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, seed=0, shuffle_dataset=False, dataloader_num_workers=0,
+        disable_tqdm=True, seed=seed, shuffle_dataset=False, dataloader_num_workers=0,
     )
     peft = LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], target_modules=LORA["target_modules"],
                       task_type="CAUSAL_LM") if lora else None
@@ -128,7 +134,8 @@ def run_trl(arm: str, steps: int, out: Path, report) -> dict:
 
     class Report(TrainerCallback):
         def on_log(self, args, state, control, **kw):  # after on_step_end: the step's rewards are logged
-            report(collect())
+            if report(collect()):
+                control.should_training_stop = True
 
     trainer.add_callback(StepClock())
     trainer.add_callback(Report())
@@ -137,7 +144,7 @@ def run_trl(arm: str, steps: int, out: Path, report) -> dict:
     return collect()
 
 
-def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
+def run_swarmrl(arm: str, steps: int, seed: int, out: Path, report) -> dict:
     from core.config_io import load_config
     from core.run.loop import CoreRun
 
@@ -145,11 +152,14 @@ def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
     model = {"name": "policy", "source": "smollm2-135m", "dtype": dtype, **({"lora": LORA} if lora else {})}
     cfg = load_config({
         "models": [model],
-        "engine": {"max_batch": 32, "default_temperature": addition.TEMPERATURE},
+        # Repeatable sampling keys each request's seed by (seed, task, call): a seed's run repeats step
+        # for step, as TRL's does (issue 43); the seeds vary the samples, never the tasks' order.
+        "engine": {"max_batch": 32, "default_temperature": addition.TEMPERATURE, "repeatable_sampling": True},
         "server": {"port": 0},
         "trainer": {"steps": steps, "batch_groups": PROMPTS, "group_size": GENERATIONS, "lr": LR_LORA if lora else LR_FULL,
                     "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0, "grad_clip": 1.0, "advantage": "grpo",
-                    "max_staleness": staleness, "checkpoint_dir": str(out / "ckpt"), "keep_checkpoints": 1},
+                    "max_staleness": staleness, "seed": seed, "checkpoint_dir": str(out / "ckpt"), "keep_checkpoints": 1,
+                    **TRAINER_EXTRA.get(arm, {})},
         # Enough episodes in flight to fill a step twice over; admission control holds back the rest.
         "clients": [{"agent": "addition", "concurrency": 2 * PROMPTS * GENERATIONS}],
         "telemetry": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "vs-trl"},
@@ -173,7 +183,8 @@ def run_swarmrl(arm: str, steps: int, out: Path, report) -> dict:
     def on_step(step: int, m: dict) -> None:
         ends.append(time.perf_counter())
         metrics.append(dict(m))
-        report(collect())
+        if report(collect()):
+            core.stop.set()  # after this step: the arm reached the reward it is timed to
 
     core.server.start()
     start = time.perf_counter()
@@ -210,33 +221,36 @@ def model_size() -> tuple[int, int]:
     return params, len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def summary(arm: str, r: dict) -> dict:
+def summary(arm: str, seed: int, r: dict) -> dict:
     # Step 1 pays for warm-up (first batches, allocator): steps 2..N are the steady state. An arm
     # stopped at the deadline after one step has only that one.
     later = slice(1, None) if len(r["step_s"]) > 1 else slice(None)
     s_step = statistics.median(r["step_s"][later])
     cps = PROMPTS * GENERATIONS * len(r["step_s"][later]) / sum(r["step_s"][later])
     tokens = statistics.mean(r["completion_tokens"][later])
-    return {"arm": arm, "s_step": s_step, "cps": cps, "train_s": statistics.median(r["train_s"][later]),
+    return {"arm": arm, "seed": seed, "s_step": s_step, "cps": cps, "train_s": statistics.median(r["train_s"][later]),
             "rollout_s": statistics.median(r["rollout_s"][later]), "zero_adv": sum(r["zero_advantage"]),
             "rss_gb": r["peak_rss_kb"] / 2 ** 20, "first3": statistics.mean(r["rewards"][:3]),
             "last3": statistics.mean(r["rewards"][-3:]),
             "limit": limit_s(ARMS[arm][1], r["params"], r["prompt_tokens"], tokens) / s_step,
             "wasted": r.get("wasted_frac", float("nan")), "steps": len(r["step_s"]), "partial": not r.get("complete"),
             "rewards": r["rewards"], "logp_diff": _finite_mean(r.get("logp_diff", [])),
-            "to_reward_s": time_to_reward(r["rewards"], r["step_s"])}
+            "to_reward_s": time_to_reward(r["rewards"], r["step_s"]), "to_reward_steps": steps_to_reward(r["rewards"])}
 
 
-def time_to_reward(rewards: list[float], step_s: list[float], target: float = TARGET_REWARD,
-                   window: int = REWARD_WINDOW) -> float:
-    """Seconds of steps until the rolling `window`-step mean reward first reaches `target` (nan: never):
-    learning per second, which completions per second alone does not show."""
-    spent = 0.0
-    for i, seconds in enumerate(step_s):
-        spent += seconds
-        if i + 1 >= window and statistics.mean(rewards[i + 1 - window:i + 1]) >= target:
-            return spent
-    return float("nan")
+def steps_to_reward(rewards: list[float], target: float = TARGET_REWARD, window: int = REWARD_WINDOW) -> int | None:
+    """The step at which the rolling `window`-step mean reward first reaches `target` (None: never)."""
+    for i in range(window, len(rewards) + 1):
+        if statistics.mean(rewards[i - window:i]) >= target:
+            return i
+    return None
+
+
+def time_to_reward(rewards: list[float], step_s: list[float]) -> float:
+    """Seconds of steps until `steps_to_reward` (nan: never): learning per second, which completions per
+    second alone does not show."""
+    reached = steps_to_reward(rewards)
+    return sum(step_s[:reached]) if reached is not None else float("nan")
 
 
 def _finite_mean(xs: list[float]) -> float:
@@ -245,69 +259,117 @@ def _finite_mean(xs: list[float]) -> float:
     return statistics.mean(xs) if xs else float("nan")
 
 
-def child(arm: str, steps: int, threads: int, result: Path) -> None:
+def child(arm: str, steps: int, seed: int, threads: int, stop_at_reward: bool, result: Path) -> None:
     import torch
 
     torch.set_num_threads(threads)
     out = Path(tempfile.mkdtemp(prefix=f"vs-trl-{arm}-"))
     shape = model_size()  # before the clock starts: it is not part of any step
 
-    def report(r: dict, complete: bool = False) -> None:
-        """Write the measurements so far (after every step), atomically: a deadline can stop the arm."""
+    def report(r: dict, complete: bool = False) -> bool:
+        """Write the measurements so far (after every step), atomically: a deadline can stop the arm.
+        True when `stop_at_reward` and the arm has reached the reward: the arm stops after this step."""
         r = {**r, "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "params": shape[0],
              "prompt_tokens": shape[1], "complete": complete}
         partial = result.with_suffix(".tmp")
         partial.write_text(json.dumps(r))
         partial.replace(result)
+        return stop_at_reward and steps_to_reward(r["rewards"]) is not None
 
-    report((run_trl if ARMS[arm][0] == "trl" else run_swarmrl)(arm, steps, out, report), complete=True)
+    report((run_trl if ARMS[arm][0] == "trl" else run_swarmrl)(arm, steps, seed, out, report), complete=True)
 
 
 def run_arms(args) -> list[dict]:
-    """Each arm in its own process, `args.parallel` at a time; the summaries in the order of `args.arms`."""
+    """Each (arm, seed) in its own process, `args.parallel` at a time; summaries in arm, then seed, order."""
     scratch, started = Path(tempfile.mkdtemp(prefix="vs-trl-")), time.perf_counter()
     print(f"results of each arm, after every step: {scratch}", flush=True)
-    queue, running, rows = list(args.arms), {}, {}
+    queue, running, rows = [(a, seed) for seed in args.seeds for a in args.arms], {}, {}
 
-    def finish(arm: str, code: int) -> None:
-        result = scratch / f"{arm}.json"
-        if not result.is_file():  # the other arms still report
-            print(f"arm {arm}: the process exited with {code} before it finished a step", flush=True)
-            return
-        r = json.loads(result.read_text())
+    def finish(job: tuple[str, int], code: int) -> None:
+        arm, seed = job
+        result = scratch / f"{arm}-s{seed}.json"
+        r = json.loads(result.read_text()) if result.is_file() else {"step_s": []}  # the other arms still report
         if not r["step_s"]:
-            print(f"arm {arm}: the process exited with {code} before it finished a step", flush=True)
+            print(f"arm {arm} seed {seed}: the process exited with {code} before it finished a step", flush=True)
             return
         if code != 0:  # the measurements stand; say how the process ended rather than drop the arm
-            print(f"arm {arm}: the process exited with {code} after {len(r['step_s'])} step(s)", flush=True)
-        rows[arm] = summary(arm, r)
-        print(f"{arm}: ended at {time.perf_counter() - started:.0f} s; {json.dumps(rows[arm])}", flush=True)
+            print(f"arm {arm} seed {seed}: the process exited with {code} after {len(r['step_s'])} step(s)", flush=True)
+        rows[job] = summary(arm, seed, r)
+        print(f"{arm} seed {seed}: ended at {time.perf_counter() - started:.0f} s; {json.dumps(rows[job])}", flush=True)
 
     while queue or running:
         while queue and len(running) < args.parallel:
-            arm = queue.pop(0)
-            running[arm] = subprocess.Popen(
+            arm, seed = job = queue.pop(0)
+            running[job] = subprocess.Popen(
                 [sys.executable, __file__, "--child", arm, "--steps", str(args.steps), "--threads", str(args.threads),
-                 "--result", str(scratch / f"{arm}.json")], env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+                 "--seeds", str(seed), "--result", str(scratch / f"{arm}-s{seed}.json")]
+                + (["--stop-at-reward"] if args.stop_at_reward else []),
+                env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
-            for arm in queue:
-                print(f"arm {arm}: not started before the deadline", flush=True)
+            for arm, seed in queue:
+                print(f"arm {arm} seed {seed}: not started before the deadline", flush=True)
             queue = []
             for proc in running.values():
                 proc.terminate()
-        for arm, proc in list(running.items()):
+        for job, proc in list(running.items()):
             code = proc.poll()
             if code is not None:
-                del running[arm]
-                finish(arm, code)
+                del running[job]
+                finish(job, code)
         time.sleep(1.0)
-    return [rows[a] for a in args.arms if a in rows]
+    return [rows[job] for job in sorted(rows, key=lambda j: (args.arms.index(j[0]), j[1]))]
+
+
+def _median_range(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.0f} [{min(xs):.0f}-{max(xs):.0f}]" if xs else "-"
+
+
+def print_seeds(rows: list[dict]) -> None:
+    """Per arm over its seeds: the median (and range) of the seconds and steps to the reward, and learning
+    per second and steps against TRL's medians. A seed that never got there is counted, not averaged in."""
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    medians = {}
+    print(f"\nover seeds: {'arm':<22} {'reached':>7} {'s to reward [range]':>20} {'steps [range]':>14} {'s/step':>6}")
+    for arm in arms:
+        mine = [r for r in rows if r["arm"] == arm]
+        got = [r for r in mine if r["to_reward_steps"] is not None]
+        seconds, steps = [r["to_reward_s"] for r in got], [r["to_reward_steps"] for r in got]
+        medians[arm] = (statistics.median(seconds), statistics.median(steps)) if got else (float("nan"), float("nan"))
+        print(f"            {arm:<22} {len(got):>3}/{len(mine):<3} {_median_range(seconds):>20} {_median_range(steps):>14} "
+              f"{statistics.median(r['s_step'] for r in mine):>6.2f}")
+    for lora in ("", "-lora"):
+        trl = medians.get(f"trl{lora}")
+        for arm in (a for a in arms if a.startswith(f"swarmrl{lora}-") and trl):
+            print(f"vs_trl_seeds: {arm} learning_per_s={trl[0] / medians[arm][0]:.2f}x "
+                  f"steps_ratio={medians[arm][1] / trl[1]:.2f} (median seconds and steps to the reward, TRL's over ours "
+                  f"and ours over TRL's; seeds {sorted({r['seed'] for r in rows})})")
+
+
+def print_table(rows: list[dict], ran: str) -> None:
+    print(f"\n{'arm':<22} {'seed':>4} {'s/step':>6} {'compl/s':>7} {'train s':>7} {'rollout s':>9} {'0-adv':>5} {'RSS GB':>6} "
+          f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6} {'|dlogp|':>8} {'to 0.5 s':>8} {'steps':>5}")
+    for r in rows:
+        print(f"{r['arm']:<22} {r['seed']:>4} {r['s_step']:>6.2f} {r['cps']:>7.2f} {r['train_s']:>7.2f} {r['rollout_s']:>9.2f} "
+              f"{r['zero_adv']:>2}/{r['steps']:<2} {r['rss_gb']:>6.2f} {r['first3']:>8.3f} {r['last3']:>7.3f} "
+              f"{r['limit']:>5.2f} {r['wasted']:>6.3f} {r['logp_diff']:>8.5f} {r['to_reward_s']:>8.0f} "
+              f"{r['to_reward_steps'] or '-':>5}" + ("  (partial: stopped at the deadline)" if r["partial"] else ""))
+    print(f"{ran}; limit = achieved fraction of the compute limit (see FLOPS); "
+          "0-adv = steps whose every group had one reward (TRL and swarmrl's default both step on momentum); "
+          "|dlogp| = mean |trainer - behaviour logprob| per trained token (train/behaviour_logp_diff); "
+          f"to {TARGET_REWARD} s / steps = seconds and steps until the rolling {REWARD_WINDOW}-step mean reward "
+          f"reached {TARGET_REWARD} (nan, -: never)")
+    print("\nmean reward by step (the reward curves):")
+    for r in rows:
+        print(f"{r['arm']:<22} {r['seed']:>4} " + " ".join(f"{x:.3f}" for x in r["rewards"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="each arm runs once per seed (issue 43: 3 a side)")
+    ap.add_argument("--stop-at-reward", action="store_true",
+                    help=f"an arm stops once its rolling mean reward reaches {TARGET_REWARD} (the time to it is the figure)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     ap.add_argument("--parallel", type=int, default=1, help="arms run at once (same load for all on a shared machine)")
     ap.add_argument("--deadline-s", type=float, help="stop arms still running after this many seconds; report their steps")
@@ -316,37 +378,21 @@ def main() -> None:
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args.child, args.steps, args.threads, args.result)
+        return child(args.child, args.steps, args.seeds[0], args.threads, args.stop_at_reward, args.result)
     if args.from_dir:  # results of an earlier invocation (its folder is printed at the start)
-        saved = {a: json.loads((args.from_dir / f"{a}.json").read_text()) for a in args.arms
-                 if (args.from_dir / f"{a}.json").is_file()}
-        rows = [summary(a, r) for a, r in saved.items() if r["step_s"]]
+        saved = {(a, seed): args.from_dir / f"{a}-s{seed}.json" for a in args.arms for seed in args.seeds}
+        rows = [summary(a, seed, r) for (a, seed), f in saved.items() if f.is_file() and (r := json.loads(f.read_text()))["step_s"]]
+        ran = f"re-printed from {args.from_dir}"
     else:
         rows = run_arms(args)
-    print(f"\n{'arm':<22} {'s/step':>6} {'compl/s':>7} {'train s':>7} {'rollout s':>9} {'0-adv':>5} {'RSS GB':>6} "
-          f"{'r first3':>8} {'r last3':>7} {'limit':>5} {'wasted':>6} {'|dlogp|':>8} {'to 0.5 s':>8}")
-    for r in rows:
-        print(f"{r['arm']:<22} {r['s_step']:>6.2f} {r['cps']:>7.2f} {r['train_s']:>7.2f} {r['rollout_s']:>9.2f} "
-              f"{r['zero_adv']:>2}/{r['steps']:<2} {r['rss_gb']:>6.2f} {r['first3']:>8.3f} {r['last3']:>7.3f} "
-              f"{r['limit']:>5.2f} {r['wasted']:>6.3f} {r['logp_diff']:>8.5f} {r['to_reward_s']:>8.0f}" + ("  (partial: stopped at the deadline)" if r["partial"] else ""))
-    ran = f"re-printed from {args.from_dir}" if args.from_dir else (
-        f"torch threads {args.threads}; {args.parallel} arm(s) at a time; load average {os.getloadavg()[0]:.1f} "
-        f"on {os.cpu_count()} cores at the end")
-    print(f"{ran}; limit = achieved fraction of the compute limit (see FLOPS); "
-          "0-adv = steps whose every group had one reward (swarmrl skips the update, TRL does not); "
-          "|dlogp| = mean |trainer - behaviour logprob| per trained token (train/behaviour_logp_diff); "
-          f"to {TARGET_REWARD} s = seconds of steps until the rolling {REWARD_WINDOW}-step mean reward reached "
-          f"{TARGET_REWARD} (nan: never)")
-    print("\nmean reward by step (the reward curves):")
-    for r in rows:
-        print(f"{r['arm']:<22} " + " ".join(f"{x:.3f}" for x in r["rewards"]))
-    by = {r["arm"]: r for r in rows}
-    ratio = {k: by[k]["cps"] / by["trl"]["cps"] if k in by and "trl" in by else float("nan")
+        ran = (f"torch threads {args.threads}; {args.parallel} arm(s) at a time; load average {os.getloadavg()[0]:.1f} "
+               f"on {os.cpu_count()} cores at the end")
+    print_table(rows, ran)
+    print_seeds(rows)
+    first = {r["arm"]: r for r in reversed(rows)}  # each arm's first seed, for the one-seed line of earlier rounds
+    ratio = {k: first[k]["cps"] / first["trl"]["cps"] if k in first and "trl" in first else float("nan")
              for k in ("swarmrl-onpolicy", "swarmrl-async")}
-    learned = (by["trl"]["to_reward_s"] / by["swarmrl-onpolicy"]["to_reward_s"]
-               if "trl" in by and "swarmrl-onpolicy" in by else float("nan"))  # nan when either never got there
-    print(f"vs_trl: onpolicy_ratio={ratio['swarmrl-onpolicy']:.2f} async_ratio={ratio['swarmrl-async']:.2f} "
-          f"time_to_reward_ratio={learned:.2f}")
+    print(f"vs_trl: onpolicy_ratio={ratio['swarmrl-onpolicy']:.2f} async_ratio={ratio['swarmrl-async']:.2f}")
 
 
 if __name__ == "__main__":
