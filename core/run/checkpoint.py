@@ -7,6 +7,8 @@ Layout of one checkpoint, ``<directory>/step-00000012/``::
     models/<name>/model.safetensors    full fine-tune: every weight (tied ones stored once)
     models/<name>/adapter/             LoRA: only the adapter, as a standard PEFT folder
     models/<name>/trainer.pt      optimizer, trainer step, RNG states (loaded with weights_only)
+    models/<name>/sharded/        fsdp2: optimizer and fp32 master copies as each rank's DCP shards;
+                                  trainer.pt then holds the step, RNG and this folder's name
     samplers.pt                   each engine's sampler state: a resumed run continues its random stream
 
 A checkpoint is written into a hidden temporary folder and renamed into place, then the
@@ -43,6 +45,7 @@ from safetensors.torch import load_file, save_model
 
 from core.config_io import redacted
 from core.records import Episode
+from core.train import sharded_checkpoint
 from core.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -106,18 +109,9 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
-def save(
-    directory: str | Path,
-    step: int,
-    trainers: dict[str, Trainer],
-    buffered: list[list[Episode]],
-    versions: dict[str, int],
-    config: dict[str, Any],
-    keep: int | None = None,
-    mlflow: MlflowRun | None = None,
-    samplers: dict[str, torch.Tensor] | None = None,
-    dealer: dict[str, dict[str, int]] | None = None,
-) -> Path:
+def save(directory: str | Path, step: int, trainers: dict[str, Trainer], buffered: list[list[Episode]],
+         versions: dict[str, int], config: dict[str, Any], keep: int | None = None, mlflow: MlflowRun | None = None,
+         samplers: dict[str, torch.Tensor] | None = None, dealer: dict[str, dict[str, int]] | None = None) -> Path:
     """Write a checkpoint atomically and point `latest` at it; returns its folder.
 
     `keep`: how many checkpoints to keep (oldest removed first); None keeps all.
@@ -182,7 +176,9 @@ def save_trainer(folder: Path, trainer: Trainer) -> None:
         trainer.policy.save_pretrained(str(folder / ADAPTER_DIR))
     else:
         save_model(trainer.policy, str(folder / FULL_WEIGHTS))
-    torch.save(trainer.state_dict(), folder / TRAINER_STATE)
+    sharded = getattr(trainer, "save_sharded", None) is not None  # fsdp2: each rank writes its own shards
+    state = sharded_checkpoint.save_run(trainer, folder) if sharded else trainer.state_dict()
+    torch.save(state, folder / TRAINER_STATE)
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:
@@ -341,6 +337,7 @@ def _read_model(ckpt: Checkpoint, name: str, trainer: Trainer) -> tuple[dict[str
     folder = ckpt.path / "models" / name
     try:
         state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
+        state = sharded_checkpoint.resolve(state, folder, trainer)  # an fsdp2 run's: read from its DCP folder
         trainer.check_state(state)
         if entry.lora:
             from peft.utils import load_peft_weights  # peft loads only for LoRA runs

@@ -70,6 +70,7 @@ from core.engine.devices import local_device, nccl_env
 from core.train import sharded_checkpoint
 from core.train.meta import meta_model, shard, shard_frozen
 from core.train.packing import micro_batch_count, pack
+from core.train.rng import set_rng_state
 from core.train.sharded_checkpoint import _scatter, _sharded, full, skeleton
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
                               rank_seed, same_outcome, serve, tcp_store)
@@ -348,12 +349,24 @@ class ShardedTrainer(Trainer):
         return {**state, "step": self.step_count}
 
     def check_state(self, state: dict[str, Any]) -> None:
-        self.shard.check_fits(state)  # raises ValueError before anything is changed
+        """Raise ValueError before anything is changed unless `state` fits: the single-trainer format,
+        or a run's DCP checkpoint (`sharded_checkpoint.resolve`), whose saved shapes are checked."""
+        if sharded_checkpoint.DCP in state:
+            sharded_checkpoint.check(self.shard, state[sharded_checkpoint.DCP])
+        else:
+            self.shard.check_fits(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The checkpoint code put the weights in the full module; every rank takes its shard of them and
         of the optimizer state (scattered from rank 0: the pipes carry the shapes alone), so the
-        checkpoint's world size and sharding do not matter."""
+        checkpoint's world size and sharding do not matter. A run's DCP checkpoint instead: every rank
+        reads its own shards of it (`load_sharded`), whatever world size wrote it."""
+        if sharded_checkpoint.DCP in state:
+            self.check_state(state)
+            self.load_sharded(state[sharded_checkpoint.DCP])
+            self.step_count = int(state["step"])
+            set_rng_state(state["rng"])
+            return
         self.shard.check_fits(state)
         self.workers.send_all([("load", skeleton(state))] * (self.world - 1))
         with self.workers.blamed():

@@ -53,6 +53,7 @@ import torch
 from core.config import TrainerConfig
 from core.records import Episode
 from core.train.prompt_sharing import share_prompt
+from core.train.rng import rng_state, set_rng_state
 from core.train.timelines import Sample
 from core.train import mismatch
 from core.train.advantages import group_advantages
@@ -342,7 +343,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Optimizer, step, RNG state and the fp32 master weights of a low-precision model (the model's
         own weights are stored by `core.run.checkpoint`)."""
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rng": _rng_state(),
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step_count, "rng": rng_state(),
                 "master": self.master.state()}
 
     def check_state(self, state: dict[str, Any]) -> None:
@@ -365,7 +366,7 @@ class Trainer:
         self.master.read_model()
         self.master.load(state.get("master"))
         self.step_count = int(state["step"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
 
 def _per_sandbox_rewards(groups: list[list[Episode]], rewards: list[list[float]]) -> dict[str, float]:
@@ -374,29 +375,3 @@ def _per_sandbox_rewards(groups: list[list[Episode]], rewards: list[list[float]]
         for episode, r in zip(group, group_rewards):
             by_sandbox[episode.sandbox].append(r)
     return {f"reward/{name}/mean": float(np.mean(rs)) for name, rs in by_sandbox.items()}
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG a step may draw from, as tensors and plain Python (loadable with weights_only)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        # One state per GPU the saver saw; a resume on fewer GPUs (or one pinned process seeing one)
-        # takes those it has, on more GPUs the rest keep their seeding: never an index past either.
-        for index, saved in enumerate(state["cuda"][: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(saved, index)
