@@ -25,7 +25,8 @@ from rich.text import Text
 from researcher.brief.schema import BriefError
 from researcher.lazy import lazy_module
 from researcher.code.lineage import lineage, parent_problem
-from researcher.records import CodeVersion, Decision, ExperimentResult, Proposal
+from researcher.evidence.study_records import StudyRecords
+from researcher.records import CodeVersion, Decision, Proposal
 from researcher.review.plain import plain
 from researcher.review.views import proposal_view
 from researcher.study import inbox
@@ -119,9 +120,8 @@ def propose(ctx: typer.Context, name: str,
 
 def state_records(values: dict) -> tuple[list[Proposal], list[Decision], list[CodeVersion]]:
     """The proposals, decisions and code versions of a study's state (what the parent rule reads)."""
-    return ([Proposal.model_validate(x) for x in values.get("proposals", [])],
-            [Decision.model_validate(x) for x in values.get("decisions", [])],
-            [CodeVersion.model_validate(x) for x in values.get("code", [])])
+    study = StudyRecords.read(values)
+    return list(study.proposals), list(study.decisions), list(study.code)
 
 
 def _state(ctx: typer.Context, name: str) -> tuple[StudyPaths, StudyMeta, dict]:
@@ -231,9 +231,8 @@ def checkout(ctx: typer.Context, name: str,
         if proposal_id is not None or folder is not None:
             raise _fail("give either ID DIR or --recommended DIR, not both")
         steps = brief.resolve_config(Path(meta.workdir)).trainer.steps
-        found = confirmation.recommended([Proposal.model_validate(p) for p in values.get("proposals", [])],
-                                         [ExperimentResult.model_validate(r) for r in values.get("results", [])],
-                                         steps, brief)
+        study = StudyRecords.read(values)
+        found = confirmation.recommended(study.proposals, study.results, steps, brief)
         if found is None:
             raise _fail(f"study {name} recommends nothing (yet): nothing was judged better and confirmed")
         pick, commit = found

@@ -33,10 +33,11 @@ from researcher.cli.code import checkout, diff, print_diff, propose, reviewed_di
 from researcher.lazy import lazy_module
 from researcher.planner.types import PlannerError, choose_planner
 from researcher.code.lineage import parent_problem
-from researcher.records import CodeVersion, Decision
+from researcher.evidence.study_records import StudyRecords
+from researcher.records import Decision
 from researcher.review.console import StudyConsole, budget_table, decisions_table, proposals_table, verdicts_table
 from researcher.review.plain import plain, plain_record
-from researcher.review.views import best_result, proposal_view, status_json
+from researcher.review.views import best_result, status_json, view_of
 from researcher.study.snapshot import read_state as read_snapshot
 from researcher.study.store import (
     StudyError,
@@ -245,11 +246,12 @@ def status(ctx: typer.Context, name: str,
     # A proposal decided in the state is decided on the board too (a decision is final), and one that
     # failed validation is published as invalid: the board can hold a pending review only when the
     # state has a proposal that is neither.
-    if any(proposal_view(values, p["id"]).status == "pending" for p in values.get("proposals", [])):  # type: ignore[union-attr]
+    study = StudyRecords.read(values)
+    if any(view_of(study, p.id).status == "pending" for p in study.proposals):  # type: ignore[union-attr]
         pending = [r for r in runner.open_board(meta).board() if r["status"] == "pending"]
         if pending:
             console.print(proposals_table("pending reviews", pending))
-    best = best_result(values, brief)
+    best = best_result(study, brief)
     if best:
         console.print(Text(plain(f"best so far: {best[0].id} {best[0].overrides}: {brief.objective.metric} "
                                  f"{best[1].summary.fmt()}")), highlight=False)  # type: ignore[union-attr]
@@ -263,9 +265,9 @@ def review(ctx: typer.Context, name: str, all_: bool = typer.Option(False, "--al
     console.print(proposals_table(f"proposals of {name}", rows) if rows else "nothing awaits review")
     paths = _paths(ctx, name)
     values, _, _ = runner.read_state(paths, name)
-    code = {v["proposal_id"]: v for v in values.get("code", [])}
+    code = StudyRecords.read(values).versions
     for r in rows:
-        version = CodeVersion.model_validate(code[r["id"]]) if r["id"] in code else None
+        version = code.get(r["id"])
         if version is None:
             continue
         console.print(Text.assemble((plain(r["id"]), "bold"), f" {version.checks()}"))
@@ -360,7 +362,7 @@ def report(ctx: typer.Context, name: str) -> None:
     from mlflow.tracking import MlflowClient
 
     board = runner.open_board(meta)
-    board.audit([Decision.model_validate(d) for d in values.get("decisions", [])])
+    board.audit(list(StudyRecords.read(values).decisions))
     path = reports.write_report(name, brief, values, MlflowClient(meta.tracking_uri), paths, base, board.ignored(),
                                 failed=failure(paths))
     console.print(f"report written: [bold]{path}[/bold]")
@@ -374,7 +376,7 @@ def history(ctx: typer.Context, name: str) -> None:
     decisions = values.get("decisions", [])
     taken = {d["proposal_id"] for d in decisions}
     board = runner.open_board(meta)
-    board.audit([Decision.model_validate(d) for d in decisions])  # edits no running study has seen yet
+    board.audit(list(StudyRecords.read(values).decisions))  # edits no running study has seen yet
     recorded = [r for r in board.board() if r["status"] in ("approved", "vetoed") and r["id"] not in taken]
     console.print(decisions_table(decisions, recorded, board.ignored()))
     if values.get("results"):

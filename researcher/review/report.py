@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 from researcher.brief.schema import Brief
 from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, decision
+from researcher.evidence.study_records import StudyRecords
 from researcher.review.report_stages import stage_lines
 from researcher.records import (
     CodeVersion,
@@ -247,13 +248,11 @@ def _code_cell(p: Proposal, version: CodeVersion | None, paths: StudyPaths) -> s
     return f"{link} (`{version.commit[:12]}`)"
 
 
-def _recommended_code(proposals: list[Proposal], results: list[ExperimentResult], steps: int, brief: Brief,
-                      base: str, paths: StudyPaths) -> list[str]:
+def _recommended_code(found: confirmation.Recommendation, base: str, paths: StudyPaths) -> list[str]:
     """The recommended commit and its whole diff against the base commit (a chain's every edit)."""
-    found = confirmation.recommended(proposals, results, steps, brief)
-    if found is None or not found[1] or not base:
+    pick, commit = found.pick, found.commit
+    if not found.recommended or pick is None or not commit or not base:
         return []
-    pick, commit = found
     try:
         diff = subprocess.run(["git", "-C", str(paths.workspace), "diff", base, commit], capture_output=True,
                               text=True, check=True).stdout
@@ -268,15 +267,14 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
            base_flat: dict[str, str], ignored: list[IgnoredChange] | None = None, failed: str | None = None) -> str:
     """`ignored`: edits of decided proposals' review tags (`ReviewBoard.ignored`), listed as such;
     `failed`: why the study cannot go on, shown as its status."""
-    proposals = [Proposal.model_validate(p) for p in state.get("proposals", [])]
-    decisions = {d.proposal_id: d for d in (Decision.model_validate(x) for x in state.get("decisions", []))}
-    launches = [Launch.model_validate(x) for x in state.get("launches", [])]
-    results = {r.proposal_id: r for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))}
+    study = StudyRecords.read(state)
+    proposals, decisions, launches = list(study.proposals), study.verdicts, list(study.launches)
+    results = {r.proposal_id: r for r in study.results}
     spent = Spent.of(state, gpus=brief.launch.gpus)
-    code = {v.proposal_id: v for v in (CodeVersion.model_validate(x) for x in state.get("code", []))}
+    code = study.versions
     series = curve_series(_curves(brief, launches, client), {p.id: p for p in proposals}, code, base_flat)
     figures = _plot(brief, series, list(results.values()), paths.figures)
-    swaps = _swap_plots(brief, [SwapResult.model_validate(x) for x in state.get("swaps", [])], paths.figures)
+    swaps = _swap_plots(brief, list(study.swaps), paths.figures)
 
     status = _text(failed if failed else f"stopped: {state['stop_reason']}" if state.get("stop_reason") else "in progress")
     lines = [f"# Study `{name}`" + (f": {brief.title}" if brief.title else ""), "",
@@ -285,24 +283,24 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
              f"Status: {status}; "
              f"{state.get('round', 0)} round(s), {len(proposals)} proposal(s), "
              f"{sum(1 for x in launches if x.run_id)} core run(s).", ""]
-    best = best_result(state, brief)
+    best = best_result(study, brief)
     if best:
         p, r = best
         assert r.summary is not None
         lines += ["## Best so far", "", f"Proposal **{p.id}**: `{p.overrides}`, score {r.summary.fmt()}.", ""]
         if r.verdict is not None:
             lines += [f"Against the baseline: {r.verdict.fmt()}.", ""]
-    lines += ["## Decision", "", confirmation.conclusion(proposals, list(results.values()),
-                                                          int(base_flat.get("trainer.steps", 0)), brief) + ".",
-              "", DECISION_RULE, ""]
+    # One walk of the decision tree: its sentence here, its commit under "Recommended code".
+    found = confirmation.recommendation(proposals, list(results.values()), int(base_flat.get("trainer.steps", 0)),
+                                        brief)
+    lines += ["## Decision", "", found.text() + ".", "", DECISION_RULE, ""]
     if state.get("sealed_judges"):  # the one judge every arm was scored by (researcher/code/sealed.py)
         sealed = state["sealed_judges"]
         boxes = ", ".join(f"{j['sandbox']} ({len(j['files'])} files)" for j in sealed.get("judges", []))
         lines += [f"Judges: sealed at study start from base commit `{str(sealed.get('base', ''))[:12]}` ({boxes}); "
                   "every run was scored by that copy, never by the judge in the code it ran.", ""]
     lines += stage_lines(results)  # each look of a comparison that bought more seeds
-    lines += _recommended_code(proposals, list(results.values()), int(base_flat.get("trainer.steps", 0)), brief,
-                               state.get("workspace_base", ""), paths)
+    lines += _recommended_code(found, state.get("workspace_base", ""), paths)
     ranking = _ranking(proposals, results, brief)
     if ranking:
         lines += ["## Ranking by training length", "", *ranking, ""]

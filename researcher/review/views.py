@@ -15,7 +15,8 @@ from pydantic import BaseModel, Field
 from researcher.brief.schema import Brief
 from researcher.budget import Spent
 from researcher.code.lineage import chain_of
-from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, SwapResult
+from researcher.evidence.study_records import StudyRecords
+from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
 
 ProposalStatus = Literal["validating", "invalid", "pending", "approved", "vetoed", "running", "done", "failed"]
 
@@ -77,15 +78,18 @@ def _status(p: Proposal, version: CodeVersion | None, decision: Decision | None,
 
 def proposal_view(state: dict[str, Any], proposal_id: str) -> ProposalView | None:
     """The view of one proposal, or None when the study has no such proposal."""
-    found = [Proposal.model_validate(x) for x in state.get("proposals", []) if x["id"] == proposal_id]
-    if not found:
+    return view_of(StudyRecords.read(state), proposal_id)
+
+
+def view_of(study: StudyRecords, proposal_id: str) -> ProposalView | None:
+    """The view of one proposal of the study's records, or None when it has no such proposal."""
+    p = study.proposal(proposal_id)
+    if p is None:
         return None
-    p = found[0]
-    version = next((CodeVersion.model_validate(x) for x in state.get("code", []) if x["proposal_id"] == p.id), None)
-    decision = next((Decision.model_validate(x) for x in state.get("decisions", []) if x["proposal_id"] == p.id), None)
-    launches = [Launch.model_validate(x) for x in state.get("launches", []) if x["proposal_id"] == p.id]
-    result = next((ExperimentResult.model_validate(x) for x in state.get("results", [])
-                   if x["proposal_id"] == p.id), None)
+    version = next((v for v in study.code if v.proposal_id == p.id), None)
+    decision = next((d for d in study.decisions if d.proposal_id == p.id), None)
+    launches = [x for x in study.launches if x.proposal_id == p.id]
+    result = study.result_of(p.id)
     if version is None:
         validation = ValidationView(passed=None if p.kind == "code" else True, step=None,
                                     log="" if p.kind == "code" else "(config proposal: nothing to validate)")
@@ -94,7 +98,7 @@ def proposal_view(state: dict[str, Any], proposal_id: str) -> ProposalView | Non
     score = result.summary.mean if result is not None and result.summary is not None and result.summary.n else None
     return ProposalView(
         id=p.id, kind=p.kind, status=_status(p, version, decision, launches, result), hypothesis=p.hypothesis,
-        planner=p.planner, parent=p.parent, chain=chain_of(p.id, [Proposal.model_validate(x) for x in state.get("proposals", [])]),
+        planner=p.planner, parent=p.parent, chain=chain_of(p.id, list(study.proposals)),
         overrides=p.overrides, validation=validation,
         commit=version.commit or None if version is not None else None,
         decision=decision.model_dump() if decision is not None else None,
@@ -103,11 +107,11 @@ def proposal_view(state: dict[str, Any], proposal_id: str) -> ProposalView | Non
         seed_scores=result.seed_scores if result is not None else {},
         verdict=result.verdict.json_view() if result is not None and result.verdict is not None else None,
         confirmation=result.confirmation.fmt() if result is not None and result.confirmation is not None else None,
-        swap=_swap_view(state, p.id))
+        swap=_swap_view(study, p.id))
 
 
-def _swap_view(state: dict[str, Any], proposal_id: str) -> dict[str, Any] | None:
-    swaps = [SwapResult.model_validate(x) for x in state.get("swaps", []) if x["proposal_id"] == proposal_id]
+def _swap_view(study: StudyRecords, proposal_id: str) -> dict[str, Any] | None:
+    swaps = [s for s in study.swaps if s.proposal_id == proposal_id]
     if not swaps:
         return None
     s = swaps[0]
@@ -126,9 +130,10 @@ def proposal_diff(state: dict[str, Any], proposal_id: str) -> str | None:
 def status_json(name: str, state: dict[str, Any], phase: str, pid: int | None, brief: Brief) -> dict[str, Any]:
     """`researcher study status NAME --json`: the study's phase, spend, and every proposal's verdict."""
     spent = Spent.of(state, gpus=brief.launch.gpus)
+    study = StudyRecords.read(state)
     proposals = []
-    for raw in state.get("proposals", []):
-        view = proposal_view(state, raw["id"])
+    for p in study.proposals:
+        view = view_of(study, p.id)
         assert view is not None  # the id comes from the same state
         proposals.append({"id": view.id, "status": view.status, "verdict": view.verdict, "score": view.score,
                           "seeds": view.seed_scores, "confirmation": view.confirmation,
@@ -143,14 +148,14 @@ def trained_steps(p: Proposal) -> int:
     return p.steps(0)
 
 
-def best_result(state: dict[str, Any], brief: Brief) -> tuple[Proposal, ExperimentResult] | None:
+def best_result(study: StudyRecords, brief: Brief) -> tuple[Proposal, ExperimentResult] | None:
     """The best scored experiment among the longest-trained ones (`status` and the report).
 
     A score after more trainer steps is not comparable with one after fewer (successive halving
     trains survivors longer), so the longest runs are judged first.
     """
-    proposals = {p["id"]: Proposal.model_validate(p) for p in state.get("proposals", [])}
-    scored = [(proposals[r.proposal_id], r) for r in (ExperimentResult.model_validate(x) for x in state.get("results", []))
+    proposals = {p.id: p for p in study.proposals}
+    scored = [(proposals[r.proposal_id], r) for r in study.results
               if r.summary is not None and r.summary.n and r.proposal_id in proposals]
     if not scored:
         return None

@@ -26,9 +26,10 @@ from typing import Any
 
 from langgraph.graph import END, START, StateGraph
 
+from researcher.evidence.study_records import StudyRecords
 from researcher.study.nodes import StudyNodes
 from researcher.study.nodes.base import StudyContext, StudyState, typed_values
-from researcher.study.nodes.code import unexecuted, unvalidated, versions
+from researcher.study.nodes.code import unexecuted, unvalidated
 
 __all__ = ["NODES", "StudyContext", "StudyState", "build_graph", "typed_values"]
 
@@ -38,18 +39,18 @@ def _after_plan(state: StudyState) -> str:
 
 
 def _after_validate(state: StudyState) -> str:
-    return "validate" if unvalidated(state) else "review"
+    return "validate" if unvalidated(StudyRecords.read(state)) else "review"
 
 
 def _after_review(state: StudyState) -> str:
-    decided = {d["proposal_id"] for d in state.get("decisions", [])}
-    invalid = {pid for pid, v in versions(state).items() if not v.passed}
-    current = [p for p in state.get("proposals", []) if p["round"] == state.get("round", 0)]
-    return "review" if any(p["id"] not in decided | invalid for p in current) else "execute"
+    study = StudyRecords.read(state)
+    decided = {d.proposal_id for d in study.decisions}
+    invalid = {pid for pid, v in study.versions.items() if not v.passed}
+    return "review" if any(p.id not in decided | invalid for p in study.current) else "execute"
 
 
 def _after_execute(state: StudyState) -> str:
-    return "execute" if unexecuted(state) else "prepare"
+    return "execute" if unexecuted(StudyRecords.read(state)) else "prepare"
 
 
 def _after_monitor(state: StudyState) -> str:

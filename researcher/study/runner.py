@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 from researcher.brief.loader import load_brief
 from researcher.brief.schema import Brief
 from researcher.code.workspace import Workspace
+from researcher.evidence.study_records import StudyRecords
 from researcher.planner.factory import make_planner
 from researcher.planner.types import PlannerSpec
 from researcher.records import Decision, now_iso
@@ -174,7 +175,7 @@ def run_study(paths: StudyPaths, emit: Emit, *, wait_for_review: bool = True,
                     answer = [d.model_dump() for d in ctx.board.collect(pending)] or None
                     if answer is None and wait_for_review:
                         emit("review.waiting", ids=pending, poll_s=ctx.brief.review.poll_s)
-                        decided = [Decision.model_validate(d) for d in snap.values.get("decisions", [])]
+                        decided = list(StudyRecords.read(snap.values).decisions)
                         watch = in_review(LiveWatch(ctx.launcher, ctx.client, ctx.brief, emit), snap.values,
                                           ctx.brief.monitor.poll_s)
                         answer = wait_for_decisions(ctx.board, pending, ctx.brief.review.poll_s, stop, decided, emit,

@@ -1,8 +1,9 @@
 """What every study node shares: the checkpointed state, the outside world, and small helpers.
 
 `StudyState` is plain JSON (records dumped to dicts) so the SqliteSaver checkpoint stays readable
-and version-proof. `StudyContext` is what nodes need that is not state (MLflow, the review board,
-the launcher, the planner, the code workspace), built by the runner. `NodeBase` holds the helpers
+and version-proof; a node reads it through one typed `Study` (researcher.evidence.study_view), built
+once per node by `_study`, never by validating records itself. `StudyContext` is what nodes need that
+is not state (MLflow, the review board, the launcher, the planner, the code workspace), built by the runner. `NodeBase` holds the helpers
 the node mix-ins use. Nothing here is a node itself, and nothing here acts on the outside world.
 """
 
@@ -17,16 +18,13 @@ from mlflow.tracking import MlflowClient
 from core.config_io import flat_values, flatten
 from researcher.brief.schema import Brief
 from researcher.code.workspace import Workspace
-from researcher.evidence import confirmation, stages
+from researcher.evidence.study_view import Study
 from researcher.planner.types import Planner
-from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
+from researcher.records import Launch
 from researcher.review.mlflow_review import ReviewBoard
 from researcher.runs.launcher import Emit, Launcher
 from researcher.runs.live_watch import LiveWatch
 from researcher.study.store import StudyPaths
-
-# A budget without limit: asking whether a stage is owed at all, before asking whether it can be paid.
-UNLIMITED = 1 << 62
 
 
 class StudyState(TypedDict, total=False):
@@ -65,10 +63,6 @@ class StudyContext:
     workspace: Workspace | None = None  # None when the brief has no `code:` section
 
 
-def models_of(items: list[dict[str, Any]] | None, cls: type) -> list[Any]:
-    return [cls.model_validate(x) for x in items or []]
-
-
 def dump(items: list[Any]) -> list[dict[str, Any]]:
     return [x.model_dump() for x in items]
 
@@ -88,12 +82,9 @@ class NodeBase:
         self.base_values = typed_values(base.model_dump())
         self.base_steps = base.trainer.steps
 
-    def _current(self, state: StudyState) -> list[Proposal]:
-        return [p for p in models_of(state.get("proposals"), Proposal) if p.round == state.get("round", 0)]
-
-    @staticmethod
-    def _verdicts(state: StudyState) -> dict[str, Decision]:
-        return {d.proposal_id: d for d in models_of(state.get("decisions"), Decision)}
+    def _study(self, state: StudyState) -> Study:
+        """The node's one typed view of `state`, judged against the brief and the base config."""
+        return Study.of(state, self.ctx.brief, self.base_values, self.base_steps)
 
     def _enter(self, node: str, state: StudyState) -> None:
         self.ctx.emit("node", node=node, round=state.get("round", 0))
@@ -107,25 +98,7 @@ class NodeBase:
         watch = LiveWatch(self.ctx.launcher, self.ctx.client, self.ctx.brief, self.ctx.emit)
         return watch.check(Launch.model_validate(state["live"]), state).model_dump()
 
-    def _steps(self, p: Proposal) -> int:
-        return p.steps(self.base_steps)
-
-    def _confirmation_owed(self, state: StudyState) -> Proposal | None:
-        """The search's recommendation, while its held-out-seed confirmation has not been run."""
-        return confirmation.owed(models_of(state.get("proposals"), Proposal),
-                                 models_of(state.get("results"), ExperimentResult), self.base_steps, self.ctx.brief)
-
-    def _stage_owed(self, state: StudyState) -> bool:
-        """Whether a replication stage is owed, budget aside (the plan node checks that it can be paid)."""
-        if not self.ctx.brief.replicate.enabled:
-            return False
-        return stages.next_stage(models_of(state.get("proposals"), Proposal),
-                                 models_of(state.get("results"), ExperimentResult), self.ctx.brief, self.base_values,
-                                 self.base_steps, 0, runs_left=UNLIMITED, steps_left=UNLIMITED,
-                                 code={v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}) is not None
-
-    def _concluded(self, state: StudyState, why: str) -> str:
+    @staticmethod
+    def _concluded(study: Study, why: str) -> str:
         """A stop reason that also says what the study may recommend."""
-        return f"{why}; " + confirmation.conclusion(models_of(state.get("proposals"), Proposal),
-                                                     models_of(state.get("results"), ExperimentResult),
-                                                     self.base_steps, self.ctx.brief)
+        return f"{why}; {study.conclusion()}"

@@ -22,30 +22,25 @@ from researcher.code.validation import Validator
 from researcher.runs.launcher import contain_mode
 from researcher.code.lineage import parent_problem
 from researcher.code.sealed import seal
-from researcher.records import CodeVersion, Decision, Proposal, StepResult
-from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
+from researcher.evidence.study_records import StudyRecords
+from researcher.records import CodeVersion, Proposal, StepResult
+from researcher.study.nodes.base import NodeBase, StudyState, dump
 from researcher.study.store import private_paths
 
 
-def versions(state: StudyState) -> dict[str, CodeVersion]:
-    return {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
+def unvalidated(study: StudyRecords) -> list[Proposal]:
+    done = study.versions
+    return [p for p in study.current if p.kind == "code" and p.id not in done]
 
 
-def unvalidated(state: StudyState) -> list[Proposal]:
-    done = versions(state)
-    return [p for p in models_of(state.get("proposals"), Proposal)
-            if p.round == state.get("round", 0) and p.kind == "code" and p.id not in done]
-
-
-def unexecuted(state: StudyState) -> list[tuple[Proposal, CodeVersion]]:
+def unexecuted(study: StudyRecords) -> list[tuple[Proposal, CodeVersion]]:
     """Approved code proposals of the round whose executing steps are still to run. A proposal on a parent
     was validated only once its parent was approved and executed (`parent_problem`), and the review node
     refuses the approval of one whose parent is not: none of these runs code nobody approved."""
-    approved = {d["proposal_id"] for d in state.get("decisions", []) if d["verdict"] == "approved"}
-    known = versions(state)
-    return [(p, known[p.id]) for p in models_of(state.get("proposals"), Proposal)
-            if p.round == state.get("round", 0) and p.id in approved and p.id in known
-            and known[p.id].passed and known[p.id].pending]
+    approved = {d.proposal_id for d in study.decisions if d.verdict == "approved"}
+    known = study.versions
+    return [(p, known[p.id]) for p in study.current
+            if p.id in approved and p.id in known and known[p.id].passed and known[p.id].pending]
 
 
 class CodeNodes(NodeBase):
@@ -76,18 +71,18 @@ class CodeNodes(NodeBase):
 
     def validate(self, state: StudyState) -> dict[str, Any]:
         self._enter("validate", state)
-        todo = unvalidated(state)
+        study = self._study(state)
+        todo = unvalidated(study)
         if not todo:
             return {}
-        p, known = todo[0], versions(state)
+        p, known = todo[0], study.versions
         ctx = self.ctx
         parent = known.get(p.parent) if p.parent else None
         problem = None
         if ctx.workspace is None:
             problem = "this study edits no code: its brief has no `code:` section"
         elif p.parent:
-            problem = parent_problem(p.parent, models_of(state.get("proposals"), Proposal),
-                                     models_of(state.get("decisions"), Decision), list(known.values()))
+            problem = parent_problem(p.parent, list(study.proposals), list(study.decisions), list(known.values()))
         if problem:
             version = CodeVersion(proposal_id=p.id, parent_commit="", passed=False, failed_step="apply",
                                   steps=[StepResult(step="apply", passed=False, log=f"refused: {problem}")])
@@ -103,7 +98,7 @@ class CodeNodes(NodeBase):
 
     def execute(self, state: StudyState) -> dict[str, Any]:
         self._enter("execute", state)
-        todo = unexecuted(state)
+        todo = unexecuted(self._study(state))
         if not todo:
             return {}
         (p, version), ctx = todo[0], self.ctx

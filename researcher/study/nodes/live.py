@@ -34,8 +34,7 @@ from researcher.evidence.decision import Verdict
 from researcher.records import ExperimentResult, Launch, Proposal, SwapResult, SwapSide
 from researcher.runs import live_watch
 from researcher.runs.live_swaps import LIVE_KEY, LiveRun, SwapFailed
-from researcher.study.nodes.base import StudyState, dump, models_of
-from researcher.study.nodes.code import versions
+from researcher.study.nodes.base import StudyState, dump
 from researcher.study.nodes.running import RunNodes
 
 NO_LIVE = "not swapped: a hot swap needs a live run (brief `run.live: true`)"
@@ -83,17 +82,17 @@ class LiveNode(RunNodes):
         self._enter("live", state)
         ctx = self.ctx
         live = self._ensure_live(state)
-        results = models_of(state.get("results"), ExperimentResult)
-        swaps = models_of(state.get("swaps"), SwapResult)
+        study = self._study(state)
+        results, swaps = list(study.results), list(study.swaps)
         done = {r.proposal_id for r in results}
-        verdicts, code = self._verdicts(state), versions(state)
-        todo = [p for p in self._current(state) if p.mode == "hot_swap" and p.id not in done
+        verdicts, code = study.verdicts, study.versions
+        todo = [p for p in study.current if p.mode == "hot_swap" and p.id not in done
                 and (d := verdicts.get(p.id)) is not None and d.verdict == "approved"
                 and p.id in code and code[p.id].passed]
         update: dict[str, Any] = {"live": live.model_dump() if live is not None else {}}
         names = _sandboxes(live) if live is not None and live.config_path else []
         # The round's comparisons: those judged before a resume, then one per edited sandbox of each to come.
-        current = {p.id for p in self._current(state)}
+        current = {p.id for p in study.current}
         judged = {f"{s.proposal_id}/{s.n}": s.verdict for s in swaps if s.proposal_id in current and s.verdict}
         pending = sum(len(_edited(names, code[p.id].diff)) for p in todo)
         for p in sorted(todo, key=lambda q: (q.priority, q.id)):

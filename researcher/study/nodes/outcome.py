@@ -12,18 +12,19 @@ onto the comparison it extends (`researcher.evidence.stages`, `researcher.eviden
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from researcher.budget import Spent
-from researcher.evidence import analysis, confirmation, judging, matching, pairing, stages
-from researcher.records import COST_METRICS, ExperimentResult, Launch, Proposal
+from researcher.evidence import analysis, confirmation, judging, pairing, stages
+from researcher.records import COST_METRICS, Launch
 from researcher.review.report import write_report
-from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
+from researcher.study.nodes.base import NodeBase, StudyState, dump
 
 
 class OutcomeNodes(NodeBase):
-    def _read(self, launches: list[Launch]) -> tuple[dict[str, analysis.RunScore], dict[str, list[dict[str, Any]]]]:
+    def _read(self, launches: Sequence[Launch]) -> tuple[dict[str, analysis.RunScore], dict[str, list[dict[str, Any]]]]:
         """Each launch's outcome, and the metric histories of each proposal's finished runs."""
         objective = self.ctx.brief.objective
         metrics = [objective.metric, "train/loss", *analysis.CURVE_DIAGNOSTICS.values(), *COST_METRICS.values()]
@@ -40,7 +41,7 @@ class OutcomeNodes(NodeBase):
                 outcomes[x.key] = analysis.run_outcome(x, None, objective)
         return outcomes, curves
 
-    def _score_at(self, launches: list[Launch]) -> pairing.ScoreAt:
+    def _score_at(self, launches: Sequence[Launch]) -> pairing.ScoreAt:
         """(proposal, seed, step) -> that run's score at the step, read from MLflow once per run: a seed a
         plateau stopped in one arm is scored at the same step in the other (researcher.evidence.pairing)."""
         cache: dict[str, analysis.History] = {}
@@ -65,17 +66,14 @@ class OutcomeNodes(NodeBase):
     def analyze(self, state: StudyState) -> dict[str, Any]:
         self._enter("analyze", state)
         brief, ctx = self.ctx.brief, self.ctx
-        launches = models_of(state.get("launches"), Launch)
-        results = models_of(state.get("results"), ExperimentResult)
-        proposals = models_of(state.get("proposals"), Proposal)
+        study = self._study(state)
+        launches, results, proposals = study.launches, list(study.results), list(study.proposals)
         done = {r.proposal_id for r in results}
         pending = [pid for pid in dict.fromkeys(x.proposal_id for x in launches) if pid not in done]
         outcomes, curves = self._read([x for x in launches if x.proposal_id in pending])
         mine = {pid: [x for x in launches if x.proposal_id == pid] for pid in pending}
         # An arm some proposal is judged against gets one fresh retry more for a lost seed: they all pay for it.
-        refs = {ref.id for q in proposals if not analysis.is_reference(q, self.base_values)
-                for ref in (matching.baseline_for(q, proposals, self.base_values, self.base_steps),
-                            matching.parent_reference_for(q, proposals, self.base_values, self.base_steps)) if ref}
+        refs = {ref.id for q in proposals if not study.is_reference(q) for ref in study.references_of(q)}
         reruns = [r for pid in pending for r in analysis.seed_table(mine[pid], outcomes, reference=pid in refs)[2]]
         if reruns:  # a failed seed is re-run once (resumed from its checkpoint) before anything is judged
             runs_left, steps_left, _ = Spent.of(state).left(brief)
@@ -113,25 +111,26 @@ class OutcomeNodes(NodeBase):
         brief = self.ctx.brief
         live = self._watch_live(state)  # what the live run spent, to its last sign of life
         state = {**state, "live": live}
-        owed = self._confirmation_owed(state) is not None or self._stage_owed(state)
-        if state.get("round", 0) >= brief.budget.max_rounds and not owed:
+        study = self._study(state)
+        owed = study.evidence_owed()
+        if study.round >= brief.budget.max_rounds and not owed:
             rounds = f"budget: {brief.budget.max_rounds} rounds done"
-            return {"live": live, "stop_reason": self._concluded(state, rounds)}
+            return {"live": live, "stop_reason": self._concluded(study, rounds)}
         stop = Spent.of(state, gpus=brief.launch.gpus).exhausted(brief, llm=self.ctx.planner.name.startswith("llm"))
         if stop and owed:
             return {"live": live, "stop_reason": ""}  # the plan node runs the confirmation or stage, or stops
-        return {"live": live, "stop_reason": self._concluded(state, stop) if stop else ""}
+        return {"live": live, "stop_reason": self._concluded(study, stop) if stop else ""}
 
     def report(self, state: StudyState) -> dict[str, Any]:
         self._enter("report", state)
-        board = self.ctx.board
-        for change in board.audit(list(self._verdicts(state).values())):
+        board, study = self.ctx.board, self._study(state)
+        for change in board.audit(list(study.decisions)):
             self.ctx.emit("review.ignored", **change.model_dump())
         path = write_report(self.ctx.name, self.ctx.brief, dict(state), self.ctx.client, self.ctx.paths,
                             self.base_flat, board.ignored())
         self.ctx.emit("report", path=str(path))
         update: dict[str, Any] = {"report": str(path)}
-        if state.get("live"):  # the study is over: so is its live run (researcher/study/nodes/live.py)
-            live = self.ctx.launcher.stop(Launch.model_validate(state["live"]), "the study ended", self.ctx.client)
+        if study.live is not None:  # the study is over: so is its live run (researcher/study/nodes/live.py)
+            live = self.ctx.launcher.stop(study.live, "the study ended", self.ctx.client)
             update["live"] = live.model_dump()
         return update

@@ -22,11 +22,12 @@ from typing import Any
 
 from researcher.budget import Spent
 from researcher.evidence import baselines, confirmation, stages
+from researcher.evidence.study_view import Study
 from researcher.planner.retry import plan_with_retries
 from researcher.planner.types import PlanContext
-from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
+from researcher.records import Proposal
 from researcher.study import inbox
-from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
+from researcher.study.nodes.base import NodeBase, StudyState, dump
 
 MANUAL = "manual"
 
@@ -59,13 +60,13 @@ class PlanNode(NodeBase):
         """The plan node's answer; `state["live"]` is kept current while a manual study waits."""
         brief, ctx = self.ctx.brief, self.ctx
         spent = Spent.of(state, gpus=brief.launch.gpus)
-        owed = self._confirmation_owed(state)
-        stop = (f"budget: {brief.budget.max_rounds} rounds done" if state.get("round", 0) >= brief.budget.max_rounds
+        study = self._study(state)
+        stop = (f"budget: {brief.budget.max_rounds} rounds done" if study.round >= brief.budget.max_rounds
                 else spent.exhausted(brief, llm=ctx.planner.name.startswith("llm")))
         if stop:
-            return self._evidence(state, owed, stop)
+            return self._evidence(state, study, stop)
         runs_left, steps_left, tokens_left = spent.left(brief)
-        number = state.get("round", 0) + 1
+        number = study.round + 1
         started = time.monotonic()
         people = self._people(state)
         if ctx.planner.name == MANUAL:
@@ -78,13 +79,11 @@ class PlanNode(NodeBase):
             planned, note, tokens = [], f"manual: {len(people)} proposal(s) from people", 0
         else:
             pctx = PlanContext(brief=brief, base_values=self.base_values, base_steps=self.base_steps, round=number,
-                               proposals=models_of(state.get("proposals"), Proposal),
-                               decisions=models_of(state.get("decisions"), Decision),
-                               results=models_of(state.get("results"), ExperimentResult),
+                               proposals=list(study.proposals), decisions=list(study.decisions),
+                               results=list(study.results),
                                runs_left=runs_left, steps_left=steps_left, tokens_left=tokens_left,
-                               code=models_of(state.get("code"), CodeVersion), code_files=self._code_files(state),
-                               version_files=self._version_files(state),
-                               launches=models_of(state.get("launches"), Launch))
+                               code=list(study.code), code_files=self._code_files(state),
+                               version_files=self._version_files(study), launches=list(study.launches))
             # A failed round is retried with backoff; after `max_failed_rounds` in a row the search ends as if
             # the planner had nothing more (people's proposals and a confirmation still run), its tokens
             # counted; one that never spent anything (the endpoint is down) stops the study, to be resumed.
@@ -101,45 +100,38 @@ class PlanNode(NodeBase):
                           arm=item.arm, rung=item.rung) for i, item in enumerate(planned, start=1)]
         fresh += [from_person(item, number) for item in people]
         # The baseline rule: whoever planned the round, each proposal judged against runs has its baseline.
-        fresh += baselines.needed(fresh, models_of(state.get("proposals"), Proposal),
-                                  models_of(state.get("decisions"), Decision), self.base_values, self.base_steps, number,
-                                  models_of(state.get("results"), ExperimentResult))
+        fresh += study.baselines_needed(fresh, number)
         if not fresh:
-            return {**update, **self._evidence({**state, **update}, owed, f"planner: {note}")}
+            return {**update, **self._evidence({**state, **update}, study, f"planner: {note}")}
         return {**update, "round": number, "proposals": [*state.get("proposals", []), *dump(fresh)]}
 
-    def _evidence(self, state: StudyState, owed: Proposal | None, why: str) -> dict[str, Any]:
+    def _evidence(self, state: StudyState, study: Study, why: str) -> dict[str, Any]:
         """The search is over: a replication stage when a comparison is inconclusive and the budget pays one,
-        else the confirmation round owed, else the stop, saying what the study may recommend."""
-        brief, number = self.ctx.brief, state.get("round", 0) + 1
+        else the confirmation round owed, else the stop, saying what the study may recommend. `state` may carry
+        the plan's notes and tokens beyond `study`; its records are the study's."""
+        brief, number = self.ctx.brief, study.round + 1
         runs_left, steps_left, _ = Spent.of(state, gpus=brief.launch.gpus).left(brief)
-        code = {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
-        fresh = stages.next_stage(models_of(state.get("proposals"), Proposal),
-                                  models_of(state.get("results"), ExperimentResult), brief, self.base_values,
-                                  self.base_steps, number, runs_left, steps_left, code)
+        fresh = study.next_stage(number, runs_left, steps_left)
         if fresh:
             info = {"round": number, "planner": baselines.STAGE_PLANNER, "tokens": 0, "plan_s": 0.0,
                     "proposals": len(fresh), "note": f"{why}; {fresh[0].hypothesis}"}
             self.ctx.emit("plan", **info)
             return {"round": number, "notes": [*state.get("notes", []), info],
                     "proposals": [*state.get("proposals", []), *dump(fresh)]}
+        owed = study.owed()
         if owed is not None:
-            return self._confirm(state, owed, why)
-        return {"stop_reason": self._concluded(state, why)}
+            return self._confirm(state, study, owed, why)
+        return {"stop_reason": self._concluded(study, why)}
 
-    def _confirm(self, state: StudyState, pick: Proposal, why: str) -> dict[str, Any]:
+    def _confirm(self, state: StudyState, study: Study, pick: Proposal, why: str) -> dict[str, Any]:
         """The confirmation round of the search's recommendation, or a stop when the budget cannot pay it."""
-        brief, number = self.ctx.brief, state.get("round", 0) + 1
-        proposals = models_of(state.get("proposals"), Proposal)
-        result = next(r for r in models_of(state.get("results"), ExperimentResult) if r.proposal_id == pick.id)
-        code = {v.proposal_id: v for v in models_of(state.get("code"), CodeVersion)}
+        brief, number = self.ctx.brief, study.round + 1
         runs_left, steps_left, _ = Spent.of(state, gpus=brief.launch.gpus).left(brief)
         looks = stages.confirmation_design(brief, runs_left, steps_left, self.base_steps)
-        fresh = confirmation.proposals_for(pick, result, proposals, brief, self.base_values, self.base_steps, number,
-                                           code, looks)
+        fresh = study.confirmation_round(pick, number, looks)
         runs = sum(len(p.seeds or []) for p in fresh)
         if runs > runs_left or runs * self.base_steps > steps_left:
-            return {"stop_reason": self._concluded(state, f"{why}; the confirmation round ({runs} runs) does not fit "
+            return {"stop_reason": self._concluded(study, f"{why}; the confirmation round ({runs} runs) does not fit "
                                                           "the budget left")}
         info = {"round": number, "planner": confirmation.CONFIRMATION_PLANNER, "tokens": 0, "plan_s": 0.0,
                 "proposals": len(fresh), "note": f"{why}; confirming {pick.id} against the baseline on held-out "
@@ -164,10 +156,10 @@ class PlanNode(NodeBase):
                 if any(n == e or n.startswith(e + "/") for e in spec.editable)
                 and not any(n == r or n.startswith(r + "/") for r in spec.readonly)}
 
-    def _version_files(self, state: StudyState) -> dict[str, dict[str, str]]:
+    def _version_files(self, study: Study) -> dict[str, dict[str, str]]:
         """Each valid code version's files at its commit, whole: what a proposal on that parent edits."""
         ws = self.ctx.workspace
         if ws is None or self.ctx.brief.code is None:
             return {}
         return {v.proposal_id: self._editable(ws.files(v.commit))
-                for v in models_of(state.get("code"), CodeVersion) if v.passed and v.commit}
+                for v in study.code if v.passed and v.commit}

@@ -18,9 +18,9 @@ from langgraph.types import interrupt
 from researcher.budget import Spent
 from researcher.evidence import baselines
 from researcher.code.lineage import lineage, parent_ended, parent_problem
+from researcher.evidence.study_view import Study
 from researcher.records import Decision, Proposal
-from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
-from researcher.study.nodes.code import versions
+from researcher.study.nodes.base import NodeBase, StudyState, dump
 
 AUTO_REASON = "config-only change within budget: auto-approved by the brief's approval policy"
 AUTO_CODE_REASON = "validated code change within budget: auto-approved by the brief's approval policy"
@@ -30,10 +30,10 @@ class ReviewNode(NodeBase):
     def review(self, state: StudyState) -> dict[str, Any]:
         self._enter("review", state)
         brief, ctx = self.ctx.brief, self.ctx
-        current, verdicts, code = self._current(state), self._verdicts(state), versions(state)
+        study = self._study(state)
+        current, verdicts, code, proposals = study.current, study.verdicts, study.versions, list(study.proposals)
         for change in ctx.board.audit(list(verdicts.values())):
             ctx.emit("review.ignored", **change.model_dump())
-        proposals = models_of(state.get("proposals"), Proposal)
         for p in current:  # a proposal on a parent is shown whole: its chain and its diff against the base
             chained = (lineage(p.id, proposals, code.get(p.id), ctx.workspace.root, state.get("workspace_base", ""))
                        if p.parent and ctx.workspace is not None else None)
@@ -44,7 +44,7 @@ class ReviewNode(NodeBase):
         runs_left, steps_left, _ = Spent.of(state).left(brief)
         for p in undecided:
             runs = len(p.seeds or brief.seeds)
-            steps = runs * self._steps(p)
+            steps = runs * study.steps(p)
             fits = runs <= runs_left and steps <= steps_left
             if policy := baselines.policy_reason(p):  # a reference or more seeds: nothing new for a person
                 auto, reason = fits, policy
@@ -58,7 +58,7 @@ class ReviewNode(NodeBase):
                 decision = Decision(proposal_id=p.id, verdict="approved", by="policy", reason=reason, source="policy")
                 ctx.board.decide(decision)
                 new[p.id] = decision
-        new = self._parents_hold(state, undecided, new)  # before waiting: a vetoed parent's children end now
+        new = self._parents_hold(study, undecided, new)  # before waiting: a vetoed parent's children end now
         waiting = [p.id for p in undecided if p.id not in new]
         if waiting:
             ctx.emit("review.pending", ids=waiting)
@@ -67,20 +67,20 @@ class ReviewNode(NodeBase):
                 d = Decision.model_validate(raw)
                 if d.proposal_id in waiting and d.proposal_id not in new:
                     new[d.proposal_id] = d
-        new = self._parents_hold(state, undecided, new)  # and for the answers a wait brought
+        new = self._parents_hold(study, undecided, new)  # and for the answers a wait brought
         ordered = [new[p.id] for p in undecided if p.id in new]
         for d in ordered:
             ctx.emit("decision", **d.model_dump())
         return {"decisions": [*state.get("decisions", []), *dump(ordered)]}
 
-    def _parents_hold(self, state: StudyState, undecided: list[Proposal], new: dict[str, Decision]) -> dict[str, Decision]:
+    def _parents_hold(self, study: Study, undecided: list[Proposal], new: dict[str, Decision]) -> dict[str, Decision]:
         """No approval reaches a code proposal whose parent is not approved and executed, and a veto of a
         parent ends its children: either way the child is vetoed by the study with the reason (on its run,
         over any approval a person gave). Validation already refuses such children; this holds for any
         that got here another way (a study validated before the rule)."""
-        proposals = models_of(state.get("proposals"), Proposal)
-        decided = [*models_of(state.get("decisions"), Decision), *new.values()]
-        code = list(versions(state).values())
+        proposals = list(study.proposals)
+        decided = [*study.decisions, *new.values()]
+        code = list(study.versions.values())
         out = dict(new)
         for p in undecided:
             if p.kind != "code" or not p.parent or (p.id in new and new[p.id].verdict == "vetoed"):

@@ -25,8 +25,7 @@ from core.config_io import ConfigError
 from researcher.budget import Spent
 from researcher.evidence import analysis
 from researcher.records import TERMINAL, ExperimentResult, Launch
-from researcher.study.nodes.base import NodeBase, StudyState, dump, models_of
-from researcher.study.nodes.code import versions
+from researcher.study.nodes.base import NodeBase, StudyState, dump
 
 NO_EDITS = "approved code change not run: it describes a change but carries no edits or patch to apply"
 INVALID = "not run: the code change failed validation at step {step}"
@@ -49,20 +48,20 @@ class RunNodes(NodeBase):
     def prepare(self, state: StudyState) -> dict[str, Any]:
         self._enter("prepare", state)
         ctx = self.ctx
-        verdicts, code = self._verdicts(state), versions(state)
-        launches = models_of(state.get("launches"), Launch)
-        results = models_of(state.get("results"), ExperimentResult)
+        study = self._study(state)
+        verdicts, code = study.verdicts, study.versions
+        launches, results = list(study.launches), list(study.results)
         known = {x.proposal_id for x in launches} | {r.proposal_id for r in results}
         runs_left, steps_left, _ = Spent.of(state).left(ctx.brief)
         runs_left -= sum(1 for x in launches if x.status == "queued")
         steps_left -= sum(x.steps for x in launches if x.status == "queued")
-        for p in self._current(state):
+        for p in study.current:
             version = code.get(p.id)
             if p.id not in known and version is not None and not version.passed:
                 note = INVALID.format(step=version.failed_step)
                 results.append(ExperimentResult(proposal_id=p.id, status="failed", note=note))
                 known.add(p.id)
-        approved = [p for p in self._current(state) if (d := verdicts.get(p.id)) and d.verdict == "approved"]
+        approved = [p for p in study.current if (d := verdicts.get(p.id)) and d.verdict == "approved"]
         for p in sorted(approved, key=lambda q: (q.priority, q.id)):
             if p.id in known or p.mode == "hot_swap":  # hot swaps go into the live run (the live node)
                 continue
@@ -104,7 +103,7 @@ class RunNodes(NodeBase):
 
     def launch(self, state: StudyState) -> dict[str, Any]:
         self._enter("launch", state)
-        launches = models_of(state.get("launches"), Launch)
+        launches = list(self._study(state).launches)
         running = sum(1 for x in launches if x.status == "running")
         round_started = state.get("round_started")
         for i, x in enumerate(launches):
@@ -120,7 +119,7 @@ class RunNodes(NodeBase):
     def monitor(self, state: StudyState) -> dict[str, Any]:
         self._enter("monitor", state)
         brief, ctx = self.ctx.brief, self.ctx
-        launches = models_of(state.get("launches"), Launch)
+        launches = list(self._study(state).launches)
         metrics = [brief.objective.metric, *brief.monitor.divergence_metrics]
         live = state.get("live") or {}
         while True:
