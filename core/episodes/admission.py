@@ -15,8 +15,9 @@ wait, and so does a sandbox above its mix share of what is buffered and in fligh
 the registry's lock: it holds what admission alone needs (the staleness budget, the overlapped steps,
 whether training is over, when each sandbox last asked to open) and reads the registry's episodes
 through a `Pool` the registry hands it on each call. It answers with a `core.episodes.errors.Refusal`
-(a 503 with Retry-After: code `backpressure`, `mix_quota` or `admission`) or None; it never opens,
-closes or trains an episode, and keeps no lock of its own.
+(a 409 `training_over` once no trainer will take another batch; a 503 with Retry-After: code
+`backpressure`, `mix_quota` or `admission`) or None; it never opens, closes or trains an episode, and
+keeps no lock of its own.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Admission:
     def refusal(self, pool: Pool, sandbox: str, task_id: str, group_size: int, version: str) -> Refusal | None:
         """Why a train episode of (sandbox, task_id, version) may not open now; None: it may.
         `version`: the opening client's code version, part of its group's key (`Episode.train_group`)."""
+        if self.training_over is not None:
+            return Refusal(409, f"this server takes no more train episodes: {self.training_over}; open kind eval or "
+                                "debug episodes, or start a run with more trainer.steps", "training_over")
         return self._quota_refusal(pool, sandbox) or self._admission_refusal(pool, sandbox, task_id, group_size, version)
 
     def coming(self, pool: Pool) -> set[str]:

@@ -1,13 +1,11 @@
 """The episode registry: episodes from open to end, their groups and the batches the trainer takes.
 
 Lifecycle: open -> (calls...) -> finished | aborted | expired, each change through `_end`, checked
-against `TRANSITIONS`. Finished train episodes join their group, keyed by `Episode.train_group`
-(sandbox, task, client code version: an A/B never mixes versions in a group); a group with
-`group_size` finished episodes is ready. Eval and debug episodes never train. Which groups make a
-batch (mix quotas, staleness by the oldest weight version of an episode's calls) is
-`core.episodes.batching`'s pure function; which opens are admitted is the `Admission` it owns
+against `TRANSITIONS`. Finished episodes wait for the trainer in the `GroupBuffer` it owns
+(`core.episodes.buffer`: train groups filling and ready, eval episodes; debug episodes go nowhere),
+which also takes each batch; which opens are admitted is the `Admission` it owns
 (`core.episodes.admission`); each episode's key, path secret, lease and next call index are one
-record (`core.episodes.keys`); the counters are `core.episodes.books.Books`. One lock guards all of
+record, which `core.episodes.keys` looks up and checks; the counters are `core.episodes.books.Books`. One lock guards all of
 it, `paused` included (HTTP handlers and the trainer thread both touch it). The registry does not
 render, generate, train or decide who may open (`core.episodes.credentials`); it keeps the books.
 """
@@ -17,24 +15,21 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 
-from core.episodes.auth import same_secret
 from core.engine.routing import EPISODE
 from core.episodes.admission import Admission, Pool
 from core.episodes.errors import Refusal
-from core.episodes.keys import KEY_PREFIX, Keys  # noqa: F401 (KEY_PREFIX: the gateway reads it here)
-from core.episodes.batching import Batch, Sieve, assemble
+from core.episodes.keys import Keys
+from core.episodes.batching import Batch, Sieve
 from core.episodes.books import Books
+from core.episodes.buffer import GroupBuffer
 from core.episodes.pairing import Pairs, TaskPairing
 from core.records import Call, Episode
 from core.episodes.wire import OpenEpisode
 
 TOMBSTONES = 20_000  # ended episodes remembered so late calls get 409 and repeated finishes stay idempotent
-# Finished eval episodes kept for the trainer's metrics: a server without a trainer never takes them,
-# so the oldest go first rather than growing for as long as the server lives.
-EVAL_KEPT = 10_000
 # The one place an episode's state changes: from each state, the states it may go to. An ended episode never
 # changes again (a late finish or abort is answered from its tombstone).
 TRANSITIONS: dict[str, frozenset[str]] = {"open": frozenset({"finished", "aborted", "expired"})}
@@ -62,14 +57,11 @@ class Registry:
         self._open: dict[str, Episode] = {}
         self._keys = Keys()  # each episode's key, path secret, lease length and next call index, open or tombstoned
         self._ended: OrderedDict[str, Episode] = OrderedDict()  # tombstones, calls dropped
-        self._filling: dict[tuple[str, str, str], list[Episode]] = {}  # Episode.train_group -> its finished episodes
         # An A/B's two halves (`core.episodes.pairing`), kept together: the tasks its new version owes (the opener
         # fills and pays them), and its cells: every train episode, from its open to its end.
         self.pairing = TaskPairing()
         self.pairs = Pairs()
-        self._ready: deque[list[Episode]] = deque()
-        self._finished_eval: deque[Episode] = deque(maxlen=EVAL_KEPT)
-        self._trained_groups: dict[str, int] = {}  # sandbox -> groups trained so far: the mix quotas' ledger
+        self._groups = GroupBuffer(batch_groups, self.mix)  # finished episodes until the trainer takes them
         self.sieve: Sieve | None = None  # dynamic sampling (`trainer.dynamic_sampling: filter`), set by the run
         self.admission = Admission(batch_groups, default_group_size, self.mix, lease_s, clock)
         self._paused = False  # changed only under the lock (`pause`, `resume`)
@@ -126,7 +118,7 @@ class Registry:
             self.books.refused += 1
 
     def _pool(self) -> Pool:
-        return Pool(self._open.values(), self._ready, self._filling)
+        return Pool(self._open.values(), self._groups.ready, self._groups.filling)
 
     # -- client side ---------------------------------------------------------------------------
     def open(self, req: OpenEpisode, versions: dict[str, int]) -> tuple[Episode, str]:
@@ -141,10 +133,6 @@ class Registry:
                 raise Refusal(503, "the server is paused", "paused", retry_after=1.0)
             if len(self._open) >= self.max_open:
                 raise Refusal(503, "too many open episodes", "busy", retry_after=1.0)
-            if req.kind == "train" and self.admission.training_over is not None:
-                raise Refusal(409, f"this server takes no more train episodes: {self.admission.training_over}; open "
-                                        "kind eval or debug episodes, or start a run with more trainer.steps",
-                                   "training_over")
             if req.kind == "train":
                 refusal = self.admission.refusal(self._pool(), req.sandbox, req.task_id,
                                                  req.group_size or self.default_group_size, req.client_version)
@@ -174,10 +162,7 @@ class Registry:
     def by_key(self, key: str) -> Episode:
         """The open episode of this key; it becomes the request's episode (`EPISODE`: replicas route on it)."""
         with self._lock:
-            episode_id = self._keys.by_key(key)
-            if episode_id is None:
-                raise Refusal(401, "unknown or missing episode key", "invalid_api_key")
-            return _current(self.get_open(episode_id))
+            return _current(self.get_open(self._keys.by_key(key)))
 
     def is_open(self, episode_id: str) -> bool:
         with self._lock:
@@ -186,10 +171,7 @@ class Registry:
     def by_path(self, secret: str) -> Episode:
         """The open episode whose path-form secret this is (401 for anything else, a bare id included)."""
         with self._lock:
-            episode_id = self._keys.by_path(secret)
-            if episode_id is None:
-                raise Refusal(401, "unknown episode path: use the base_url returned on open", "invalid_api_key")
-            return _current(self.get_open(episode_id))
+            return _current(self.get_open(self._keys.by_path(secret)))
 
     def path_of(self, episode_id: str) -> str:
         with self._lock:
@@ -198,12 +180,7 @@ class Registry:
     def authorize(self, episode_id: str, key: str) -> None:
         """Check that `key` is this episode's key: 404 for an id never seen (or long forgotten), 401 otherwise."""
         with self._lock:
-            held = self._keys.of(episode_id)
-            if held is None:
-                raise Refusal(404, f"unknown episode {episode_id}", "episode_not_found")
-            if not same_secret(key, held.key):
-                raise Refusal(401, f"episode {episode_id} needs its key (Authorization: Bearer sk-swarm-...)",
-                                   "invalid_api_key")
+            self._keys.authorize(episode_id, key)
 
     def get_open(self, episode_id: str) -> Episode:
         with self._lock:
@@ -228,11 +205,7 @@ class Registry:
         first. Two concurrent calls of one episode get different indices, so different derived seeds
         (`engine.repeatable_sampling`), whichever is recorded first."""
         with self._lock:
-            held = self._keys.of(episode.id)
-            if held is None:  # not an episode of this registry: nothing to reserve against
-                raise Refusal(404, f"unknown episode {episode.id}", "episode_not_found")
-            first, held.next_call = held.next_call, held.next_call + n
-            return first
+            return self._keys.reserve(episode.id, n)
 
     def heartbeat(self, episode_id: str, lease_s: float | None = None) -> Episode:
         """Extend the lease by `lease_s`, by default the episode's own (the one it was opened with)."""
@@ -273,13 +246,7 @@ class Registry:
             self._finished_by[ep.client_id] = self._finished_by.get(ep.client_id, 0) + 1
         if ep.kind != "train":
             self.books.finished_not_train += 1
-        if ep.kind == "train":
-            group = self._filling.setdefault(ep.train_group, [])
-            group.append(ep)
-            if len(group) >= ep.group_size:
-                self._ready.append(self._filling.pop(ep.train_group))
-        elif ep.kind == "eval":
-            self._finished_eval.append(ep)
+        self._groups.add(ep)
 
     def _judged_failure(self, ep: Episode, reason: str) -> bool:
         """A judged sandbox's train or eval episode that ends without a finish scores its judge's failure
@@ -344,7 +311,7 @@ class Registry:
     # -- trainer side --------------------------------------------------------------------------
     def ready_groups(self) -> int:
         with self._lock:
-            return len(self._ready)
+            return len(self._groups.ready)
 
     def take_batch(self, current_versions: dict[str, int], max_staleness: int) -> Batch | None:
         """`batch_groups` ready groups, minus episodes generated more than `max_staleness` versions ago.
@@ -352,53 +319,28 @@ class Registry:
         Groups are taken in arrival order, or by mix quota (`core.episodes.mix.next_group`); None while there are too
         few ready groups, or while the batch waits for the group of a sandbox owed its share."""
         with self._lock:
-            if len(self._ready) < self.batch_groups:
+            if len(self._groups.ready) < self.batch_groups:
                 return None
             coming = self.admission.coming(self._pool())  # sandboxes able to deliver a group soon
-            plan = assemble(list(self._ready), self._trained_groups, self.batch_groups, self.mix, coming,
-                            current_versions, max_staleness, self.sieve)
-            if plan is None:
-                return None  # the plan is dropped, nothing taken: it is made again on the next call
-            groups, consumed, dropped = plan.groups, plan.consumed, plan.dropped
-            if self.sieve is not None:
-                self.sieve.record(plan)
-            gone = {id(g) for g in consumed}
-            self._ready = deque(g for g in self._ready if id(g) not in gone)
-            if groups:
-                self._trained_groups = plan.taken
-            # A group dynamic sampling kept out was taken by a batch too: it leaves the buffer, never to train.
-            self.books.trained += sum(len(g) for g in groups) + sum(len(g) for g in plan.filtered)
-            self.books.stale += dropped
-            self.books.wasted += dropped
-            if not groups:
-                return None
-            batch = Batch(groups, dropped)
-            return self.sieve.take(batch, plan.capped) if self.sieve is not None else batch
+            return self._groups.take(coming, current_versions, max_staleness, self.sieve, self.books)
 
     def trained_groups(self) -> dict[str, int]:
         """Groups trained so far per sandbox (the mix quotas' ledger)."""
         with self._lock:
-            return dict(self._trained_groups)
+            return dict(self._groups.trained)
 
     def take_eval(self) -> list[Episode]:
         with self._lock:
-            done = list(self._finished_eval)
-            self._finished_eval.clear()
-            return done
+            return self._groups.take_eval()
 
     def buffered(self) -> list[list[Episode]]:
         """Finished but untrained episodes, by group: what a checkpoint must keep."""
         with self._lock:
-            return [list(g) for g in self._ready] + [list(g) for g in self._filling.values()]
+            return self._groups.buffered()
 
     def restore(self, groups: list[list[Episode]]) -> None:
         with self._lock:
-            for group in groups:
-                if group and len(group) >= group[0].group_size:
-                    self._ready.append(group)
-                elif group:
-                    self._filling[group[0].train_group] = group
-                self.books.restored += len(group)
+            self.books.restored += self._groups.restore(groups)
 
     def open_by_client(self) -> dict[str, list[str]]:
         """Ids of the open episodes per client id (the chaos bench kills clients mid-episode)."""
@@ -420,9 +362,7 @@ class Registry:
             return {
                 "paused": self._paused,
                 "open_episodes": len(self._open),
-                "ready_groups": len(self._ready),
-                "filling_groups": len(self._filling),
-                "buffered_episodes": sum(len(g) for g in self._ready) + sum(len(g) for g in self._filling.values()),
+                **self._groups.status(),
                 "oldest_open_s": self.clock() - min(e.opened_at for e in self._open.values()) if self._open else None,
                 "clients": sorted({e.client_id for e in self._open.values() if e.client_id}),
                 "counters": self.books.as_dict(),

@@ -37,7 +37,7 @@ from core.serve.bodies import BodyParser, body_schema, openapi_bodies
 from core.serve.chat import PromptTooLong, Rendered, TemplateError
 from core.engine import Generation, GenerationError, SamplingParams, is_greedy
 from core.episodes.errors import Refusal
-from core.episodes.registry import KEY_PREFIX
+from core.episodes.keys import KEY_PREFIX
 from core.records import Call, Episode
 from core.serve.protocol import call_sampling, start_calls
 from core.serve.state import Policy, ServerState
