@@ -209,22 +209,38 @@ def _waited(work: Any, seconds: float) -> bool:
 def send_weights(group: Any, weights: dict[str, torch.Tensor], layout: Layout, device: torch.device,
                  cap: int = BUCKET_BYTES, deadline: float | None = None) -> None:
     """Rank 0's half of a sync: every bucket of `weights` (laid out as `layout`) broadcast on `group`,
-    through two reusable buffers (`_Slots`); raises TimeoutError past `deadline` (time.monotonic)."""
+    through two reusable buffers (`_Slots`); raises TimeoutError past `deadline` (time.monotonic).
+
+    A weight may be a shard (anything with `full_tensor`, a DTensor of an fsdp2 trainer): it is made
+    whole when its turn in its bucket comes, copied in and dropped, one at a time and in the layout's
+    order (so every rank joins the same gathers: `ShardedTrainer.stream_weights`). The sender then
+    holds at most the two bucket buffers and one whole weight, never the whole model."""
     tensors = list(weights.values())
     slots = _Slots(device, deadline)
     with torch.no_grad():
         for bucket in buckets(layout, cap):
-            parts = [tensors[i].detach() for i in bucket]
-            if len(parts) == 1 and parts[0].device == device and parts[0].is_contiguous():
-                slots.started(None, _broadcast(group, parts[0].view(-1)))  # the root only reads: no copy
-                continue
-            i, flat = slots.take(sum(t.numel() for t in parts), parts[0].dtype)
+            if len(bucket) == 1:
+                whole = _whole(tensors[bucket[0]])
+                if whole.device == device and whole.is_contiguous():
+                    slots.started(None, _broadcast(group, whole.view(-1)))  # the root only reads: no copy
+                    del whole  # sent (`started` waits for an in-place broadcast): drop it before the next
+                    continue
+            numel = sum(math.prod(layout[j][1]) for j in bucket)
+            i, flat = slots.take(numel, _dtype(layout[bucket[0]][2]))
             offset = 0
-            for t in parts:
-                flat[offset: offset + t.numel()].copy_(t.reshape(-1))
-                offset += t.numel()
+            for j in bucket:
+                whole = whole if len(bucket) == 1 else _whole(tensors[j])
+                flat[offset: offset + whole.numel()].copy_(whole.reshape(-1))
+                offset += whole.numel()
+            del whole  # the last weight made whole goes before the next bucket's first
             slots.started(i, _broadcast(group, flat))
         slots.drain()
+
+
+def _whole(t: Any) -> torch.Tensor:
+    """`t` as the replica receives it: a shard's `full_tensor()` (a collective), else `t` itself."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t.detach()
 
 
 def receive_weights(group: Any, params: list[torch.nn.Parameter], layout: Layout, device: torch.device,

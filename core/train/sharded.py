@@ -29,13 +29,12 @@ A step (rank 0 prepares as one trainer does; the normaliser is the WHOLE batch's
 3. clipping uses the global norm of the sharded gradient (`get_total_norm`, made whole with
    `full_tensor`), then every rank steps AdamW on its shard.
 
-Checkpoints are the single-trainer format: rank 0's full module holds the weights; `state_dict`
-gathers the optimizer moments (and fp32 master copies) tensor by tensor, every rank together, into
-rank 0's host memory (the other ranks drop each once gathered), and `load_state_dict` scatters each
-rank its shard of them from rank 0 over the group (the pipes carry only their shapes). So a
-checkpoint resumes at any world size and under either sharding. `save_sharded`/`load_sharded`
-write and read a sharded torch.distributed.checkpoint instead, each rank its own shards, resumable
-at another world size (`core.train.sharded_checkpoint`; the run's checkpoints do not use it yet).
+Checkpoints: a run's are DCP shards, each rank writing and reading its own (`save_sharded` /
+`load_sharded`, `core.train.sharded_checkpoint`), resumable at any world size and by one or
+replicated ranks. `state_dict` / `load_state_dict` also speak the single-trainer format, gathered
+tensor by tensor into rank 0's host memory and scattered back (so a one-rank checkpoint resumes
+here). `stream_weights` hands a replica sync the shards, made whole one at a time as its buckets
+fill (`core.train.shard_weights`), rather than rank 0's full module.
 
 Units: one FSDP unit per decoder layer (`model.get_decoder().layers`) and a root unit holding the
 rest (embeddings, final norm, the tied head). The root is a small wrapper whose forward is the
@@ -57,12 +56,13 @@ from __future__ import annotations
 import copy
 import datetime
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from core import models
 from core.config import ModelConfig, TrainerConfig
@@ -72,6 +72,7 @@ from core.train.meta import meta_model, shard, shard_frozen
 from core.train.packing import micro_batch_count, pack
 from core.train.rng import set_rng_state
 from core.train.sharded_checkpoint import _scatter, _sharded, full, skeleton
+from core.train.shard_weights import Gathers, fill
 from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
                               rank_seed, same_outcome, serve, tcp_store)
 from core.train.timelines import Sample
@@ -154,12 +155,12 @@ class _Shard(Trainer):
         """Every rank's shard of the KL reference from rank 0's full module (`source`; None on the other
         ranks): a collective."""
         if self.frozen is not None:
-            _fill(self.frozen.model, source)
+            fill(self.frozen.model, source)
 
     @torch.no_grad()
     def take_weights(self, source: torch.nn.Module | None) -> None:
         """Every rank's shard from rank 0's full module (`source`; None on the other ranks)."""
-        _fill(self.model, source)
+        fill(self.model, source)
         self.master.read_model()  # the fp32 copies start from the weights taken, not from the empty ones
 
     def full_state(self, keep: bool = True) -> dict[str, Any]:
@@ -197,24 +198,6 @@ class _Shard(Trainer):
             else:
                 per_param[where][key] = _scatter(value, like)
         return {**state, "optimizer": {**state["optimizer"], "state": per_param}, "master": master}
-
-
-@torch.no_grad()
-def _fill(module: torch.nn.Module, source: torch.nn.Module | None) -> None:
-    """`module`'s shards and buffers from rank 0's full module of the same names (`source`; None on
-    the other ranks): one scatter a parameter, one broadcast a buffer (unsharded, and unset by
-    `to_empty`: rotary frequencies; non-persistent ones too, which a state dict leaves out)."""
-    params = dict(source.named_parameters()) if source is not None else {}
-    for name, p in module.named_parameters():
-        if not isinstance(p, DTensor):
-            continue
-        whole = params[name].detach() if source is not None else torch.empty(p.shape, dtype=p.dtype, device=p.device)
-        p.copy_(distribute_tensor(whole.to(p.device), p.device_mesh, p.placements, src_data_rank=0))
-    buffers = dict(source.named_buffers()) if source is not None else {}
-    for name, b in module.named_buffers():
-        if source is not None:
-            b.copy_(buffers[name])
-        dist.broadcast(b, src=0)
 
 
 def _join(backend: str, port: int, rank: int, world: int, device: str) -> DeviceMesh:
@@ -388,6 +371,21 @@ class ShardedTrainer(Trainer):
         with self.workers.blamed():
             self.shard.gather_weights(self.policy)
         self.workers.gather()
+
+    def stream_weights(self, send: Callable[[dict[str, Any]], None]) -> None:
+        """`send` (a replica's `WeightSender.send`, `core.engine.weight_sync`) given the trained weights as
+        shards, name -> one that `full_tensor()` makes whole, which the send does one at a time as it
+        fills its buckets, every other rank joining each gather in the same order: so rank 0 never
+        gathers the whole model at once. If `send` fails part way, rank 0 still joins the gathers it
+        left (the other ranks wait in them) before the error goes on."""
+        gathers = Gathers(self.shard.model)
+        self.workers.send_all([("gather",)] * (self.world - 1))
+        with self.workers.blamed():
+            try:
+                send(gathers.weights)
+            finally:
+                gathers.finish()
+                self.workers.gather()
 
     def _together(self, command: str, path: str) -> None:
         self.workers.send_all([(command, path)] * (self.world - 1))
