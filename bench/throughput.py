@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from core.run.client_command import ClientSpec  # noqa: E402
 from core.serve.server import free_port  # noqa: E402
 
 # One intra-op thread, as the tests pin it: on two shared cores, two OpenMP threads spin-wait on a
@@ -82,8 +83,8 @@ class Arm:
         self.ids = [f"throughput-{tag}-{i}" for i in range(n)]
         self.logs = [logs / f"{cid}.log" for cid in self.ids]
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "core.run.cli", "client", args.sandbox, "--server", url,
-                              "--kind", "eval", "--concurrency", str(args.concurrency), "--client-id", cid],
+            subprocess.Popen(ClientSpec(sys.executable, args.sandbox, url, kind="eval", concurrency=args.concurrency,
+                                        client_id=cid).to_argv(),
                              cwd=ROOT, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT)
             for cid, log in zip(self.ids, self.logs)]
 
