@@ -15,8 +15,8 @@ prefix (KV) cache serves the next turn. A call without an episode is routed but 
 Weight sync. The run loop drives this engine as it drives a local one: `hold`/`pause_blocking`
 before a step, `resume(version)` after it (on-policy), or `swap_weights(apply)` (overlapped).
 When the version moves, the trainer's trainable parameters are sent to every replica (in parallel:
-a broadcast over each replica process's own group, `core.engine.weight_sync`, or one object in
-Ray's store for every replica actor), which then reports the new version; a replica that does not
+a broadcast over each replica's own group, `core.engine.weight_sync`: from this process to a replica
+process, from the model actor to a replica actor under Ray), which then reports the new version; a replica that does not
 is a `ReplicaBehind` error, raised to the loop: the run fails loudly instead of training on while
 inference serves old weights. Every generation carries the version the replica that made it
 served, so every recorded call (and so episode) names it.
@@ -76,7 +76,7 @@ class ReplicaEngine(Engine):
                  max_staleness: int, max_context: int, route_wait_s: float, sleepers: tuple[int, ...] = (),
                  on_lost: Callable[[list[str]], None] | None = None, is_open: Callable[[str], bool] | None = None):
         """`weights()` gives the trainer's current trainable weights as the replicas' `sync` takes them (a
-        dict of the live tensors for processes, an object reference under Ray); `start(i, on_lost)`
+        dict of the live tensors for processes, the model actor's layout under Ray); `start(i, on_lost)`
         builds replica slot i (a `ProcessEngine` or an actor handle); `route_wait_s` bounds how long a new
         episode waits for an eligible replica before its call fails; `sleepers`: the slots colocated on a
         trainer rank's GPU (`core.config.sleeping_replicas`), put to sleep during the step (`sleep_during_step`);
