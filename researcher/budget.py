@@ -14,6 +14,7 @@ GPUs the brief says a run requests (`launch.gpus`; 0 on CPU). This module comput
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,18 +33,24 @@ class Spent:
     gpu_hours: float = 0.0  # sum over launched runs of their wall time x the GPUs each requests
 
     @classmethod
-    def of(cls, state: dict[str, Any], now: float | None = None, gpus: int = 0) -> Spent:
+    def of(cls, state: Mapping[str, Any], now: float | None = None, gpus: int = 0) -> Spent:
         """What `state` has spent; `gpus` is the brief's `launch.gpus` (GPUs per run)."""
         launches = [Launch.model_validate(x) for x in state.get("launches", [])]
-        launched = [x for x in launches if x.status in LAUNCHED]
         live = Launch.model_validate(state["live"]) if state.get("live") else None
+        return cls.counted(launches, live, int(state.get("tokens_used", 0)), now, gpus)
+
+    @classmethod
+    def counted(cls, launches: Sequence[Launch], live: Launch | None, tokens: int, now: float | None = None,
+                gpus: int = 0) -> Spent:
+        """What the launches, the live run and `tokens` LLM tokens have spent, from records already typed."""
+        launched = [x for x in launches if x.status in LAUNCHED]
         clock = now or time.time()
         live_runs = [live] if live is not None and live.status in LAUNCHED else []
         timed = launched + live_runs
         intervals = [(x.started_at, max(x.started_at, x.ended_at or clock)) for x in timed if x.started_at is not None]
         run_s = sum(end - start for start, end in intervals)
         steps = sum(x.steps for x in launched) + (live.steps_done if live is not None else 0)
-        return cls(runs=len(launched) + len(live_runs), steps=steps, tokens=int(state.get("tokens_used", 0)),
+        return cls(runs=len(launched) + len(live_runs), steps=steps, tokens=tokens,
                    wall_s=interval_union(intervals), gpu_hours=run_s * gpus / 3600.0)
 
     def left(self, brief: Brief) -> tuple[int, int, int]:

@@ -17,10 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from researcher.budget import Spent
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, SwapResult
 
 # The state's fields this view holds, validated; the rest (notes, spend, stop reason) the nodes read as they are.
-RECORD_FIELDS = ("round", "proposals", "decisions", "launches", "results", "code", "swaps", "live")
+RECORD_FIELDS = ("round", "proposals", "decisions", "launches", "results", "code", "swaps", "live", "tokens_used")
 
 
 class StudyStateError(ValueError):
@@ -48,6 +49,7 @@ class StudyRecords(BaseModel):
     code: tuple[CodeVersion, ...] = ()  # one CodeVersion per code proposal
     swaps: tuple[SwapResult, ...] = ()
     live: Launch | None = None  # the live run; the state's {} when there is none
+    tokens_used: int = 0  # LLM tokens the planner spent: with the launches and the live run, what `spent` counts
 
     @field_validator("live", mode="before")
     @classmethod
@@ -73,6 +75,10 @@ class StudyRecords(BaseModel):
 
     def result_of(self, proposal_id: str) -> ExperimentResult | None:
         return next((r for r in self.results if r.proposal_id == proposal_id), None)
+
+    def spent(self, gpus: int = 0, now: float | None = None) -> Spent:
+        """What the study has spent (`gpus`: the brief's `launch.gpus`, GPUs per run)."""
+        return Spent.counted(self.launches, self.live, self.tokens_used, now, gpus)
 
     @property
     def current(self) -> list[Proposal]:

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from mlflow.tracking import MlflowClient
 
 from researcher.brief.schema import Brief
-from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, decision
 from researcher.evidence.study_records import StudyRecords
 from researcher.review.report_stages import stage_lines
@@ -270,7 +269,7 @@ def render(name: str, brief: Brief, state: dict[str, Any], client: MlflowClient,
     study = StudyRecords.read(state)
     proposals, decisions, launches = list(study.proposals), study.verdicts, list(study.launches)
     results = {r.proposal_id: r for r in study.results}
-    spent = Spent.of(state, gpus=brief.launch.gpus)
+    spent = study.spent(gpus=brief.launch.gpus)
     code = study.versions
     series = curve_series(_curves(brief, launches, client), {p.id: p for p in proposals}, code, base_flat)
     figures = _plot(brief, series, list(results.values()), paths.figures)

@@ -13,7 +13,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from researcher.brief.schema import Brief
-from researcher.budget import Spent
 from researcher.code.lineage import chain_of
 from researcher.evidence.study_records import StudyRecords
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal
@@ -129,8 +128,8 @@ def proposal_diff(state: dict[str, Any], proposal_id: str) -> str | None:
 
 def status_json(name: str, state: dict[str, Any], phase: str, pid: int | None, brief: Brief) -> dict[str, Any]:
     """`researcher study status NAME --json`: the study's phase, spend, and every proposal's verdict."""
-    spent = Spent.of(state, gpus=brief.launch.gpus)
     study = StudyRecords.read(state)
+    spent = study.spent(gpus=brief.launch.gpus)
     proposals = []
     for p in study.proposals:
         view = view_of(study, p.id)

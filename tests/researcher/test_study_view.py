@@ -9,6 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from researcher.brief.schema import Objective
+from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, stages
 from researcher.evidence.study_records import StudyRecords, StudyStateError
 from researcher.evidence.study_view import Study
@@ -76,6 +77,17 @@ def test_the_rounds_proposals_decisions_and_code_versions_are_read_by_id(tmp_pat
     assert [p.id for p in records.current] == ["r2-1"]
     assert records.verdicts == {"r2-1": approved} and records.versions == {"r2-1": version}
     assert records.proposal("r9-9") is None and records.result_of("r1-1") is None
+
+
+def test_what_the_view_spent_is_what_the_state_spent() -> None:
+    launches = [Launch(key="r1-1-s0", proposal_id="r1-1", seed=0, steps=8, status="finished", started_at=10.0,
+                       ended_at=70.0),
+                Launch(key="r1-1-s1", proposal_id="r1-1", seed=1, steps=8, status="queued")]
+    live = Launch(key="live", proposal_id="live", seed=0, steps=100, status="running", started_at=40.0, steps_done=30)
+    state = {"launches": [x.model_dump() for x in launches], "live": live.model_dump(), "tokens_used": 500}
+    spent = StudyRecords.read(state).spent(gpus=2, now=100.0)
+    assert spent == Spent.of(state, now=100.0, gpus=2)
+    assert (spent.runs, spent.steps, spent.tokens, spent.wall_s) == (2, 38, 500, 90.0)
 
 
 def test_next_stage_on_the_view_is_the_stage_the_evidence_function_owes(tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from researcher.budget import Spent
 from researcher.evidence import analysis, confirmation, judging, pairing, stages
 from researcher.records import COST_METRICS, Launch
 from researcher.review.report import write_report
@@ -76,7 +75,7 @@ class OutcomeNodes(NodeBase):
         refs = {ref.id for q in proposals if not study.is_reference(q) for ref in study.references_of(q)}
         reruns = [r for pid in pending for r in analysis.seed_table(mine[pid], outcomes, reference=pid in refs)[2]]
         if reruns:  # a failed seed is re-run once (resumed from its checkpoint) before anything is judged
-            runs_left, steps_left, _ = Spent.of(state).left(brief)
+            runs_left, steps_left, _ = study.spent().left(brief)
             for i, x in enumerate(reruns):
                 if i >= runs_left or steps_left < x.steps * (i + 1):
                     reruns[i] = x.model_copy(update={"status": "skipped", "reason": "budget"})
@@ -116,7 +115,7 @@ class OutcomeNodes(NodeBase):
         if study.round >= brief.budget.max_rounds and not owed:
             rounds = f"budget: {brief.budget.max_rounds} rounds done"
             return {"live": live, "stop_reason": self._concluded(study, rounds)}
-        stop = Spent.of(state, gpus=brief.launch.gpus).exhausted(brief, llm=self.ctx.planner.name.startswith("llm"))
+        stop = study.spent(gpus=brief.launch.gpus).exhausted(brief, llm=self.ctx.planner.name.startswith("llm"))
         if stop and owed:
             return {"live": live, "stop_reason": ""}  # the plan node runs the confirmation or stage, or stops
         return {"live": live, "stop_reason": self._concluded(study, stop) if stop else ""}

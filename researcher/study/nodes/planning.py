@@ -59,8 +59,8 @@ class PlanNode(NodeBase):
     def _plan(self, state: StudyState) -> dict[str, Any]:
         """The plan node's answer; `state["live"]` is kept current while a manual study waits."""
         brief, ctx = self.ctx.brief, self.ctx
-        spent = Spent.of(state, gpus=brief.launch.gpus)
         study = self._study(state)
+        spent = study.spent(gpus=brief.launch.gpus)
         stop = (f"budget: {brief.budget.max_rounds} rounds done" if study.round >= brief.budget.max_rounds
                 else spent.exhausted(brief, llm=ctx.planner.name.startswith("llm")))
         if stop:

@@ -15,7 +15,6 @@ from typing import Any
 
 from langgraph.types import interrupt
 
-from researcher.budget import Spent
 from researcher.evidence import baselines
 from researcher.code.lineage import lineage, parent_ended, parent_problem
 from researcher.evidence.study_view import Study
@@ -41,7 +40,7 @@ class ReviewNode(NodeBase):
         ctx.emit("review.published", ids=[p.id for p in current])
         undecided = [p for p in current if p.id not in verdicts and (p.id not in code or code[p.id].passed)]
         new: dict[str, Decision] = {d.proposal_id: d for d in ctx.board.collect([p.id for p in undecided])}
-        runs_left, steps_left, _ = Spent.of(state).left(brief)
+        runs_left, steps_left, _ = study.spent().left(brief)
         for p in undecided:
             runs = len(p.seeds or brief.seeds)
             steps = runs * study.steps(p)

@@ -52,7 +52,7 @@ class RunNodes(NodeBase):
         verdicts, code = study.verdicts, study.versions
         launches, results = list(study.launches), list(study.results)
         known = {x.proposal_id for x in launches} | {r.proposal_id for r in results}
-        runs_left, steps_left, _ = Spent.of(state).left(ctx.brief)
+        runs_left, steps_left, _ = study.spent().left(ctx.brief)
         runs_left -= sum(1 for x in launches if x.status == "queued")
         steps_left -= sum(x.steps for x in launches if x.status == "queued")
         for p in study.current:
