@@ -5,9 +5,9 @@ the checkpoint stays readable. `StudyRecords.read(state)` validates every record
 record fails here with the field it broke (`proposals[2].round: ...`), not deep inside whichever node
 or command read it first. The view is a frozen snapshot: whoever changes records writes new dicts into
 the state and reads it again. It answers only what the records say by themselves (the round's proposals,
-each proposal's decision and code version); `researcher.evidence.study_view.Study` adds the base config and
-the evidence drawn from it. It imports only the records, so the command line reads a study without loading
-MLflow or the statistics.
+each proposal's decision and code version, what it spent); `researcher.evidence.study_view.Study` adds the base
+config and the evidence drawn from it. It imports only the foundation (records, budget), so the command line
+reads a study without loading MLflow or the statistics.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from researcher.budget import Spent
 from researcher.records import CodeVersion, Decision, ExperimentResult, Launch, Proposal, SwapResult
 
-# The state's fields this view holds, validated; the rest (notes, spend, stop reason) the nodes read as they are.
+# The state's fields this view holds, validated; the rest (notes, stop reason, report) the nodes read as they are.
 RECORD_FIELDS = ("round", "proposals", "decisions", "launches", "results", "code", "swaps", "live", "tokens_used")
 
 
