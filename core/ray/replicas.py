@@ -3,7 +3,7 @@
 `ReplicaActor` is one replica's engine inside a Ray actor (built as a replica process builds it,
 `core.engine.replica_child.build_replica`), with its own `models[].ray` reservation (`num_gpus` each).
 `RayReplica` is the driver's handle on it, with the replica interface the router
-(`core.engine.replicas.ReplicaEngine`) routes over: generate, admission, `sync(weights, version)`,
+(`core.engine.replicas.ReplicaEngine`) routes over: generate, admission, `sync(layout, version)`,
 and health from a heartbeat the handle polls.
 
 Weights reach a replica actor as they reach a replica process (`core.engine.weight_sync`): over a
