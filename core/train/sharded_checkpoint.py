@@ -21,6 +21,9 @@ optimizers other than AdamW (`_moments` allocates AdamW's state to read into).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +93,9 @@ def _scatter(value: Any, like: torch.Tensor) -> Any:
 def save(trainer: Any, path: str) -> None:
     """Write `trainer`'s weights, fp32 master copies and AdamW state (this rank's shards of them) to the
     DCP folder `path`; every rank of a sharded trainer calls it together."""
-    dcp.save(_targets(trainer, None), checkpoint_id=path)
+    targets = _targets(trainer, None)
+    with _quiet():
+        dcp.save(targets, checkpoint_id=path, no_dist=_alone(targets))
 
 
 def load(trainer: Any, path: str) -> None:
@@ -99,7 +104,8 @@ def load(trainer: Any, path: str) -> None:
     raises ValueError, before anything is read, when a saved tensor does not fit."""
     saved = _saved(path)
     targets = _targets(trainer, saved)
-    dcp.load(targets, checkpoint_id=path, no_dist=not isinstance(next(iter(targets["model"].values())), DTensor))
+    with _quiet():
+        dcp.load(targets, checkpoint_id=path, no_dist=_alone(targets))
     if trainer.master.pairs and not targets["master"]:  # saved without fp32 copies (an fp32 run's)
         trainer.master.read_model()
 
@@ -211,11 +217,25 @@ def _whole(trainer: Any, path: str) -> dict[str, Any]:
             optim[name] = per_param[index]
         if m is not p and f"master.{name}" in saved:
             master[name] = _empty(m)
-    dcp.load({"optim": optim, "master": master}, checkpoint_id=path, no_dist=True)
+    with _quiet():
+        dcp.load({"optim": optim, "master": master}, checkpoint_id=path, no_dist=True)
     groups = trainer.optimizer.state_dict()["param_groups"]
     copies = [master[n] for n, p, m in _pairs(trainer) if m is not p and n in master]
     return {"optimizer": {"state": per_param, "param_groups": groups},
             "master": copies if len(copies) == len(trainer.master.pairs) else []}
+
+
+def _alone(targets: dict[str, Any]) -> bool:
+    """Whether this process reads or writes the checkpoint by itself (an unsharded trainer: no group)."""
+    return not any(isinstance(t, DTensor) for t in targets["model"].values())
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Without DCP's warning that it reads or writes in one process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
