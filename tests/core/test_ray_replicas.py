@@ -5,8 +5,8 @@ actors take the weights from it over a process group of two each (gloo here, on 
 Ray's object store. One model with 2 replica actors and 2 trainer ranks (in the model actor),
 multi-turn client actors: the run trains to the end, both replica actors serve every new version
 after each step and hold the model actor's weights bit for bit, both get episodes, and what trained
-is whole. A replica actor killed as a sync starts is replaced (a new actor, a new group) and the run
-goes on. The cluster is a throwaway `ray start --head` (tests/ray_cluster.py), shared by the module.
+is whole. A replica actor killed, or stopped (hung), as a sync starts is replaced (a new actor, a
+new group) while the other replica and the run go on. The cluster is a throwaway `ray start --head` (tests/ray_cluster.py), shared by the module.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from core.config_io import load_config
 from core.engine import SamplingParams
 from core.engine.replicas import ReplicaEngine
 from core.ray.actors import ModelActor
+from core.ray import replicas
 from core.ray.replicas import RayReplica
 from tests.core.turns_agent import TURNS
 from tests.ray_cluster import local_ray_cluster
 
 STEPS = 3
+HUNG_SYNC_S = 20.0  # the sync's deadline in the hang test: above a sync's time on a busy host, below SILENT_S
 BACK_S = 180.0  # how long a replaced replica actor may take to start and catch up on a busy 2-core host
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,20 +130,25 @@ def test_a_ray_run_syncs_replica_actors_over_process_groups_after_every_step(ray
 
 
 @pytest.mark.slow
-def test_a_replica_actor_killed_as_a_sync_starts_is_replaced_and_the_run_goes_on(ray_address, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_replica_actor_killed_or_hung_in_a_sync_alone_is_replaced_and_the_run_goes_on(ray_address, tmp_path,
+                                                                                       monkeypatch, sig):
     from core.run.placement import core_run
 
+    # A hung replica is found by the sync's deadline (its heartbeat would wait SILENT_S, 60 s).
+    monkeypatch.setattr(replicas, "SYNC_S", HUNG_SYNC_S)
     core = core_run(replica_run_config(ray_address, tmp_path, steps=4))
     engine = core.server.policies["policy"].engine
     link = core.trainers["policy"].link
-    first = engine.replicas[0]
+    first, other = engine.replicas
+    other_pid = other.pid
     killed: list[int] = []
     sync = first.sync
 
-    def dying_sync(layout, version):  # SIGKILL the replica actor's process once its sync is under way
+    def dying_sync(layout, version):  # SIGKILL (or SIGSTOP) the replica actor's process as its sync starts
         if not killed and version >= 1:
             killed.append(first.pid)
-            os.kill(first.pid, signal.SIGKILL)
+            os.kill(first.pid, sig)
         return sync(layout, version)
 
     first.sync = dying_sync
@@ -152,7 +159,7 @@ def test_a_replica_actor_killed_as_a_sync_starts_is_replaced_and_the_run_goes_on
         deadline = time.monotonic() + BACK_S
         while engine.replicas[0] is None and time.monotonic() < deadline:
             time.sleep(0.5)  # restarted in the background; the run did not wait for it
-        back, rows = engine.replicas[0], engine.status()
+        back, rows, still = engine.replicas[0], engine.status(), (engine.replicas[1], other.lost, other.pid)
         groups = link.call("info")["weights_groups"]
         digests = {link.call("weights_digest")} | {r.weights_digest() for r in engine.replicas if r is not None}
         core.stop_clients()
@@ -160,6 +167,9 @@ def test_a_replica_actor_killed_as_a_sync_starts_is_replaced_and_the_run_goes_on
         core.server.close()
     assert killed and core.failure is None and core.step == 4  # the run went on past the lost replica
     assert first.lost  # found dead by the transfer or its heartbeat, whichever came first: killed, not behind
+    if sig == signal.SIGSTOP:  # alive but silent: only the transfer's deadline finds it (then it is killed)
+        assert "weight transfer failed: GetTimeoutError" in first.lost, first.lost
+    assert still == (other, None, other_pid)  # only that replica went: the other kept its actor and group
     assert back is not None and back is not first and back.pid != killed[0]
     # The new actor joined a new group; the dead one's was dropped by the model actor.
     assert sorted(groups) == sorted(r.key for r in engine.replicas) and first.key not in groups
