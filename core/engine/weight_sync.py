@@ -13,7 +13,8 @@ arithmetic).
 Packing: the trainable parameters in their order, cut into buckets of one dtype of at most
 `BUCKET_BYTES` each (a larger tensor is a bucket of its own); a bucket is flattened into one buffer
 and broadcast, the replica receives it and copies each slice into its parameter (a one-tensor bucket
-goes straight into the parameter where it can). Memory in flight: each side of a sync cuts its
+goes straight into the parameter where it can); a vLLM replica, whose module holds no weights, hands
+each received bucket to vLLM's model instead (`receive_streamed`). Memory in flight: each side of a sync cuts its
 buckets into two reusable buffers, used in turn; a buffer is reused only when the broadcast that
 last used it has finished (`_Slots`: gloo's blocking `wait`, a CUDA event under NCCL, whose `wait`
 does not block the CPU). So at most two buckets are in flight per replica, and a sync holds 2 x
@@ -268,6 +269,21 @@ def receive_weights(group: Any, params: list[torch.nn.Parameter], layout: Layout
         slots.drain()
 
 
+def receive_streamed(group: Any, layout: Layout, device: torch.device, load: Callable[[list], None],
+                     cap: int = BUCKET_BYTES) -> None:
+    """The replica's half for an engine that takes the weights into its own model (a vLLM replica keeps
+    no module copy): each bucket received into a fresh buffer and handed to `load` as (name, tensor)
+    views. Fresh, not one of two reused slots: the engine may keep a view until a layer's last weight
+    comes (vLLM's layerwise load), so only one bucket's buffer, plus what the engine still holds, is live."""
+    with torch.no_grad():
+        for bucket in buckets(layout, cap):
+            sizes = [math.prod(layout[j][1]) for j in bucket]
+            flat = torch.empty(sum(sizes), dtype=_dtype(layout[bucket[0]][2]), device=device)
+            _broadcast(group, flat).wait()  # gloo: received; NCCL: the copies `load` makes follow it on the stream
+            views = flat.split(sizes)
+            load([(layout[j][0], v.view(layout[j][1])) for j, v in zip(bucket, views)])
+
+
 def sync_replica(engine: Any, load: Callable[[], None], version: int) -> int:
     """`load()` the weights between two decode steps and serve `version` from then on; returns it
     (`WorkerEngine.replace_weights`: a vLLM replica then streams them into vLLM's copy)."""
@@ -318,10 +334,17 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """The replica's end: its group, the layout it accepted and the parameters that layout names."""
+    """The replica's end: its group, the layout it accepted and the parameters that layout names.
 
-    def __init__(self, module: torch.nn.Module, device: str):
-        self.module, self.device = module, device
+    `load`: where the buckets go instead of the module's parameters (`receive_streamed`), for an engine
+    that holds the weights itself and a module that holds none (on the meta device: it still names and
+    shapes them, so the layout is checked against it). `torn`: a receive began and did not finish, so
+    the weights are part old, part new; the replica must not serve them (it exits and is restarted)."""
+
+    def __init__(self, module: torch.nn.Module, device: str, load: Callable[[list], None] | None = None):
+        self.module, self.device, self.load = module, device, load
+        self.torn = False
+        self.cap = BUCKET_BYTES  # the sender's
         self.group: Any = None
         self.buffers = torch.device("cpu")
         self.layout: Layout | None = None
@@ -344,10 +367,19 @@ class WeightReceiver:
     def receive(self) -> None:
         if self.group is None or self.layout is None:
             raise RuntimeError("no weights group, or no layout accepted")
-        receive_weights(self.group, self.params, self.layout, self.buffers)
+        if self.load is None and any(p.device.type == "meta" for p in self.params):
+            raise RuntimeError("this replica's module holds no weights to receive into, and no engine takes them")
+        self.torn = True
+        if self.load is not None:
+            receive_streamed(self.group, self.layout, self.buffers, self.load, self.cap)
+        else:
+            receive_weights(self.group, self.params, self.layout, self.buffers, self.cap)
+        self.torn = False
 
     def digest(self) -> str:
         """`weights_digest` of the parameters the layout names, as this replica holds them."""
+        if self.load is not None:
+            raise RuntimeError("this replica's engine holds its weights in its own layout: no copy to digest")
         return weights_digest((n, p) for (n, _, _), p in zip(self.layout or [], self.params))
 
 

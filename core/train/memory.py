@@ -86,16 +86,20 @@ class DeviceUse:
         return max(self.rollout_gb, self.step_gb)
 
 
-def replica_use(fp: Footprint, engine: str, utilization: float, device_gb: float | None) -> tuple[float, float]:
+def replica_use(fp: Footprint, engine: str, utilization: float, device_gb: float | None,
+                module_copy: bool = False) -> tuple[float, float]:
     """(awake, asleep) GB of one rollout replica on a GPU of `device_gb`. A vLLM replica takes
     `utilization` of the GPU for its weights, activations and KV cache (vLLM's own budget; unknown
-    device: its weights alone) and frees it asleep; beside it the replica process keeps the module
-    the weight sync fills (`core.engine.replica_child`): a second copy of the weights, awake or not.
-    An hf replica holds its weights alone (its KV cache is not counted) and keeps them asleep."""
+    device: its weights alone) and frees it asleep (its weights kept in host memory). A replica
+    process keeps no other copy: the sync loads into vLLM's model (`core.engine.replica_child`);
+    `module_copy`: one that still keeps the module the sync fills (a Ray replica actor) holds a second
+    copy of the weights, awake or not. An hf replica holds its weights alone (its KV cache is not
+    counted) and keeps them asleep."""
     if engine != "vllm":
         return fp.replica_gb, fp.replica_gb
     budget = utilization * device_gb if device_gb is not None else fp.replica_gb
-    return budget + fp.replica_gb, fp.replica_gb
+    copy = fp.replica_gb if module_copy else 0.0
+    return budget + copy, copy
 
 
 def device_use(trainer_gb: float, offload: bool, replicas: list[tuple[float, float, bool]]) -> DeviceUse:

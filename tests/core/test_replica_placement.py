@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from core.config import model_devices
 from core.config_io import ConfigError, load_config
 from core.run.cli import app
-from core.train.memory import choose_sharding, footprint
+from core.train.memory import choose_sharding, footprint, replica_use
 from core.run.plan import describe, plan
 
 
@@ -133,14 +133,22 @@ def colocated_7b(tmp_path, offload: bool):
 
 
 def test_a_7b_colocated_layout_that_does_not_fit_80gb_is_refused_saying_offload_would(tmp_path, two_80gb_gpus):
-    # Rollout: the rank's 61 GB + vLLM's 0.4 x 80 = 32 GB + the replica's own 15 GB copy = 108 GB.
-    with pytest.raises(ConfigError, match=r"cuda:0 would hold 10[0-9]\.\d GB .*but has 80\.0 GB; "
-                                          r"with models\.0\.trainer\.offload: true the fullest GPU would hold 7\d\.\d GB"):
+    # Rollout: the rank's 61 GB + vLLM's 0.4 x 80 = 32 GB = 93 GB; the replica process keeps no second copy.
+    with pytest.raises(ConfigError, match=r"cuda:0 would hold 9[0-9]\.\d GB \(9[0-9]\.\d GB during rollout.*"
+                                          r"but has 80\.0 GB; "
+                                          r"with models\.0\.trainer\.offload: true the fullest GPU would hold 6\d\.\d GB"):
         plan(colocated_7b(tmp_path, offload=False))
 
 
+def test_a_vllm_replica_process_counts_no_second_copy_of_the_weights_and_a_ray_replica_does():
+    fp = footprint(load_config({"models": [{"device": "cuda", "dtype": "bfloat16"}]}),
+                   load_config({"models": [{"device": "cuda", "dtype": "bfloat16"}]}).models[0], on_gpu=True)
+    assert replica_use(fp, "vllm", 0.4, 80.0) == (32.0, 0.0)  # vLLM's share awake; asleep, its weights in host memory
+    assert replica_use(fp, "vllm", 0.4, 80.0, module_copy=True) == (32.0 + fp.replica_gb, fp.replica_gb)
+
+
 def test_a_7b_colocated_layout_fits_80gb_once_the_trainer_offloads_during_rollout(tmp_path, two_80gb_gpus):
-    # Rollout: 32 + 15 GB of replica; the step: the rank's 61 GB + the sleeping replica's 15 GB copy = 76 GB.
+    # Rollout: vLLM's 32 GB; the step: the rank's 61 GB beside the sleeping replica (nothing on the GPU).
     text = describe(colocated_7b(tmp_path, offload=True))
     assert "2 vllm replicas (colocated)" in text
 

@@ -102,3 +102,10 @@ def test_after_a_full_weight_sync_both_vllm_replicas_generate_from_the_new_weigh
         shared = min(len(old.logprobs), len(new.logprobs))
         assert max(abs(a - b) for a, b in zip(old.logprobs[:shared], new.logprobs[:shared])) > 10 * LOGPROB_TOLERANCE
 
+
+
+def test_a_vllm_replica_holds_its_weights_once_in_vllm_with_no_module_copy_to_digest(full):
+    engine, *_ = full
+    for replica in engine.replicas:  # its module is on the meta device: the syncs went straight into vLLM
+        with pytest.raises(RuntimeError, match="no copy to digest"):
+            replica.weights_digest()
