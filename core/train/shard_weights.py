@@ -33,8 +33,8 @@ def fill(module: torch.nn.Module, source: torch.nn.Module | None) -> None:
 
 
 class Gathers:
-    """Rank 0's side of the gathers of one streamed sync (`core.train.sharded.ShardedTrainer.stream_weights`): each weight
-    made whole in the order every rank walks the parameters (`core.train.sharded._Shard.gather_weights`), once."""
+    """Rank 0's side of the gathers of one streamed sync (`ShardedTrainer.stream_weights`): each weight
+    made whole once, in the order every rank walks the parameters (`_Shard.gather_weights`)."""
 
     def __init__(self, model: torch.nn.Module):
         named = list(model.named_parameters())
