@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: 23k SmolLM2 fp32 tokens (vLLM logs it); beyond, vLLM preempts
 # vLLM sleep levels: 1 offloads the weights to host memory and drops the KV cache; 2 drops both. A
-# full fine-tune reloads every weight after the step anyway (2); LoRA keeps its frozen base (1).
+# full fine-tune reloads every weight after the step anyway (2); LoRA keeps its frozen base (1), and
+# so does a replica without its module's copy, which has nothing to reload the weights from (1).
 SLEEP_LEVEL_FULL, SLEEP_LEVEL_LORA = 2, 1
 
 
