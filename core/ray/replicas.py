@@ -42,9 +42,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from core.config import ModelConfig, RunConfig
 from core.engine import EngineLoad, Generation, SamplingParams
 from core.engine.process import SILENT_S, START_S, ReplicaHandle, ReplicaLost
-from core.engine.replica_child import GROUP_FACTOR, HEARTBEAT_S, SYNC_S, ReplicaSpec, build_replica
+from core.engine.replica_child import GROUP_FACTOR, HEARTBEAT_S, SYNC_S, ReplicaSpec, build_replica, replica_receiver
 from core.engine.replicas import ReplicaEngine
-from core.engine.weight_sync import Layout, WeightReceiver, sync_replica
+from core.engine.weight_sync import Layout, sync_replica
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,9 @@ class ReplicaActor:
     """One replica engine in a Ray actor; every method is async, blocking work runs on a thread."""
 
     def __init__(self, spec: ReplicaSpec):
-        self.engine, self.policy = build_replica(spec)
-        self.receiver = WeightReceiver(self.policy, spec.model["device"])
+        # As a replica process: a vLLM replica keeps no module copy, a full fine-tune's buckets go into vLLM.
+        self.engine, self.policy = build_replica(spec, stream_weights=True)
+        self.receiver = replica_receiver(self.engine, self.policy, spec.model["device"])
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return await self.engine.generate(prompt_ids, params)
@@ -77,8 +78,14 @@ class ReplicaActor:
         return self.receiver.expect(layout)
 
     async def sync(self, version: int) -> int:
-        """Receive the weights the model actor broadcasts now, between two decode steps; serve `version`."""
-        return await asyncio.to_thread(sync_replica, self.engine, self.receiver.receive, version)
+        """Receive the weights the model actor broadcasts now, between two decode steps; serve `version`.
+        A receive torn part-way (part old, part new weights) ends this actor: it must never serve them."""
+        try:
+            return await asyncio.to_thread(sync_replica, self.engine, self.receiver.receive, version)
+        except Exception:
+            if self.receiver.torn:
+                os._exit(1)  # the handle sees the actor die and the router starts a new one
+            raise
 
     async def weights_digest(self) -> str:
         """`weights_digest` of the parameters the layout names, as this replica holds them."""

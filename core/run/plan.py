@@ -133,7 +133,7 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
     if m.trainer.offload and sharding == "fsdp2":
         raise ConfigError(f"{key}.trainer.offload: sharding auto chose fsdp2 here, whose shards are not offloaded; "
                           "set trainer.sharding replicate, or drop offload")
-    _check_memory(cfg, key, m, fp, ranks, replicas, per_rank, sharding, set() if ray else set(sleeping_replicas(m, gpus)), ray)
+    _check_memory(cfg, key, m, fp, ranks, replicas, per_rank, sharding, set() if ray else set(sleeping_replicas(m, gpus)))
     lora = f", LoRA r={m.lora.r}" if m.lora is not None else ""
     chosen = f"{sharding} (auto)" if m.trainer.sharding == "auto" else sharding
     other = (f"rank 0 + {_size(fp.replica_gb)} of full weights for engines; replicated {_size(fp.rank_gb)}"
@@ -157,7 +157,7 @@ def _spread_model(cfg: RunConfig, index: int, m: ModelConfig, ray: bool, warning
 
 
 def _check_memory(cfg: RunConfig, key: str, m: ModelConfig, fp: Footprint, ranks: list[str], replicas: list[str],
-                  per_rank: float, sharding: str, asleep: set[int], ray: bool) -> None:
+                  per_rank: float, sharding: str, asleep: set[int]) -> None:
     """Raise ConfigError for a GPU of this machine whose need in either phase of a step
     (`core.train.memory.device_use`) exceeds its memory, saying what would fit."""
     def uses(offload: bool, utilization: float) -> dict[str, DeviceUse]:
@@ -168,7 +168,7 @@ def _check_memory(cfg: RunConfig, key: str, m: ModelConfig, fp: Footprint, ranks
             trainer_on[d] = trainer_on.get(d, 0.0) + per_rank + extra
         replicas_on: dict[str, list[tuple[float, float, bool]]] = {}
         for j, d in enumerate(replicas):
-            awake, resting = replica_use(fp, cfg.engine.kind, utilization, device_memory_gb(d), module_copy=ray)
+            awake, resting = replica_use(fp, cfg.engine.kind, utilization, device_memory_gb(d))
             replicas_on.setdefault(d, []).append((awake, resting, j in asleep))
         return {d: device_use(trainer_on.get(d, 0.0), offload, replicas_on.get(d, []))
                 for d in dict.fromkeys([*ranks, *replicas])}

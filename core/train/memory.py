@@ -91,8 +91,8 @@ def replica_use(fp: Footprint, engine: str, utilization: float, device_gb: float
     """(awake, asleep) GB of one rollout replica on a GPU of `device_gb`. A vLLM replica takes
     `utilization` of the GPU for its weights, activations and KV cache (vLLM's own budget; unknown
     device: its weights alone) and frees it asleep (its weights kept in host memory). A replica
-    process keeps no other copy: the sync loads into vLLM's model (`core.engine.replica_child`);
-    `module_copy`: one that still keeps the module the sync fills (a Ray replica actor) holds a second
+    (a process, or a Ray actor) keeps no other copy: the sync loads into vLLM's model
+    (`core.engine.replica_child`); `module_copy`: one that kept the module the sync fills would hold a second
     copy of the weights, awake or not. An hf replica holds its weights alone (its KV cache is not
     counted) and keeps them asleep."""
     if engine != "vllm":
