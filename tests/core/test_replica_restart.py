@@ -4,7 +4,9 @@ that version (core/engine/replicas.py, issue 41 section 8), on 2 real hf replica
 Before, the restarted replica's catch-up sync read rank 0's module whenever it was up: in the middle of
 an on-policy step (between `hold` and `resume`) or of an overlapped one (inside `swap_weights`), so it
 got half the old weights and half the new ones under the old version's label, and was routed to.
-Here every sync the restarted replica takes carries exactly the weights of the version it names.
+Here every sync the restarted replica takes carries exactly the weights of the version it names. And a
+replica whose sync fails part-way in its process exits unanswered (so it is restarted and catches up)
+instead of answering an error and serving part old, part new weights under its old label.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import torch
 
 from core import models
 from core.config_io import load_config
+from core.engine import process
+from core.engine.process import ProcessEngine, ReplicaSpec
 from core.engine.replicas import make_model_engine
 from core.engine.weight_sync import weights_digest, weights_of
+from tests.core import torn_replica
 from tests.core.test_replicas import RESTART_WAIT_S, _digests_match, _wait_all_healthy
 
 # How long the step keeps its module half written once the restarted replica is up: far longer than a
 # tiny model's sync (milliseconds), which the catch-up, if it read the module now, would be done with.
 HALF_WRITTEN_S = 3.0
+EXIT_S = 30.0  # how long a replica whose sync tore may take to exit: it exits at once; this only bounds a hang
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +100,21 @@ def test_a_replica_restarted_during_a_step_catches_up_with_one_version_under_its
         f"a sync labelled version {syncs[0][0]} carried other weights (the module mid-step)"
     assert [s["version"] for s in engine.status()] == [before + 1] * 2
     assert _digests_match(engine, model)
+
+
+def test_a_replica_whose_sync_fails_part_way_exits_unanswered_rather_than_serve_a_mix(monkeypatch):
+    monkeypatch.setattr(process, "replica_main", torn_replica.main)
+    cfg = load_config({"models": [{"device": "cpu"}]})
+    model, _ = models.load(cfg.models[0])
+    spec = ReplicaSpec(index=0, model=cfg.models[0].model_dump(), engine=cfg.engine.model_dump(), max_context=256,
+                       seed=0, threads=1)
+    lost: list[str] = []
+    replica = ProcessEngine(spec, 60.0, lambda _, why: lost.append(why))
+    try:
+        with pytest.raises(RuntimeError, match="could not load the weights"):
+            replica.sync(weights_of(model), 1)
+        replica.proc.join(EXIT_S)
+        assert replica.proc.exitcode == 1, "the replica answered and stayed up with part of the new weights"
+        assert replica.lost and lost  # out of service: the router restarts it, and it catches up whole
+    finally:
+        replica.close()
