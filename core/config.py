@@ -123,39 +123,6 @@ class ModelConfig(Strict):
         return self
 
 
-def model_devices(mc: ModelConfig, gpus: int) -> tuple[list[str], list[str]]:
-    """(trainer rank devices, replica devices) of a model on a machine with `gpus` GPUs.
-
-    A cpu model (or `auto` without a GPU) puts everything on cpu. On GPUs the defaults follow
-    `layout`: ranks on cuda:0..M-1; replicas colocated on cuda:0..N-1 (sharing the ranks' GPUs) or
-    split onto cuda:M..M+N-1. Explicit `trainer.devices` / `replica_devices` win. Pure: the caller
-    says how many GPUs there are, so `--dry-run` can plan for a machine it is not on."""
-    on_cpu = mc.device == "cpu" or (mc.device == "auto" and gpus == 0)
-    m, n = mc.trainer.world_size, mc.replicas
-    if on_cpu:
-        return mc.trainer.devices or ["cpu"] * m, mc.replica_devices or ["cpu"] * n
-    ranks = mc.trainer.devices or ([mc.device] if m == 1 else [f"cuda:{i}" for i in range(m)])
-    first = 0 if mc.layout == "colocated" else m
-    return ranks, mc.replica_devices or [f"cuda:{first + i}" for i in range(n)]
-
-
-def sleeping_replicas(mc: ModelConfig, gpus: int) -> list[int]:
-    """The replicas that sleep during the trainer's step: `layout: colocated` put them on a GPU that
-    also holds a trainer rank, which needs the memory for its gradients and optimizer state. None on
-    CPU (host memory is not what a step runs short of) or when split."""
-    if mc.layout != "colocated" or mc.replicas < 2:
-        return []
-    ranks, replicas = model_devices(mc, gpus)
-
-    def gpu(d: str) -> str | None:  # the same GPU however it is named ("auto" and "cuda" are cuda:0 here)
-        if d == "auto":
-            return "cuda:0" if gpus else None
-        return (d if ":" in d else d + ":0") if d.startswith("cuda") else None
-
-    trained = {gpu(d) for d in ranks} - {None}
-    return [i for i, d in enumerate(replicas) if gpu(d) in trained]
-
-
 class EngineConfig(Strict):
     kind: Literal["hf", "instant", "vllm"] = "hf"  # instant: the null engine, answers at once (benchmarks)
     max_batch: int = Field(32, ge=1)  # most sequences decoded together in one forward pass

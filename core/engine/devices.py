@@ -15,9 +15,12 @@ buffers while the other did not would fail or hang at the first collective.
 The environment is applied by the child itself, first thing (`run_pinned`), not by changing the
 parent's `os.environ` around `Process.start`: the run process has threads (NCCL's, CUDA's, the
 server's) that read the environment, and `setenv` beside a concurrent `getenv` may crash. Nothing
-touches CUDA before it: importing torch or transformers does not initialise it. Deliberately not
-here: which device each process gets (`core.config.model_devices`), and Ray's actors (Ray sets the
-variable for the GPUs it reserves).
+touches CUDA before it: importing torch or transformers does not initialise it.
+
+Which device each process gets is here too (`model_devices`, and `sleeping_replicas`: the replicas
+that share a trainer rank's GPU), pure functions of a model's config and a GPU count, so `--dry-run`
+plans for a machine it is not on. Deliberately not here: Ray's actors (Ray sets the variable for the
+GPUs it reserves), and the memory plan (`core.run.plan`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import multiprocessing
 import os
 from collections.abc import Callable
 from typing import Any
+
+from core.config import ModelConfig
 
 NCCL_ENV = {
     # cuMem-backed NCCL buffers off on both ends: vLLM turns them off in its own process (they broke
@@ -79,3 +84,36 @@ def spawn_pinned(device: str, target: Callable[..., Any], args: tuple, name: str
         target=run_pinned, args=(child_env(device), target, *args), name=name, daemon=True)
     proc.start()
     return proc
+
+
+def model_devices(mc: ModelConfig, gpus: int) -> tuple[list[str], list[str]]:
+    """(trainer rank devices, replica devices) of a model on a machine with `gpus` GPUs.
+
+    A cpu model (or `auto` without a GPU) puts everything on cpu. On GPUs the defaults follow
+    `layout`: ranks on cuda:0..M-1; replicas colocated on cuda:0..N-1 (sharing the ranks' GPUs) or
+    split onto cuda:M..M+N-1. Explicit `trainer.devices` / `replica_devices` win. Pure: the caller
+    says how many GPUs there are, so `--dry-run` can plan for a machine it is not on."""
+    on_cpu = mc.device == "cpu" or (mc.device == "auto" and gpus == 0)
+    m, n = mc.trainer.world_size, mc.replicas
+    if on_cpu:
+        return mc.trainer.devices or ["cpu"] * m, mc.replica_devices or ["cpu"] * n
+    ranks = mc.trainer.devices or ([mc.device] if m == 1 else [f"cuda:{i}" for i in range(m)])
+    first = 0 if mc.layout == "colocated" else m
+    return ranks, mc.replica_devices or [f"cuda:{first + i}" for i in range(n)]
+
+
+def sleeping_replicas(mc: ModelConfig, gpus: int) -> list[int]:
+    """The replicas that sleep during the trainer's step: `layout: colocated` put them on a GPU that
+    also holds a trainer rank, which needs the memory for its gradients and optimizer state. None on
+    CPU (host memory is not what a step runs short of) or when split."""
+    if mc.layout != "colocated" or mc.replicas < 2:
+        return []
+    ranks, replicas = model_devices(mc, gpus)
+
+    def gpu(d: str) -> str | None:  # the same GPU however it is named ("auto" and "cuda" are cuda:0 here)
+        if d == "auto":
+            return "cuda:0" if gpus else None
+        return (d if ":" in d else d + ":0") if d.startswith("cuda") else None
+
+    trained = {gpu(d) for d in ranks} - {None}
+    return [i for i, d in enumerate(replicas) if gpu(d) in trained]

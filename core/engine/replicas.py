@@ -14,7 +14,8 @@ prefix (KV) cache serves the next turn. A call without an episode is routed but 
 
 Weight sync. The run loop drives this engine as it drives a local one: `hold`/`pause_blocking`
 before a step, `resume(version)` after it (on-policy), or `swap_weights(apply)` (overlapped).
-When the version moves, the trainer's trainable parameters are sent to every replica (in parallel:
+When the version moves, the trainer's trainable parameters are sent to every replica (in parallel,
+or one after another when streamed from an FSDP2 trainer's shards, `core.engine.replica_sync`:
 a broadcast over each replica's own group, `core.engine.weight_sync`: from this process to a replica
 process, from the model actor to a replica actor under Ray), which then reports the new version; a replica that does not
 is a `ReplicaBehind` error, raised to the loop: the run fails loudly instead of training on while
@@ -48,11 +49,13 @@ from typing import Any
 
 import torch
 
-from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
+from core.config import ModelConfig, RunConfig
+from core.engine.devices import model_devices, sleeping_replicas
 from core.engine import Engine, EngineLoad, Generation, GenerationError, SamplingParams
 from core.engine.factory import make_engine
 from core.engine.routing import EPISODE
 from core.engine.process import ProcessEngine, ReplicaLost, ReplicaSpec
+from core.engine.replica_sync import Stream, send_to, sync_replicas
 from core.engine.weight_sync import weights_of
 
 log = logging.getLogger(__name__)
@@ -79,7 +82,7 @@ class ReplicaEngine(Engine):
         dict of the live tensors for processes, the model actor's layout under Ray); `start(i, on_lost)`
         builds replica slot i (a `ProcessEngine` or an actor handle); `route_wait_s` bounds how long a new
         episode waits for an eligible replica before its call fails; `sleepers`: the slots colocated on a
-        trainer rank's GPU (`core.config.sleeping_replicas`), put to sleep during the step (`sleep_during_step`);
+        trainer rank's GPU (`core.engine.devices.sleeping_replicas`), put to sleep during the step (`sleep_during_step`);
         `on_lost(episode_ids)`: told the open episodes of a lost replica (the run aborts them); `is_open(episode_id)`:
         whether a pinned episode is still open (a pin of one that ended is forgotten). Without them (a
         server that trains nothing) a lost replica's episodes fail at their next call and pins age out."""
@@ -97,6 +100,7 @@ class ReplicaEngine(Engine):
         # read it. Waited on under `_version_lock`; False also after a sync that did not go through.
         self._stable, self._held = True, False
         self._settled = threading.Condition(self._version_lock)
+        self._stream: Stream | None = None  # the trainer's shards, once it keeps no module (`stream_syncs`)
         self._pins: OrderedDict[str, int] = OrderedDict()
         self.restarts = [0] * count
         self.episodes_total = [0] * count  # episodes ever routed to each replica slot
@@ -231,6 +235,14 @@ class ReplicaEngine(Engine):
         self._settle()
         return changed
 
+    def stream_syncs(self, stream: Stream) -> bool:
+        """Every later sync (a restarted replica's catch-up too) streams from a trainer that keeps no whole
+        module, one replica after another (`core.engine.replica_sync`); a catch-up still waits for the
+        step boundary (`_stable`), and the trainer's lock keeps its stream off the step's collectives."""
+        with self._version_lock:  # not while a sync or a catch-up reads the module
+            self._stream = stream
+        return True
+
     def _unsettle(self) -> None:
         """The module is about to be written: wait out a catch-up sync reading it, then let none start."""
         with self._settled:
@@ -249,24 +261,7 @@ class ReplicaEngine(Engine):
 
     def _sync_locked(self, version: int) -> None:
         started = time.perf_counter()
-        weights = self.weights()
-        behind: list[str] = []
-        threads = []
-
-        def push(i: int, r: Any) -> None:
-            try:
-                served = r.sync(weights, version)
-                if served != version:
-                    behind.append(f"replica {i} serves {served}, not {version}")
-            except Exception as e:  # noqa: BLE001 - whatever a replica raised (a Ray task error too) counts
-                if r.healthy():  # alive and still not synced: behind. A lost one is restarted and synced.
-                    behind.append(f"replica {i}: {e}")
-        for i, r in enumerate(self.replicas):
-            if r is not None and r.healthy():
-                threads.append(threading.Thread(target=push, args=(i, r), daemon=True))
-                threads[-1].start()
-        for t in threads:
-            t.join()
+        behind = sync_replicas(list(self.replicas), version, self.weights, self._stream)
         self.last_sync_s = time.perf_counter() - started
         if behind:
             raise ReplicaBehind(f"weights version {version} did not reach every replica: {'; '.join(behind)}")
@@ -313,7 +308,7 @@ class ReplicaEngine(Engine):
                     if self._closed.is_set():  # closed while it started or waited: it must not outlive the engine
                         replica.close()
                         return
-                    replica.sync(self.weights(), self.version)
+                    send_to(replica, self.version, self.weights, self._stream)  # streamed: between steps
                     if self._held:  # a step began while it caught up: admit nothing until its resume
                         replica.hold()
                     self.replicas[index] = replica

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import ModelConfig, RunConfig, model_devices, sleeping_replicas
+from core.config import ModelConfig, RunConfig
 from core.config_io import ConfigError
-from core.engine.devices import child_env, local_device
+from core.engine.devices import child_env, local_device, model_devices, sleeping_replicas
 from core.train.memory import (DeviceUse, Footprint, device_memory_gb, device_use, footprint, rank_gb, replica_use,
                                sharding_of)
 

@@ -44,8 +44,8 @@ import torch
 import torch.distributed as dist
 
 from core import models
-from core.config import ModelConfig, RunConfig, TrainerConfig, model_devices
-from core.engine.devices import local_device
+from core.config import ModelConfig, RunConfig, TrainerConfig
+from core.engine.devices import local_device, model_devices
 from core.engine.groups import process_group
 from core.models import prepare_policy
 from core.train.memory import sharding_of

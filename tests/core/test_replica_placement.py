@@ -9,7 +9,7 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from core.config import model_devices
+from core.engine.devices import model_devices
 from core.config_io import ConfigError, load_config
 from core.run.cli import app
 from core.train.memory import choose_sharding, footprint, replica_use

@@ -3,7 +3,7 @@
 On a GPU, `layout: colocated` puts replica i on trainer rank i's device, and those replicas give
 their memory back while the trainer steps. This machine has no GPU: the replicas here are real hf
 replica processes on CPU, named as sleepers the way a colocated GPU layout names them
-(`core.config.sleeping_replicas`), so the call sequence and each child's own sleep state are
+(`core.engine.devices.sleeping_replicas`), so the call sequence and each child's own sleep state are
 checked; the memory a GPU would get back is 0 on CPU (nothing to release there, see the engines).
 """
 
@@ -18,7 +18,7 @@ import yaml
 from typer.testing import CliRunner
 
 from core import models
-from core.config import sleeping_replicas
+from core.engine.devices import sleeping_replicas
 from core.config_io import load_config
 from core.engine import SamplingParams
 from core.engine.process import ProcessEngine, ReplicaSpec
