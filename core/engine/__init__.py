@@ -143,6 +143,13 @@ class Engine(Protocol):
         """After the step, before `resume`: take back what `sleep_during_step` gave. Nothing by default."""
         return None
 
+    def stream_syncs(self, stream: Callable[[Callable[[dict[str, Any]], None]], None]) -> bool:
+        """Take every later weight sync from `stream` (an FSDP2 trainer's `stream_weights`: the weights as
+        shards made whole one at a time) instead of the trainer's module; returns whether it does, and
+        so whether the trainer may stop keeping a whole module. Not by default: an engine in the
+        trainer's process generates with that module."""
+        return False
+
     def status(self) -> list[dict[str, Any]]:
         """Each replica's row (device, health, served version, load, restarts) for the server's status and
         the run's metrics; none by default: an engine of one process is not a set of replicas."""
