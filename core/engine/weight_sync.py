@@ -230,7 +230,9 @@ def send_weights(group: Any, weights: dict[str, torch.Tensor], layout: Layout, d
             i, flat = slots.take(numel, _dtype(layout[bucket[0]][2]))
             offset = 0
             for j in bucket:
-                whole = whole if len(bucket) == 1 else _whole(tensors[j])
+                if len(bucket) > 1:
+                    whole = None  # the weight before goes first: never two made whole at once
+                    whole = _whole(tensors[j])
                 flat[offset: offset + whole.numel()].copy_(whole.reshape(-1))
                 offset += whole.numel()
             del whole  # the last weight made whole goes before the next bucket's first

@@ -174,6 +174,8 @@ def save_trainer(folder: Path, trainer: Trainer) -> None:
     folder.mkdir(parents=True)
     if trainer.lora:
         trainer.policy.save_pretrained(str(folder / ADAPTER_DIR))
+    elif not getattr(trainer, "keeps_module", True):  # an FSDP2 trainer whose replicas stream: from its shards
+        trainer.save_weights(str(folder / FULL_WEIGHTS))
     else:
         save_model(trainer.policy, str(folder / FULL_WEIGHTS))
     sharded = getattr(trainer, "save_sharded", None) is not None  # fsdp2: each rank writes its own shards

@@ -254,6 +254,8 @@ class CoreRun:
 
     def _train(self, on_step) -> None:
         registry = self.server.registry
+        for name, trainer in self.trainers.items():  # after `resume`: an FSDP2 trainer's replicas stream from its
+            getattr(trainer, "stream_to", lambda _: None)(self.server.policies[name].engine)  # shards (no module)
         idle_since = time.perf_counter()  # the trainer waits for groups from here
         while self.step < self.cfg.trainer.steps and not self.stop.is_set():
             # Taken under the step lock: a checkpoint sees the batch either still buffered or trained,

@@ -2,12 +2,19 @@
 holding a second whole model: `fill` gives every rank its shards of rank 0's module (one scatter a
 parameter: the policy at start and at a load, the KL reference at start); `Gathers` makes the
 trained weights whole one at a time for a streamed replica sync (`ShardedTrainer.stream_weights`,
-`core.engine.weight_sync.send_weights`), in the order every rank joins the gathers.
+`core.engine.weight_sync.send_weights`), in the order every rank joins the gathers;
+`write_safetensors` writes such a stream to a file (the checkpoint's weights of a trainer that keeps
+no whole module, `ShardedTrainer.save_weights`), one weight in memory at a time.
 
 Deliberately not here: sharding (`core.train.meta`), the step, and the transfer to a replica itself.
 """
 
 from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,3 +70,30 @@ class _Lazy:
 
     def full_tensor(self) -> torch.Tensor:
         return self.gathers.take(self.index)
+
+
+# safetensors' names of torch's dtypes (its format: an 8-byte header length, a JSON header, the raw bytes).
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(path: str, weights: dict[str, Any]) -> None:
+    """`weights` (tensors, or shards that `full_tensor()` makes whole, in the order they must be made
+    whole) as a safetensors file: the header from their shapes alone, then each one's bytes, made whole
+    and dropped in turn. What `safetensors.torch.load_file` reads back."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in weights.items():
+        nbytes = math.prod(t.shape) * t.dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in weights.values():
+            whole = t.full_tensor() if hasattr(t, "full_tensor") else t
+            f.write(whole.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            del whole

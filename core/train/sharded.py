@@ -6,12 +6,16 @@ AdamW's moments, as DTensors; FSDP2 all-gathers a layer's weights for its forwar
 reduce-scatters its gradients after. Rank 0 is the run's own process, as under
 `core.train.distributed`; ranks 1..M-1 are processes of this machine (`core.train.ranks`).
 
-`ShardedTrainer.policy` stays the run's full module (engines, replicas and checkpoints read it).
+`ShardedTrainer.policy` stays the run's full module (engines, replicas and checkpoints read it),
+unless every reader streams from the shards (`drop_module`: a model served by replicas alone).
+One rank's side (its `_Shard` trainer and process loop) is `core.train.shard_rank`.
 Every rank, rank 0 too, builds its model on the meta device (`core.train.meta`), shards it, then
 allocates its shards alone and takes their values from rank 0's module: no rank loads or copies the
 whole model. After a step that changed the weights every rank joins one all-gather per parameter
-(`DTensor.full_tensor`) and rank 0 copies the result into its full module. The KL reference is
-sharded the same way (`core.train.meta.shard_frozen`: frozen, no optimizer), filled from rank 0's
+(`DTensor.full_tensor`) and rank 0 copies the result into its full module (none after
+`drop_module`). Every method that drives the ranks holds one lock (`_one_at_a_time`): a replica's
+catch-up stream from another thread never interleaves its gathers with a step's collectives.
+The KL reference is sharded the same way (`core.train.meta.shard_frozen`: frozen, no optimizer), filled from rank 0's
 module at start, so no rank holds a whole reference; its forward is a collective too, so a pad pass
 (below) scores it as a real micro-batch does.
 
@@ -53,205 +57,35 @@ one trainer does; the only mixed-precision policy is the fp32 gradient reduction
 
 from __future__ import annotations
 
-import copy
-import datetime
-from collections import defaultdict
+import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
-from core import models
 from core.config import ModelConfig, TrainerConfig
-from core.engine.devices import local_device, nccl_env
+from core.engine import Engine
 from core.train import sharded_checkpoint
-from core.train.meta import meta_model, shard, shard_frozen
-from core.train.packing import micro_batch_count, pack
+from core.train.meta import meta_model
+from core.train.packing import micro_batch_count
 from core.train.rng import set_rng_state
-from core.train.sharded_checkpoint import _scatter, _sharded, full, skeleton
-from core.train.shard_weights import Gathers, fill
-from core.train.ranks import (RANK_TIMEOUT_S, RankError, RankProcesses, backend_of, balance, free_port, reduce_sums,
-                              rank_seed, same_outcome, serve, tcp_store)
-from core.train.timelines import Sample
-from core.train.trainer import PreparedStep, Trainer, seed_everything
+from core.train.sharded_checkpoint import full, skeleton
+from core.train.shard_rank import _Shard, _all_reduce, _device, _join, _rank_main
+from core.train.shard_weights import Gathers, write_safetensors
+from core.train.ranks import RankError, RankProcesses, backend_of, balance, free_port, reduce_sums, same_outcome
+from core.train.trainer import PreparedStep, Trainer
 
 
-class _Shard(Trainer):
-    """One rank's trainer over its shard: the same loss and step as `Trainer`, on DTensor parameters."""
-
-    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, name: str, mesh: DeviceMesh, device: str,
-                 checkpointing: bool = False):
-        """`model` on the meta device (`core.train.meta`): sharded, then only its shards (and the KL
-        reference's, sharded the same way) allocated on `device`; their values come with
-        `take_weights` / `take_reference`."""
-        self.model = model  # the causal LM, sharded in place below
-        frozen = copy.deepcopy(model) if cfg.kl_coef > 0 else None  # still on meta: a copy costs nothing
-        self.scorer = shard(model, mesh, checkpointing)
-        model.to_empty(device=device)
-        self.frozen = shard_frozen(frozen, mesh) if frozen is not None else None
-        if self.frozen is not None:
-            self.frozen.to_empty(device=device)
-        super().__init__(self.scorer, cfg, name, lora=False)
-
-    def _make_reference(self, policy: torch.nn.Module) -> torch.nn.Module:
-        assert self.frozen is not None  # made whenever kl_coef > 0
-        return self.frozen.model  # its causal LM, whose parameters are DTensor shards
-
-    def _reference_logprobs(self, mb: Any) -> torch.Tensor:
-        """A collective, as the policy's pass: every rank scores the reference as often as the policy."""
-        assert self.frozen is not None
-        with torch.no_grad():
-            return self.frozen(mb, mb.loss_mask)[0]
-
-    def _logprobs(self, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.scorer(mb, mb.loss_mask)
-
-    def _clip(self, params: list[torch.nn.Parameter]) -> float:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # every rank's shards in one norm
-        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, norm)
-        return float(norm)
-
-    def accumulate(self, share: list[Sample], normalizer: float, passes: int, pad: Sample | None) -> dict[str, float]:
-        """This rank's share through `passes` forward/backward passes, the last ones zero-weighted on `pad`."""
-        sums: dict[str, float] = defaultdict(float)
-        if passes == 0:
-            return sums
-        device = next(self.scorer.parameters()).device
-        batches = pack(share, self.cfg.micro_batch_tokens) if share else []
-        self.scorer.train()
-        for mb in batches:  # no early stop on a non-finite loss: the other ranks wait in each pass
-            self._micro_batch(mb.to(device), normalizer, sums).backward()
-        for _ in range(passes - len(batches)):
-            assert pad is not None  # rank 0 sends one whenever a rank runs fewer micro-batches than passes
-            padded = pack([pad], self.cfg.micro_batch_tokens)[0].to(device)
-            logp, _ = self._logprobs(padded)
-            if self.frozen is not None:  # the reference's gathers too, as in a real micro-batch's pass
-                self._reference_logprobs(padded)
-            (torch.where(torch.isfinite(logp), logp, 0.0).sum() * 0.0).backward()
-        return sums
-
-    def step_and_gather(self, loss: float, into: torch.nn.Module | None) -> tuple[float, bool, bool]:
-        """Clip and step the shard; when the weights changed, every rank gathers them and rank 0 (`into`) keeps them."""
-        out = self._apply(loss)
-        self.step_count += 1
-        if out[2]:
-            self.gather_weights(into)
-        return out
-
-    @torch.no_grad()
-    def gather_weights(self, into: torch.nn.Module | None) -> None:
-        targets = list(into.parameters()) if into is not None else None
-        for i, p in enumerate(self.model.parameters()):
-            whole = p.full_tensor() if isinstance(p, DTensor) else p
-            if targets is not None:
-                targets[i].copy_(whole)
-
-    @torch.no_grad()
-    def take_reference(self, source: torch.nn.Module | None) -> None:
-        """Every rank's shard of the KL reference from rank 0's full module (`source`; None on the other
-        ranks): a collective."""
-        if self.frozen is not None:
-            fill(self.frozen.model, source)
-
-    @torch.no_grad()
-    def take_weights(self, source: torch.nn.Module | None) -> None:
-        """Every rank's shard from rank 0's full module (`source`; None on the other ranks)."""
-        fill(self.model, source)
-        self.master.read_model()  # the fp32 copies start from the weights taken, not from the empty ones
-
-    def full_state(self, keep: bool = True) -> dict[str, Any]:
-        """The single-trainer checkpoint state, gathered on the CPU (every rank calls it; see `full`)."""
-        return full(self.state_dict(), keep)
-
-    def check_fits(self, state: dict[str, Any]) -> list[tuple[tuple[Any, Any], Any, torch.Tensor]]:
-        """Raise ValueError unless `state` (or its skeleton) fits this trainer; no communication. Returns
-        ((where, key), value, parameter) for each tensor a parameter's shard takes, in order."""
-        self.check_state(state)
-        params = self.master.params
-        slots = []
-        for index, values in state["optimizer"]["state"].items():
-            if not 0 <= int(index) < len(params):
-                raise ValueError(f"optimizer state for parameter {index}, but the policy has {len(params)}")
-            slots += [((index, k), v, params[int(index)]) for k, v in values.items()]
-        copies = [m for _, m in self.master.pairs]
-        master = state.get("master") or []
-        if len(master) == len(copies):  # otherwise master.check passed a state this policy ignores
-            slots += [(("master", i), v, m) for i, (v, m) in enumerate(zip(master, copies))]
-        for (where, key), value, like in slots:
-            if _sharded(value, like) and tuple(value.shape) != tuple(like.shape):
-                raise ValueError(f"{where}.{key}: saved shape {tuple(value.shape)} does not fit the parameter's "
-                                 f"{tuple(like.shape)} (model changed?)")
-        return slots
-
-    def scatter_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """This rank's shard of a single-trainer state: rank 0 passes the state, the others its
-        `skeleton`; every rank scatters in the same order (`_scatter`)."""
-        per_param = {i: dict(values) for i, values in state["optimizer"]["state"].items()}
-        master = list(state.get("master") or [])
-        for (where, key), value, like in self.check_fits(state):
-            if where == "master":
-                master[key] = _scatter(value, like)
-            else:
-                per_param[where][key] = _scatter(value, like)
-        return {**state, "optimizer": {**state["optimizer"], "state": per_param}, "master": master}
-
-
-def _join(backend: str, port: int, rank: int, world: int, device: str) -> DeviceMesh:
-    """Join the trainer's default process group and its 1-D device mesh."""
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-        nccl_env()  # rank 0 is the run process; the others got the same settings in their start environment
-    dist.init_process_group(backend, store=tcp_store(port, rank, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=RANK_TIMEOUT_S))
-    return init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (world,))
-
-
-def _rank_main(conn: Any, rank: int, mc_data: dict, trainer_data: dict, world: int, port: int, backend: str,
-               devices: list[str]) -> None:
-    """A rank process: join the group, build and shard the model, take rank 0's weights, obey rank 0."""
-    mc, cfg = ModelConfig.model_validate(mc_data), TrainerConfig.model_validate(trainer_data)
-    seed_everything(rank_seed(cfg.seed, rank))  # its own dropout masks, not rank 0's
-    device = local_device(devices[rank])  # this process sees its GPU alone (`core.engine.devices`)
-    mesh = _join(backend, port, rank, world, device)
-    dtype = models.resolve_dtype(mc, torch.device(device))
-    trainer = _Shard(meta_model(mc, dtype), cfg, mc.name, mesh, device, mc.trainer.activation_checkpointing)
-    trainer.take_weights(None)
-    trainer.take_reference(None)
-
-    def backward(share: list[Sample], normalizer: float, passes: int, pad: Sample | None) -> None:
-        reduce_sums(trainer.accumulate(share, normalizer, passes, pad), _device(trainer), _all_reduce)
-
-    def load(shapes: dict[str, Any]) -> None:
-        trainer.take_weights(None)
-        trainer.load_state_dict(trainer.scatter_state(shapes))
-
-    def state() -> None:
-        trainer.full_state(keep=False)  # this rank's part of the gathers; rank 0 keeps the result
-
-    def gradients() -> None:
-        full([p.grad for p in trainer.model.parameters() if p.grad is not None], keep=False)
-
-    try:
-        serve(conn, rank, {"backward": backward, "apply": lambda loss: trainer.step_and_gather(loss, None),
-                           "discard": trainer.discard, "load": load, "state": state,
-                           "gradients": gradients,
-                           "gather": lambda: trainer.gather_weights(None),
-                           "save_sharded": lambda path: sharded_checkpoint.save(trainer, path),
-                           "load_sharded": lambda path: sharded_checkpoint.load(trainer, path)})
-    finally:
-        dist.destroy_process_group()
-
-
-def _device(trainer: _Shard) -> torch.device:
-    return next(trainer.scorer.parameters()).device
-
-
-def _all_reduce(t: torch.Tensor, op: Any) -> None:
-    dist.all_reduce(t, op=op)
+def _one_at_a_time(method: Callable) -> Callable:
+    """A method that drives the ranks: it holds the trainer's command lock, so that its collectives never
+    interleave with another thread's (a restarted replica's catch-up stream, `stream_weights`)."""
+    @functools.wraps(method)
+    def run(self: ShardedTrainer, *args: Any, **kwargs: Any) -> Any:
+        with self.commands:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class ShardedTrainer(Trainer):
@@ -269,6 +103,8 @@ class ShardedTrainer(Trainer):
         if dist.is_initialized():
             raise RuntimeError("this process already holds torch.distributed's default process group (another fsdp2 "
                                "trainer or an in-process vLLM engine); fsdp2 needs it: one fsdp2 model a process")
+        self.commands = threading.RLock()  # see `_one_at_a_time`
+        self.keeps_module = True  # rank 0's full module refreshed after every step (`drop_module`)
         backend, port = backend_of(devices[0]), free_port()
         self.workers = RankProcesses(mc.name, devices, _rank_main,
                                      (mc.model_dump(), cfg.model_dump(), self.world, port, backend, devices))
@@ -288,6 +124,7 @@ class ShardedTrainer(Trainer):
         self.policy, self.cfg, self.model_name, self.lora, self.step_count = policy, cfg, mc.name, False, 0
         self.master, self.optimizer, self.reference = self.shard.master, self.shard.optimizer, self.shard.reference
 
+    @_one_at_a_time
     def backward(self, prepared: PreparedStep) -> None:
         """Each rank's token-balanced share, in as many passes as the longest share needs (module doc)."""
         runs = prepared.normalizer > 0 and bool(prepared.active)
@@ -301,6 +138,7 @@ class ShardedTrainer(Trainer):
                                         _device(self.shard), _all_reduce)
         self.workers.gather()
 
+    @_one_at_a_time
     def gradients(self) -> dict[str, torch.Tensor]:
         """The summed gradients as one trainer would hold them, by parameter name (every rank joins the
         gather); between `backward` and `apply`, for checks."""
@@ -311,19 +149,22 @@ class ShardedTrainer(Trainer):
         self.workers.gather()
         return out
 
+    @_one_at_a_time
     def _apply(self, loss: float) -> tuple[float, bool, bool]:
-        self.workers.send_all([("apply", loss)] * (self.world - 1))
+        self.workers.send_all([("apply", loss, self.keeps_module)] * (self.world - 1))
         with self.workers.blamed():
-            out = self.shard.step_and_gather(loss, self.policy)
+            out = self.shard.step_and_gather(loss, self.policy, self.keeps_module)
         answers = self.workers.gather()
         if not all(same_outcome(a, out) for a in answers):  # one global norm and loss must give the same outcome
             raise RankError(f"ranks disagree on the step: rank 0 {out}, others {answers}")
         return out
 
+    @_one_at_a_time
     def discard(self) -> None:
         self.shard.discard()
         self.workers.command("discard")
 
+    @_one_at_a_time
     def state_dict(self) -> dict[str, Any]:
         self.workers.send_all([("state",)] * (self.world - 1))
         with self.workers.blamed():
@@ -339,6 +180,7 @@ class ShardedTrainer(Trainer):
         else:
             self.shard.check_fits(state)
 
+    @_one_at_a_time
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The checkpoint code put the weights in the full module; every rank takes its shard of them and
         of the optimizer state (scattered from rank 0: the pipes carry the shapes alone), so the
@@ -350,6 +192,8 @@ class ShardedTrainer(Trainer):
             self.step_count = int(state["step"])
             set_rng_state(state["rng"])
             return
+        if not self.keeps_module:  # its weights are in a module that holds none now (`drop_module`)
+            raise RuntimeError("a single-trainer checkpoint loads before the trainer drops its module")
         self.shard.check_fits(state)
         self.workers.send_all([("load", skeleton(state))] * (self.world - 1))
         with self.workers.blamed():
@@ -359,19 +203,24 @@ class ShardedTrainer(Trainer):
         self.workers.gather()
         self.step_count = int(state["step"])
 
+    @_one_at_a_time
     def save_sharded(self, path: str) -> None:
         """Every rank writes its shards to the DCP folder `path` (`core.train.sharded_checkpoint`)."""
         self._together("save_sharded", path)
 
+    @_one_at_a_time
     def load_sharded(self, path: str) -> None:
         """Every rank reads its shards of a DCP checkpoint written at any world size, then rank 0's full
-        module takes the loaded weights (the engines' copy)."""
+        module takes the loaded weights (the engines' copy), unless it keeps none (`drop_module`)."""
         self._together("load_sharded", path)
+        if not self.keeps_module:
+            return
         self.workers.send_all([("gather",)] * (self.world - 1))
         with self.workers.blamed():
             self.shard.gather_weights(self.policy)
         self.workers.gather()
 
+    @_one_at_a_time
     def stream_weights(self, send: Callable[[dict[str, Any]], None]) -> None:
         """`send` (a replica's `WeightSender.send`, `core.engine.weight_sync`) given the trained weights as
         shards, name -> one that `full_tensor()` makes whole, which the send does one at a time as it
@@ -387,6 +236,30 @@ class ShardedTrainer(Trainer):
                 gathers.finish()
                 self.workers.gather()
 
+    def stream_to(self, engine: Engine) -> None:
+        """When `engine` takes its syncs as streams from the shards (replicas alone), keep no module."""
+        if self.keeps_module and engine.stream_syncs(self.stream_weights):
+            self.drop_module()
+
+    @_one_at_a_time
+    def drop_module(self) -> None:
+        """From now on rank 0 keeps no whole module: no rank gathers the weights after a step, and the
+        run's module goes to the meta device (names and shapes stay, for a layout). For a model whose
+        every reader streams from the shards: its replicas (`core.engine.replicas`: one stream per
+        replica per sync) and the checkpoint's weights file (`save_weights`); never with an engine that
+        generates with the module itself. A single-trainer checkpoint then no longer loads (its weights
+        would go through the module): a run resumes before it drops it."""
+        self.keeps_module = False
+        self.policy.to("meta")
+
+    def save_weights(self, path: str) -> None:
+        """The trained weights as a safetensors file at `path` (the checkpoint's model.safetensors, tied
+        weights once), streamed from the shards one weight at a time, then its persistent buffers."""
+        params = {n for n, _ in self.shard.model.named_parameters(remove_duplicate=False)}
+        buffers = {n: b for n, b in self.shard.model.state_dict().items() if n not in params}
+        self.stream_weights(lambda weights: write_safetensors(path, {**weights, **buffers}))
+
+    @_one_at_a_time
     def _together(self, command: str, path: str) -> None:
         self.workers.send_all([(command, path)] * (self.world - 1))
         with self.workers.blamed():
