@@ -68,8 +68,10 @@ class ModelActor:
             policy = load_policies(cfg.model_copy(update={"models": [mc]}))[name]
             self.model, self.engine, self.max_context = policy.model, policy.engine, policy.engine.max_context
         self.version = 0  # the served version without an engine (the driver moves it, as an engine's)
-        self.weights = WeightHost(self.model)
         self.trainer = build_trainer(self.model, cfg, name) if mc.trainable else None
+        # Replicas alone: an FSDP2 trainer's syncs stream from its shards (it drops its module at its first step).
+        stream = getattr(self.trainer, "stream_weights", None) if self.engine is None else None
+        self.weights = WeightHost(self.model, stream)
         self.prepared: PreparedStep | None = None
 
     async def adopt(self) -> dict[str, Any]:
@@ -119,7 +121,10 @@ class ModelActor:
 
     # -- the trainer ------------------------------------------------------------------------------
     async def prepare(self, groups: list[list[Episode]]) -> bool:
-        self.prepared = await asyncio.to_thread(self._trainer().prepare, groups)
+        trainer = self._trainer()
+        if self.weights.stream is not None and trainer.keeps_module:  # after any restore, which loads through it
+            await asyncio.to_thread(trainer.drop_module)
+        self.prepared = await asyncio.to_thread(trainer.prepare, groups)
         return self.prepared.needs_update
 
     async def backward(self) -> None:

@@ -8,6 +8,13 @@ from the trainer's memory to the replica's, over NCCL between two GPUs or gloo o
 through Ray's object store. The group's store listens on this node's address (the replica actor
 may be on another node); the driver passes that address and port to the replica actor.
 
+An FSDP2 trainer's model actor keeps no whole module (`ShardedTrainer.drop_module`, at its first
+step): each send then streams from the shards (`stream`: `ShardedTrainer.stream_weights`, each
+weight made whole as its bucket fills, every rank joining), and the layout comes from the module's
+names and shapes alone. The trainer's lock makes the replica actors' sends, which arrive in
+parallel, stream one after another (never two interleaved gathers): a sync of R replicas costs R
+gathers in series, each within its own deadline.
+
 One group per replica actor, keyed by the key the driver gave it: a transfer that fails drops that
 group alone (aborted, so no pending collective outlives its peer), and the driver replaces that
 replica with a new actor and a new group; the others go on. Deliberately not here: when to sync and
@@ -23,6 +30,7 @@ import ray
 import torch
 
 from core.engine.groups import free_port
+from core.engine.replica_sync import Stream
 from core.engine.replica_child import GROUP_FACTOR, SYNC_S
 from core.engine.weight_sync import Layout, WeightSender, layout_of, weights_digest, weights_of
 
@@ -30,8 +38,9 @@ from core.engine.weight_sync import Layout, WeightSender, layout_of, weights_dig
 class WeightHost:
     """The weights groups of one model actor, keyed by replica actor (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, model: torch.nn.Module, stream: Stream | None = None):
+        """`stream`: where the weights come from instead of `model`'s tensors (see the module doc)."""
+        self.model, self.stream = model, stream
         self.device = str(next(model.parameters()).device)
         self._senders: dict[str, WeightSender] = {}
         self._lock = threading.Lock()
@@ -64,7 +73,11 @@ class WeightHost:
             if layout_of(weights) != layout:
                 raise RuntimeError("the trainable weights changed layout since the replica accepted it")
             sender.layout = layout
-            sender.send(weights, time.monotonic() + timeout_s)
+            deadline = time.monotonic() + timeout_s
+            if self.stream is None:
+                sender.send(weights, deadline)
+            else:
+                self.stream(lambda streamed: sender.send(streamed, deadline))
         except BaseException:
             self.drop(key)
             raise
@@ -81,7 +94,11 @@ class WeightHost:
 
     def digest(self) -> str:
         """`weights_digest` of the trainable weights as the trainer holds them (a check, not a path)."""
-        return weights_digest(weights_of(self.model).items())
+        if self.stream is None:
+            return weights_digest(weights_of(self.model).items())
+        out: list[str] = []
+        self.stream(lambda streamed: out.append(weights_digest((n, t.full_tensor()) for n, t in streamed.items())))
+        return out[0]
 
     def close(self) -> None:
         for key in self.keys():

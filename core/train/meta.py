@@ -7,8 +7,9 @@ Every FSDP2 rank builds its model here, shards it (`fully_shard`) and only then 
 way (`shard_frozen`). The values come from rank 0's
 module over the group (`_Shard.take_weights`, buffers included: `to_empty` leaves them unset). So
 a rank never loads the checkpoint from disk or holds a full copy; rank 0 holds the run's full module,
-which the engines and checkpoints need anyway. Deliberately not here: loading weights
-(`core.models.load`), and LoRA (fsdp2 trains full fine-tunes only).
+which the engines and checkpoints need anyway, unless none does (`to_meta` frees it in place).
+Deliberately not here: loading weights (`core.models.load`), and LoRA (fsdp2 trains full
+fine-tunes only).
 """
 
 from __future__ import annotations
@@ -82,3 +83,17 @@ def shard_frozen(model: torch.nn.Module, mesh: DeviceMesh) -> _Scorer:
         fully_shard(layer, mesh=mesh)
     fully_shard(scorer, mesh=mesh)
     return scorer
+
+
+@torch.no_grad()
+def to_meta(module: torch.nn.Module) -> None:
+    """Free `module`'s weights in place: every parameter and buffer on the meta device, names, shapes,
+    dtypes and ties kept (`Module.to("meta")` unties a tied head: one parameter, two meta copies)."""
+    metas: dict[int, torch.nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = metas.setdefault(id(p), torch.nn.Parameter(p.to(META), p.requires_grad))
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = b.to(META)

@@ -68,7 +68,7 @@ import torch.distributed as dist
 from core.config import ModelConfig, TrainerConfig
 from core.engine import Engine
 from core.train import sharded_checkpoint
-from core.train.meta import meta_model
+from core.train.meta import meta_model, to_meta
 from core.train.packing import micro_batch_count
 from core.train.rng import set_rng_state
 from core.train.sharded_checkpoint import full, skeleton
@@ -244,13 +244,14 @@ class ShardedTrainer(Trainer):
     @_one_at_a_time
     def drop_module(self) -> None:
         """From now on rank 0 keeps no whole module: no rank gathers the weights after a step, and the
-        run's module goes to the meta device (names and shapes stay, for a layout). For a model whose
-        every reader streams from the shards: its replicas (`core.engine.replicas`: one stream per
-        replica per sync) and the checkpoint's weights file (`save_weights`); never with an engine that
-        generates with the module itself. A single-trainer checkpoint then no longer loads (its weights
-        would go through the module): a run resumes before it drops it."""
+        run's module goes to the meta device (`to_meta`: names, shapes and ties stay, for a layout).
+        For a model whose every reader streams from the shards: its replicas (`core.engine.replicas`,
+        or a Ray model actor's `core.ray.weights`: one stream per replica per sync) and the
+        checkpoint's weights file (`save_weights`); never with an engine that generates with the
+        module itself. A single-trainer checkpoint then no longer loads (its weights would go through
+        the module): a run resumes before it drops it."""
         self.keeps_module = False
-        self.policy.to("meta")
+        to_meta(self.policy)
 
     def save_weights(self, path: str) -> None:
         """The trained weights as a safetensors file at `path` (the checkpoint's model.safetensors, tied

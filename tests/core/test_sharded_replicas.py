@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from core import models
 from core.config_io import load_config
 from core.engine.replicas import make_model_engine
-from core.engine.weight_sync import weights_digest
+from core.engine.weight_sync import layout_of, weights_digest, weights_of
 from core.run import checkpoint
 from core.run.checkpoint import FULL_WEIGHTS, save_trainer
 from core.run.loop import CoreRun
@@ -83,6 +83,7 @@ def test_replicas_of_an_fsdp2_trainer_stream_every_sync_and_catch_up_from_the_sh
     try:
         trainer.stream_to(engine)
         assert not trainer.keeps_module and all(p.is_meta for p in trainer.policy.parameters())
+        assert layout_of(weights_of(trainer.policy)) == layout_of(weights_of(base))  # names, shapes, ties kept
         sizes = [p.numel() for p in base.parameters()]
         live = _counting(monkeypatch)
         for _ in range(2):
