@@ -15,12 +15,10 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import weakref
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor
 
 from core import models
 from core.config_io import load_config
@@ -33,28 +31,10 @@ from core.train.sharded import ShardedTrainer
 from tests.core.test_distributed_trainer import CFG, groups_for
 from tests.core.test_replica_run import config
 from tests.core.test_replicas import _wait_all_healthy
+from tests.core.weight_pairs import count_full_tensors
 from tests.support import train_in_process
 
 pytestmark = pytest.mark.timeout(600)  # a rank and two replica processes, restarted once, on a loaded box
-
-
-def _counting(monkeypatch) -> dict[str, int]:
-    """Count rank 0's weights made whole (`full_tensor` results; not the clip's scalar norm) and the most
-    elements of them alive at once."""
-    live = {"now": 0, "peak": 0, "calls": 0}
-    gather = DTensor.full_tensor
-
-    def counted(self, *args, **kwargs):
-        whole = gather(self, *args, **kwargs)
-        if whole.dim() > 0:
-            live["calls"] += 1
-            live["now"] += whole.numel()
-            live["peak"] = max(live["peak"], live["now"])
-            weakref.finalize(whole, lambda n=whole.numel(): live.__setitem__("now", live["now"] - n))
-        return whole
-
-    monkeypatch.setattr(DTensor, "full_tensor", counted)
-    return live
 
 
 def _gathered(trainer: ShardedTrainer) -> dict[str, torch.Tensor]:
@@ -85,7 +65,7 @@ def test_replicas_of_an_fsdp2_trainer_stream_every_sync_and_catch_up_from_the_sh
         assert not trainer.keeps_module and all(p.is_meta for p in trainer.policy.parameters())
         assert layout_of(weights_of(trainer.policy)) == layout_of(weights_of(base))  # names, shapes, ties kept
         sizes = [p.numel() for p in base.parameters()]
-        live = _counting(monkeypatch)
+        live = count_full_tensors(monkeypatch)
         for _ in range(2):
             live.update(calls=0, peak=0, now=0)
             _step(trainer, engine, base)

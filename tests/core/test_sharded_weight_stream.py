@@ -12,53 +12,27 @@ from __future__ import annotations
 
 import copy
 import threading
-import weakref
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 
-from core.engine.groups import free_port, process_group
-from core.engine.weight_sync import check_layout, layout_of, receive_weights, send_weights
+from core.engine.weight_sync import (
+    check_layout,
+    layout_of,
+    receive_weights,
+    send_weights,
+)
 from core.models import build_tiny
 from core.train.sharded import ShardedTrainer
 from core.train.trainer import seed_everything
 from tests.core.test_distributed_trainer import CFG, groups_for
 from tests.core.test_sharded_trainer import MC
 from tests.core.test_weight_sync import TIMEOUT_S
+from tests.core.weight_pairs import count_full_tensors, group_pair
 
 pytestmark = pytest.mark.timeout(300)  # spawns a rank; a collective that hangs would wait far longer
 CAP = 8192  # bytes: the tiny model's 20 weights in about a dozen buckets, its embedding one of its own
 CPU = torch.device("cpu")
-
-
-def _groups() -> list:
-    """A 2-member weights group, both ends in this process (the replica's end in a thread)."""
-    port, groups = free_port(), [None, None]
-    joiners = [threading.Thread(target=lambda r=r: groups.__setitem__(r, process_group("gloo", port, r, 2, TIMEOUT_S)))
-               for r in (0, 1)]
-    for t in joiners:
-        t.start()
-    for t in joiners:
-        t.join(TIMEOUT_S)
-    return groups
-
-
-def _counting(monkeypatch) -> dict[str, int]:
-    """Count rank 0's `full_tensor` results and the most elements of them alive at once."""
-    live = {"now": 0, "peak": 0, "calls": 0}
-    gather = DTensor.full_tensor
-
-    def counted(self, *args, **kwargs):
-        whole = gather(self, *args, **kwargs)
-        live["calls"] += 1
-        live["now"] += whole.numel()
-        live["peak"] = max(live["peak"], live["now"])
-        weakref.finalize(whole, lambda n=whole.numel(): live.__setitem__("now", live["now"] - n))
-        return whole
-
-    monkeypatch.setattr(DTensor, "full_tensor", counted)
-    return live
 
 
 def test_a_replica_sync_from_shards_makes_one_weight_whole_at_a_time_and_the_replica_gets_the_trained_weights(
@@ -69,8 +43,8 @@ def test_a_replica_sync_from_shards_makes_one_weight_whole_at_a_time_and_the_rep
     fsdp = ShardedTrainer(copy.deepcopy(base), CFG, MC, ["cpu", "cpu"])
     try:
         assert fsdp.step(groups_for(base))["train/updated"] == 1.0
-        sender, receiver = _groups()
-        live = _counting(monkeypatch)
+        sender, receiver = group_pair(TIMEOUT_S)
+        live = count_full_tensors(monkeypatch)
         errors: list[BaseException] = []
 
         def send(weights: dict) -> None:

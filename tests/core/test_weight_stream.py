@@ -15,22 +15,17 @@ import threading
 import pytest
 import torch
 
-from core.engine.groups import free_port, process_group
-from core.engine.weight_sync import WeightLayoutError, WeightReceiver, buckets, layout_of, send_weights
+from core.engine.weight_sync import (
+    WeightLayoutError,
+    WeightReceiver,
+    buckets,
+    layout_of,
+    send_weights,
+)
 from tests.core.test_weight_sync import TIMEOUT_S, Net
+from tests.core.weight_pairs import group_pair
 
 CAP = 80  # bytes: Net's weights in three buckets ([a, b], [low], [big])
-
-
-def _groups() -> list:
-    port, groups = free_port(), [None, None]
-    joiners = [threading.Thread(target=lambda r=r: groups.__setitem__(r, process_group("gloo", port, r, 2, TIMEOUT_S)))
-               for r in (0, 1)]
-    for t in joiners:
-        t.start()
-    for t in joiners:
-        t.join(TIMEOUT_S)
-    return groups
 
 
 def _sync(load) -> tuple[WeightReceiver, dict[str, torch.Tensor], list[BaseException]]:
@@ -45,7 +40,7 @@ def _sync(load) -> tuple[WeightReceiver, dict[str, torch.Tensor], list[BaseExcep
     receiver = WeightReceiver(Net().to("meta"), "cpu", load=load)
     receiver.cap = CAP
     assert receiver.expect(layout) == "ok"  # checked against the meta module's names and shapes
-    groups = _groups()
+    groups = group_pair(TIMEOUT_S)
     receiver.group = groups[1]
     errors: list[BaseException] = []
 

@@ -29,6 +29,7 @@ from core.engine.weight_sync import (
     send_weights,
     weights_digest,
 )
+from tests.core.weight_pairs import group_pair
 
 TIMEOUT_S = 60.0  # a collective on loopback takes milliseconds; a failure must not hang the test
 DEADLINE_S = 3.0  # a sync's deadline in the hang test: far below TIMEOUT_S, far above a loopback bucket
@@ -75,14 +76,7 @@ def test_a_gloo_transfer_puts_the_senders_weights_bitwise_into_the_receivers_mod
     weights = {n: p.detach() for n, p in sender.named_parameters()}
     layout = layout_of(weights)
     assert buckets(layout, cap=80) == [[0, 1], [2], [3]]  # a and b flattened together; bf16 apart; big alone
-    port = free_port()
-    groups: list = [None, None]
-    joiners = [threading.Thread(target=lambda r=r: groups.__setitem__(r, process_group("gloo", port, r, 2, TIMEOUT_S)))
-               for r in (0, 1)]
-    for t in joiners:
-        t.start()
-    for t in joiners:
-        t.join(TIMEOUT_S)
+    groups = group_pair(TIMEOUT_S)
     params = check_layout(receiver, layout)
     errors: list[BaseException] = []
 
