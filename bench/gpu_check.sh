@@ -8,13 +8,19 @@
 #   device run, carry [".whl"]:  bash bench/gpu_check.sh          (~ a few minutes on an H200)
 #   bash bench/gpu_check.sh --small --device cpu      (a dry run of the whole check on a CPU)
 #
-# Not yet in it (docs/scaling.md says why): vLLM replicas (vLLM is not on the image), an FSDP2 resume
-# from a sharded checkpoint (not built).
+# Not yet in it: vLLM replicas (vLLM is not on the image, and bench/replicas.py has no vLLM mode: the
+# line `check vllm_replicas: skipped ...` says which). bench/fsdp2_check.py has run only as its CPU
+# dry run (`--device cpu`: gloo, CPU replicas) so far; no GPU was lent since it was written.
 #
 # It prints one table per part (engine decode, trainer step and memory, 1.5B MFU) and the line
 # `gpu_check: decode_tok_s_b32=<x> train_step_s=<y> mfu=<z> peak_gib=<w>` (bench/gpu_check.py), then
-# the replicas figures (bench/replicas.py) and an FSDP2 step (bench/sharded_step.py) on a device
-# with 2 or more GPUs.
+# the replicas figures (bench/replicas.py: rollout_scaling_2, train_scaling_2, sync_s) and an FSDP2
+# step (bench/sharded_step.py) on a device with 2 or more GPUs, then `check <name>: ok|FAIL|skipped`
+# lines: bench/many_devices.py (pinned, nccl_sync, hung_nccl, offload; peak GiB per GPU) and
+# bench/fsdp2_check.py (fsdp2_resume: 2 NCCL ranks with KL, a DCP checkpoint resumed at world size 1
+# and 2; fsdp2_stream: a replica sync streamed from the shards, stream_peak_mib below the model's
+# size; colocated: 2 fsdp2 ranks and 2 sleeping replicas on their GPUs through 3 steps; vllm_replicas).
+# On one GPU what needs two says skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -44,3 +50,6 @@ fi
 # offload; one `check <name>: ok|FAIL|skipped` line each, last line
 # `many_devices: sync_s=.. offload_freed_mib=.. peak_gib_gpu0=..`. On one GPU the first three skip.
 "$PY" bench/many_devices.py --device cuda
+# FSDP2 with a resume, a streamed sync and the colocated layout (issue 41 item 8); last line
+# `fsdp2_check: stream_peak_mib=.. model_mib=.. peak_gib_rank0=..`. Needs 2 GPUs; with fewer, skipped.
+"$PY" bench/fsdp2_check.py --device cuda
