@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROTOCOL_METHODS = {n: f for n, f in vars(Engine).items() if inspect.isfunction(f) and not n.startswith("_")}
 PROTOCOL_ATTRS = set(Engine.__annotations__)
 # What an engine of one process inherits as a no-op; every other protocol method each engine writes itself.
-DEFAULTED = {"sleep_during_step", "wake_after_step", "status"}
+DEFAULTED = {"sleep_during_step", "wake_after_step", "status", "stream_syncs"}
 
 
 def _signature(fn) -> tuple[bool, list[str]]:
