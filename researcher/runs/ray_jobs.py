@@ -24,11 +24,17 @@ from typing import Any
 from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from researcher.runs.launcher import Emit, Launcher, LaunchTarget, write_json
-from researcher.records import TERMINAL, Launch
 from researcher.code.workspace import Workspace
+from researcher.records import TERMINAL, Launch
+from researcher.runs.launcher import Emit, Launcher, LaunchTarget, write_json
 
 STOP_POLL_S = 0.5  # how often a stop looks whether the job has ended
+# Ray's job server answers 500 "No available agent to submit job, please try again later" until a
+# node's dashboard agent has registered: seconds after `ray start`, a minute on a busy host (seen in
+# the suite at load 6-13). That answer is retried for this long, then the launch fails with it.
+AGENT_WAIT_S = 120.0
+AGENT_POLL_S = 1.0
+NO_AGENT_YET = "No available agent"
 # Environment of every job: offline model loading and quiet tokenizers, as `swarm run` expects.
 JOB_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -84,16 +90,22 @@ class RayJobLauncher(Launcher):
         argv, started = prepared
         env = {**JOB_ENV, "MLFLOW_TRACKING_URI": self.target.tracking_uri,
                "RAY_JOB_STOP_WAIT_TIME_S": str(max(int(self.grace_s), 1))}  # read by Ray's job supervisor
-        try:
-            self.jobs.submit_job(
-                entrypoint=f"cd {shlex.quote(str(self.target.workdir))} && exec {shlex.join(argv)}",
-                submission_id=sid, runtime_env={"env_vars": env},
-                metadata={"swarmrl.study": self.target.study, "swarmrl.launch": launch.key},
-                entrypoint_num_gpus=self.gpus or None,
-            )
-        except (RuntimeError, ConnectionError) as e:
-            return launch.model_copy(update={"status": "failed", "reason": f"could not submit the Ray job to the Ray job server at {self.address}: {e}",
-                                             "log_path": str(rd / "run.log"), "ended_at": time.time()})
+        waited_until = time.monotonic() + AGENT_WAIT_S
+        while True:
+            try:
+                self.jobs.submit_job(
+                    entrypoint=f"cd {shlex.quote(str(self.target.workdir))} && exec {shlex.join(argv)}",
+                    submission_id=sid, runtime_env={"env_vars": env},
+                    metadata={"swarmrl.study": self.target.study, "swarmrl.launch": launch.key},
+                    entrypoint_num_gpus=self.gpus or None,
+                )
+                break
+            except (RuntimeError, ConnectionError) as e:
+                if NO_AGENT_YET in str(e) and time.monotonic() < waited_until:  # the server took nothing: ask again
+                    time.sleep(AGENT_POLL_S)
+                    continue
+                return launch.model_copy(update={"status": "failed", "reason": f"could not submit the Ray job to the Ray job server at {self.address}: {e}",
+                                                 "log_path": str(rd / "run.log"), "ended_at": time.time()})
         self.emit("launch.submitted", key=launch.key, submission_id=sid)
         return launch.model_copy(update={"status": "running", "started_at": started, "log_path": str(rd / "run.log")})
 

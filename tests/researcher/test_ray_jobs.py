@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from researcher.records import Launch
+from researcher.runs import ray_jobs
 from researcher.runs.launcher import LaunchTarget
 from researcher.runs.ray_jobs import RayJobLauncher, submission_id
 from tests.ray_cluster import local_ray_cluster
@@ -82,6 +83,47 @@ def test_a_restarted_launcher_adopts_its_job_and_a_stop_ends_it(dashboard, tmp_p
     stopped = again.stop(adopted, "enough", client)
     assert stopped.status == "stopped" and stopped.reason == "enough"
     assert jobs.get_job_status(sid) == JobStatus.STOPPED
+
+
+class _AgentNotUpYet:
+    """Ray's job server before its node's agent registered (a double of the answer only): the first
+    `refusals` submissions get its 500, then the real server takes them."""
+
+    def __init__(self, server: JobSubmissionClient, refusals: int):
+        self.server, self.refusals, self.asked = server, refusals, 0
+
+    def submit_job(self, **kwargs):
+        self.asked += 1
+        if self.asked <= self.refusals:
+            raise RuntimeError("Request failed with status code 500: No available agent to submit job, please try again later..")
+        return self.server.submit_job(**kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.server, name)
+
+
+def test_a_job_server_whose_agent_is_not_up_yet_is_asked_again_and_takes_the_job(dashboard, tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    monkeypatch.setattr(ray_jobs, "AGENT_POLL_S", 0.05)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    launch = Launch(key="p1-s0", proposal_id="p1", seed=0, steps=2, config_path="configs/tiny.yaml")
+    launcher = _launcher(tmp_path, dashboard, study="agent")
+    launcher._jobs = server = _AgentNotUpYet(JobSubmissionClient(dashboard), refusals=3)
+    started = launcher.start(launch, client)
+    assert started.status == "running" and server.asked == 4
+    sid = submission_id("agent", "p1-s0")
+    assert server.get_job_info(sid).metadata["swarmrl.launch"] == "p1-s0"
+    server.stop_job(sid)
+
+
+def test_an_agent_that_never_comes_up_fails_the_launch_with_rays_answer(dashboard, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(ray_jobs, "AGENT_WAIT_S", 0.3)
+    monkeypatch.setattr(ray_jobs, "AGENT_POLL_S", 0.05)
+    launch = Launch(key="p1-s0", proposal_id="p1", seed=0, steps=2, config_path="configs/tiny.yaml")
+    launcher = _launcher(tmp_path, dashboard, study="noagent")
+    launcher._jobs = server = _AgentNotUpYet(JobSubmissionClient(dashboard), refusals=10 ** 6)
+    failed = launcher.start(launch, MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    assert failed.status == "failed" and "No available agent" in failed.reason and server.asked > 1
 
 
 def test_an_unreachable_cluster_fails_the_launch_with_the_reason(tmp_path: Path) -> None:
