@@ -33,6 +33,7 @@ FSDP2 over NCCL needs 2 GPUs (NCCL refuses two ranks on one): with fewer these c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import sys
 import tempfile
@@ -161,18 +162,30 @@ def _gathered(trainer: ShardedTrainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def check_stream(devices: list[str], folder: Path) -> tuple[float, float]:
-    on_gpu = devices[0].startswith("cuda")
-    cfg = run_config(str(model_folder(folder, on_gpu)), devices[0])
+@contextlib.contextmanager
+def streamed(cfg, devices: list[str]):
+    """(model, a batch of groups, its replicas' engine, an FSDP2 trainer streaming their syncs) for the
+    run config `cfg`'s one model; the replicas and ranks closed after."""
     mc = cfg.models[0]
     model, tok = models.load(mc)
-    model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB  # tied weights once
     groups = batch(model, tok, 2, 2, 2)
     engine = process_replicas(cfg, mc, model, 256)
     trainer = None
     try:
         trainer = ShardedTrainer(model, cfg.trainer, mc, devices)
         trainer.stream_to(engine)
+        yield model, groups, engine, trainer
+    finally:
+        engine.close()
+        if trainer is not None:
+            trainer.close()
+
+
+def check_stream(devices: list[str], folder: Path) -> tuple[float, float]:
+    on_gpu = devices[0].startswith("cuda")
+    cfg = run_config(str(model_folder(folder, on_gpu)), devices[0])
+    with streamed(cfg, devices) as (model, groups, engine, trainer):
+        model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MIB  # tied weights once
         dropped = not trainer.keeps_module and all(p.is_meta for p in trainer.policy.parameters())
         engine.hold()
         engine.pause_blocking()
@@ -197,22 +210,11 @@ def check_stream(devices: list[str], folder: Path) -> tuple[float, float]:
                                    f"stream_peak_mib={peak_mib:.1f} ({what}) < model {model_mib:.1f} MiB; "
                                    f"{sync_s:.3f} s")
         return peak_mib, model_mib
-    finally:
-        engine.close()
-        if trainer is not None:
-            trainer.close()
 
 
 def check_colocated(devices: list[str]) -> None:
     cfg = run_config("tiny", devices[0], 2, layout="colocated", trainer={"world_size": 2, "sharding": "fsdp2"})
-    mc = cfg.models[0]
-    model, tok = models.load(mc)
-    groups = batch(model, tok, 2, 2, 2)
-    engine = process_replicas(cfg, mc, model, 256)
-    trainer = None
-    try:
-        trainer = ShardedTrainer(model, cfg.trainer, mc, devices)
-        trainer.stream_to(engine)
+    with streamed(cfg, devices) as (_, groups, engine, trainer):
         slept, equal, updated = [], [], []
         for _ in range(COLOCATED_STEPS):
             engine.hold()
@@ -231,10 +233,6 @@ def check_colocated(devices: list[str]) -> None:
         report("colocated", ok, f"{COLOCATED_STEPS} steps, 2 fsdp2 ranks on {'+'.join(devices)}, replicas on "
                                 f"{devices_of}: asleep during each step {slept} (sleepers {list(engine.sleepers)}; "
                                 f"none on CPU), digests equal after each: {equal}, versions {versions}")
-    finally:
-        engine.close()
-        if trainer is not None:
-            trainer.close()
 
 
 def check_vllm() -> None:
