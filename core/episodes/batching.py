@@ -13,7 +13,10 @@ queue without giving it a slot; the slot stays open for the groups that keep arr
 were kept out since the last batch (the cap on consecutive refills, `trainer.max_refills`: past it,
 tied groups fill slots again and the batch says so) and of which sandboxes, which the batch carries
 to the run's metrics (`Batch.metrics`). Filtering happens after an episode finished, so it decides
-training only: an A/B cell (`core.episodes.pairing`) has already counted the episode at its finish.
+training only: an A/B cell (`core.episodes.pairing`) has already counted the episode at its finish,
+and the batch carries the kept-out episodes (`Batch.kept_out`) to the step's reward metrics, which
+count them (`Batch.episodes_scored`): a mean over the trained groups alone would leave out every group
+tied at 0 early and at 1 late, and move `reward/mean` by the filter instead of by the policy.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class Batch:
     filtered: dict[str, int] = field(default_factory=dict)
     capped: bool = False
     sieved: bool = False  # assembled under dynamic sampling
+    kept_out: list[Episode] = field(default_factory=list)  # episodes of those tied groups: scored, never trained
 
     def metrics(self) -> dict[str, float]:
         """`train/groups_filtered` (DESIGN §3.6: always, 0 without dynamic sampling) and, under it, each
@@ -50,12 +54,20 @@ class Batch:
 
     @property
     def episodes(self) -> list[Episode]:
+        """The episodes the trainer gets."""
         return [e for g in self.groups for e in g]
 
+    @property
+    def episodes_scored(self) -> list[Episode]:
+        """Every finished episode this batch consumed, trained or kept out as tied (a tied group whole,
+        with any stale episode of it): what its step's reward metrics count, so that dynamic sampling
+        decides training, never scoring."""
+        return self.episodes + self.kept_out
+
     def by_version(self) -> dict[tuple[str, str], list[Episode]]:
-        """The batch's episodes by (sandbox, client code version; "unknown" when the client sent none)."""
+        """The batch's scored episodes by (sandbox, client code version; "unknown" when the client sent none)."""
         out: dict[tuple[str, str], list[Episode]] = {}
-        for e in self.episodes:
+        for e in self.episodes_scored:
             out.setdefault((e.sandbox, e.client_version or "unknown"), []).append(e)
         return out
 
@@ -83,6 +95,7 @@ class Sieve:
         self.tolerance = tolerance
         self.max_refills = max_refills
         self.filtered: dict[str, int] = {}  # sandbox -> tied groups kept out since the last batch
+        self.kept_out: list[Episode] = []  # their episodes, for the next batch's reward metrics
 
     @property
     def refills(self) -> int:
@@ -99,9 +112,11 @@ class Sieve:
     def record(self, plan: Assembly) -> None:
         for g in plan.filtered:
             self.filtered[g[0].sandbox] = self.filtered.get(g[0].sandbox, 0) + 1
+            self.kept_out.extend(g)
 
     def take(self, batch: Batch, capped: bool) -> Batch:
         batch.filtered, batch.capped, batch.sieved, self.filtered = self.filtered, capped, True, {}
+        batch.kept_out, self.kept_out = self.kept_out, []
         return batch
 
 

@@ -15,7 +15,7 @@ import time
 
 from core.episodes.batching import Batch
 from core.records import Episode
-from core.run.scores import judged_metrics, scored
+from core.run.scores import judged_metrics, scored, unjudged_reward_metrics
 from core.serve.server import Server
 
 
@@ -42,7 +42,7 @@ class RolloutMeter:
         self._last = (now, tokens)
         dt = max(now - then, 1e-9)
         counters = self.server.registry.counters
-        episodes = batch.episodes
+        episodes = batch.episodes_scored  # with the tied groups dynamic sampling kept out: they were rolled out and score
         out = {
             "rollout/episodes_per_s": len(episodes) / dt,
             "rollout/tokens_per_s": (tokens - then_tokens) / dt,
@@ -63,7 +63,7 @@ class RolloutMeter:
         # What an episode cost: recorded model calls and sampled completion tokens, per episode. A harness that
         # buys its score with more compute (resampling until good) shows it here, beside the score (issue 38).
         out.update(episode_cost(episodes, "episode"))
-        for (sandbox, version), eps in batch.by_version().items():  # every episode names its code version
+        for (sandbox, version), eps in batch.by_version().items():  # trained and kept out: every episode names its code version
             rewards = [v for v in map(scored, eps) if v is not None]
             out[f"episodes/{sandbox}/version/{version}"] = float(len(eps))
             out.update(episode_cost(eps, f"episode/{sandbox}/version/{version}"))
@@ -71,7 +71,9 @@ class RolloutMeter:
                 out[f"reward/{sandbox}/version/{version}"] = sum(rewards) / len(rewards)
         for sandbox, rewards in by_sandbox.items():
             out[f"eval/{sandbox}/mean"] = sum(rewards) / len(rewards)
-        out.update(judged_metrics(batch.episodes))  # reward/mean and reward/<sandbox>/mean: every episode counted
+        out.update(judged_metrics(episodes))  # reward/mean and reward/<sandbox>/mean: every episode counted
+        if batch.kept_out:  # the trainer's reward means cover its groups only: not those dynamic sampling kept out
+            out.update(unjudged_reward_metrics(episodes))
         # An A/B: both versions' scores over the (task, weights at open) cells both reached; the registry counts
         # every train episode in its cell when it ends, trained or not (`core.episodes.pairing`).
         out.update(self.server.registry.pairs.take())

@@ -7,7 +7,8 @@ averaged over the models that acted. When a batch holds judged episodes, `judged
 whichever models acted; an unjudged sandbox's episodes in such a batch are logged as
 `unjudged_reward/<sandbox>/mean`, never in reward/mean. The trainer's own means cover only the samples it trained, which leave out an
 episode that made no call (an agent that raised before calling the model), so the run logs these in
-their place; a batch of unjudged sandboxes keeps the trainer's (per model in a multi-model run). Beside them:
+their place; a batch of unjudged sandboxes keeps the trainer's (per model in a multi-model run),
+unless dynamic sampling kept tied groups out of it: `unjudged_reward_metrics` counts those too. Beside them:
 `agent_reward/<sandbox>/mean`, what judged agents said of themselves (logged, never decided on),
 `judge/<sandbox>/failed`, how many of a sandbox's episodes scored the failure value, and what a judged
 sandbox's episodes cost: `calls/<sandbox>/mean` and `completion_tokens/<sandbox>/mean` per episode (a
@@ -54,4 +55,21 @@ def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
         out[f"completion_tokens/{sandbox}/mean"] = sum(t for _, t in per_episode) / len(per_episode)
     every = [x for sandbox, v in values.items() if sandbox in judged for x in v]
     out["reward/mean"] = sum(every) / len(every)
+    return out
+
+
+def unjudged_reward_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """reward/mean and reward/<sandbox>/mean of a batch without judged episodes, over every episode given:
+    in the place of the trainer's, which leave out the groups dynamic sampling kept out
+    (`core.episodes.batching`). A batch with judged episodes is `judged_metrics`'s: nothing here."""
+    if any(ep.score is not None for ep in episodes):
+        return {}
+    values: dict[str, list[float]] = {}
+    for ep in episodes:
+        if (value := scored(ep)) is not None:
+            values.setdefault(ep.sandbox, []).append(value)
+    out = {f"reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in values.items()}
+    if values:
+        every = [x for v in values.values() for x in v]
+        out["reward/mean"] = sum(every) / len(every)
     return out

@@ -1,6 +1,7 @@
 """Dynamic sampling in batch assembly (`trainer.dynamic_sampling: filter`): a tied group never reaches the
 trainer, its slot is refilled from the groups that arrive after it, a cap on refills keeps a saturated
-task from stalling the run, and the batch reports what was kept out per sandbox."""
+task from stalling the run, the batch reports what was kept out per sandbox, and the step's reward
+counts the kept-out episodes (filtering decides training, never scoring)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import itertools
 
 import pytest
 
+from core.config_io import load_config
 from core.episodes.batching import Batch, Sieve, assemble
 from core.episodes.registry import Registry
 from core.episodes.wire import OpenEpisode
 from core.records import Call, Episode
+from core.run.rollout_metrics import RolloutMeter
+from core.serve.server import Server
 
 _ids = itertools.count()
 
@@ -57,6 +61,7 @@ def test_a_tied_group_never_reaches_the_trainer_and_its_slot_is_refilled_by_a_la
     batch = queue.take()
     assert batch is not None and batch.groups == [signal, later]
     assert all(g is not tied for g in batch.groups)
+    assert batch.kept_out == tied and batch.episodes_scored == signal + later + tied  # scored, not trained
     assert batch.metrics() == {"train/groups_filtered": 1.0, "train/filter_capped": 0.0,
                                "train/s/filtered_share": pytest.approx(1 / 3)}
 
@@ -131,3 +136,31 @@ def test_a_filtered_ab_group_still_counts_in_its_cells_verdict():
     verdict = reg.pairs.take()
     assert verdict["ab/s/pairs"] == 1.0
     assert verdict["ab/s/version/old"] == 1.0 and verdict["ab/s/version/new"] == 1.0
+
+
+SMALL_STEPS = ["server.port=0", "trainer.batch_groups=2", "trainer.group_size=2"]
+
+
+def test_the_steps_reward_mean_counts_the_tied_groups_the_filter_kept_out():
+    # Early in a run most groups tie at 0: a reward/mean over the trained groups alone would read 0.5 here
+    # while the policy earns 0.25, and the filter would look like learning.
+    server = Server(load_config(overrides=SMALL_STEPS))
+    server.registry.sieve = Sieve(tolerance=1e-6, max_refills=8)
+    finish(server.registry, "signal", [1.0, 0.0])
+    finish(server.registry, "tied", [0.0, 0.0])
+    assert server.registry.take_batch({"policy": 0}, max_staleness=0) is None
+    finish(server.registry, "refill", [0.0, 1.0])
+    batch = server.registry.take_batch({"policy": 0}, max_staleness=0)
+    assert batch is not None and [g[0].task_id for g in batch.groups] == ["signal", "refill"]
+    metrics = RolloutMeter(server).metrics(batch)
+    assert metrics["reward/mean"] == metrics["reward/s/mean"] == 2 / 6
+    assert metrics["rollout/episodes_per_s"] > 0 and metrics["episode/calls"] == 1.0
+
+
+def test_without_kept_out_groups_the_trainers_reward_mean_stands():
+    server = Server(load_config(overrides=SMALL_STEPS))
+    finish(server.registry, "a", [1.0, 0.0])
+    finish(server.registry, "b", [0.0, 0.0])
+    batch = server.registry.take_batch({"policy": 0}, max_staleness=0)
+    assert batch is not None and not batch.kept_out
+    assert "reward/mean" not in RolloutMeter(server).metrics(batch)  # the trainer's own, over what it trained
