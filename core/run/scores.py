@@ -20,7 +20,8 @@ the A/B's cells (`core.episodes.pairing`, which is where `scored` lives, so the 
 
 from __future__ import annotations
 
-from core.episodes.pairing import scored  # noqa: F401 (one home, below the run: an A/B's cells read it too)
+# `scored` has one home, below the run: an A/B's cells read it too.
+from core.episodes.pairing import scored
 from core.records import Episode
 
 
