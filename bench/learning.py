@@ -8,7 +8,9 @@ the step-to-step noise and the margin in units of that noise, with the reward cu
 Comparison (`--options`): the default arm and one arm per option (each a set of `--set`-style
 overrides, `;`-separated within an arm), `--seeds` seeds each, every (arm, seed) its own process run
 one after another with the same thread count, on-policy (`trainer.max_staleness=0`) with
-`engine.repeatable_sampling` so that one seed draws the same first samples in every arm. It prints,
+`engine.repeatable_sampling` and each client's concurrency capped at one step's episodes
+(`one_step_in_flight`), so that one seed trains the same tasks at each step and draws the same first
+samples in every arm. It prints,
 per arm: the median (and range) of the seconds and the steps to a rolling `--window`-step mean reward
 of `--threshold` (a seed that never gets there counts as not reached, and the median is over the seeds
 that did, with how many), trained tokens per second, the groups dynamic sampling kept out
@@ -54,6 +56,16 @@ KEPT = ("reward/mean", "train/trained_tokens", "train/groups_filtered", "train/m
 # Comparison runs are on-policy and repeatable: the options change the update, not what overlapping
 # generation and arrival order would add to the noise (issue 43: two runs of one seed parted without these).
 COMPARISON_SETTINGS = ("trainer.max_staleness=0", "engine.repeatable_sampling=true")
+
+
+def one_step_in_flight(config: str) -> list[str]:
+    """Overrides that cap each client's concurrency at one step's episodes (`batch_groups` x its group size):
+    on-policy, admission lets only that many train, and the opens it holds back beyond them race for
+    the next step's room, so which tasks a step trains (and a seed's rewards) would depend on timing."""
+    cfg = load_config(config)
+    rooms = [cfg.trainer.batch_groups * (c.group_size or cfg.trainer.group_size) for c in cfg.clients]
+    return [f"clients.{i}.concurrency={room}"
+            for i, (client, room) in enumerate(zip(cfg.clients, rooms)) if client.concurrency > room]
 
 
 def run(config: str, overrides: list[str]) -> tuple[list[dict[str, float]], float]:
@@ -133,7 +145,8 @@ def compare(args: argparse.Namespace) -> None:
             cmd = [sys.executable, __file__, "--config", args.config, "--json", str(record), "--out", str(out),
                    "--set", f"trainer.seed={seed}", "--set", f"trainer.checkpoint_dir={out}/ckpt-{len(rows)}-{seed}",
                    "--set", f"telemetry.tracking_uri=sqlite:///{out}/mlflow.db"]
-            cmd += [a for s in (*COMPARISON_SETTINGS, *args.overrides, *sets) for a in ("--set", s)]
+            settings = (*COMPARISON_SETTINGS, *one_step_in_flight(args.config), *args.overrides, *sets)
+            cmd += [a for s in settings for a in ("--set", s)]
             cmd += ["--steps", str(args.steps)] if args.steps else []
             print(f"== {name} seed {seed}", flush=True)
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})

@@ -160,8 +160,12 @@ def run_swarmrl(arm: str, steps: int, seed: int, out: Path, report) -> dict:
                     "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0, "grad_clip": 1.0, "advantage": "grpo",
                     "max_staleness": staleness, "seed": seed, "checkpoint_dir": str(out / "ckpt"), "keep_checkpoints": 1,
                     **TRAINER_EXTRA.get(arm, {})},
-        # Enough episodes in flight to fill a step twice over; admission control holds back the rest.
-        "clients": [{"agent": "addition", "concurrency": 2 * PROMPTS * GENERATIONS}],
+        # As many episodes in flight as admission control lets train (max_staleness + 1 steps), never more:
+        # with more, the opens it holds back race for each step's room, so which tasks a step trains (and
+        # a seed's rewards) would depend on timing. At exactly one step's worth on-policy, the client's next
+        # two tasks are the next step's, as TRL's dataloader deals them. (Dynamic sampling's refill still
+        # takes whichever held task's open reaches the room first.)
+        "clients": [{"agent": "addition", "concurrency": (staleness + 1) * PROMPTS * GENERATIONS}],
         "telemetry": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "vs-trl"},
     })
     # Clients run as their own processes (`clients[].isolate`, the default): they import the task by

@@ -42,7 +42,7 @@ class RolloutMeter:
         self._last = (now, tokens)
         dt = max(now - then, 1e-9)
         counters = self.server.registry.counters
-        episodes = batch.episodes_scored  # with the tied groups dynamic sampling kept out: they were rolled out and score
+        episodes = batch.episodes_scored  # with the tied groups dynamic sampling kept out: rolled out, and scored
         out = {
             "rollout/episodes_per_s": len(episodes) / dt,
             "rollout/tokens_per_s": (tokens - then_tokens) / dt,
@@ -63,7 +63,7 @@ class RolloutMeter:
         # What an episode cost: recorded model calls and sampled completion tokens, per episode. A harness that
         # buys its score with more compute (resampling until good) shows it here, beside the score (issue 38).
         out.update(episode_cost(episodes, "episode"))
-        for (sandbox, version), eps in batch.by_version().items():  # trained and kept out: every episode names its code version
+        for (sandbox, version), eps in batch.by_version().items():  # every episode names its code version
             rewards = [v for v in map(scored, eps) if v is not None]
             out[f"episodes/{sandbox}/version/{version}"] = float(len(eps))
             out.update(episode_cost(eps, f"episode/{sandbox}/version/{version}"))
