@@ -3,8 +3,10 @@
 Admission control (on once a trainer calls `admit_within`) keeps generation from being wasted: an
 episode that starts a new group is refused while the groups already started would fill every step
 the staleness budget allows, `max_staleness + 1` steps, one fewer while an overlapped step is
-between taking its batch and its weight sync. An episode that completes a started group is always
-admitted, so a partial group can never block the trainer. Each active sandbox (one that tried to
+between taking its batch and its weight sync; a step's worth is `batch_groups`, plus the extra groups
+dynamic sampling's oversampling expects to tie (`extra_groups`, from `core.episodes.batching.Sieve`).
+An episode that completes a started group is always admitted, so a partial group can never block the
+trainer. Each active sandbox (one that tried to
 open within a lease) gets its share of that room, so a fast sandbox cannot fill the budget the
 trainer is waiting on another one to use.
 
@@ -60,6 +62,7 @@ class Admission:
         self.lease_s, self.clock = lease_s, clock
         self.max_staleness: int | None = None  # None: no admission control (no trainer consumes steps)
         self.overlapped_steps = 0  # steps that took their batch while generation goes on, not yet synced
+        self.extra_groups = 0  # oversampling: groups a step may start beyond batch_groups (set by the registry)
         self.training_over: str | None = None  # why no trainer will take another batch (None: one may)
         # sandbox -> its last train open attempt (who shares room, who a batch waits for). A mix sandbox asks from
         # the start for one lease: batches taken before its clients register would give its share away for good.
@@ -128,7 +131,7 @@ class Admission:
         if self.max_staleness is None:
             return None
         groups = len(pool.ready) + sum(math.ceil(n / k_size) for n, k_size in started.values())
-        budget = self.batch_groups * (self.max_staleness + 1 - self.overlapped_steps)
+        budget = (self.batch_groups + self.extra_groups) * (self.max_staleness + 1 - self.overlapped_steps)
         if groups >= budget:
             return Refusal(503, f"{groups} groups already fill the next {self.max_staleness + 1} steps; "
                            "retry after the weight sync", "admission", ADMISSION_RETRY_S)

@@ -17,14 +17,32 @@ training only: an A/B cell (`core.episodes.pairing`) has already counted the epi
 and the batch carries the kept-out episodes (`Batch.kept_out`) to the step's reward metrics, which
 count them (`Batch.episodes_scored`): a mean over the trained groups alone would leave out every group
 tied at 0 early and at 1 late, and move `reward/mean` by the filter instead of by the policy.
+
+Oversampling (`trainer.oversample`, on under the filter): a refill found only once a tied group has
+finished costs a whole extra rollout, one after the other. The sieve keeps the tie rate of the last
+`TIE_WINDOW` groups it judged, and `Sieve.extra_groups` turns it into the groups admission control
+lets start beyond `batch_groups` per step (`core.episodes.admission`), so the refills expected are
+generated beside the batch (DAPO over-samples the same way). What is left over on-policy is stale once
+the weights move and is dropped, counted in `episodes/wasted_frac`; with no ties seen, nothing extra.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from core.episodes.mix import next_group
 from core.records import Episode
+
+
+# Oversampling's estimate: the tie rate over this many of the latest groups the sieve judged, about 8 steps of the
+# default batch: short enough to follow a task as it learns (a group of 8 at reward 0.1 ties at 0 with p 0.43, at
+# 0.3 with p 0.06), long enough that one tied group does not double the room.
+TIE_WINDOW = 16
+# At most this many extra groups per batch group: room at most doubles, whatever the rate (a task that ties
+# nearly always is saturated, which `max_refills` handles; oversampling it would only waste rollouts).
+MAX_EXTRA_PER_GROUP = 1
 
 
 @dataclass
@@ -37,6 +55,7 @@ class Batch:
     capped: bool = False
     sieved: bool = False  # assembled under dynamic sampling
     kept_out: list[Episode] = field(default_factory=list)  # episodes of those tied groups: scored, never trained
+    tie_rate: float = 0.0  # the sieve's recent tie rate when it took this batch (oversampling's estimate)
 
     def metrics(self) -> dict[str, float]:
         """`train/groups_filtered` (DESIGN §3.6: always, 0 without dynamic sampling) and, under it, each
@@ -46,7 +65,8 @@ class Batch:
         trained: dict[str, int] = {}
         for g in self.groups:
             trained[g[0].sandbox] = trained.get(g[0].sandbox, 0) + 1
-        out = {"train/groups_filtered": float(sum(self.filtered.values())), "train/filter_capped": float(self.capped)}
+        out = {"train/groups_filtered": float(sum(self.filtered.values())), "train/filter_capped": float(self.capped),
+               "train/tie_rate": self.tie_rate}
         for sandbox in sorted(set(trained) | set(self.filtered)):
             kept_out = self.filtered.get(sandbox, 0)
             out[f"train/{sandbox}/filtered_share"] = kept_out / (kept_out + trained.get(sandbox, 0))
@@ -91,9 +111,11 @@ class Sieve:
     calls it with the plan it applies, so a plan that is dropped changes nothing); `take` hands the
     count to the batch that trains and starts a new run of refills."""
 
-    def __init__(self, tolerance: float, max_refills: int):
+    def __init__(self, tolerance: float, max_refills: int, oversample: bool = False):
         self.tolerance = tolerance
         self.max_refills = max_refills
+        self.oversample = oversample
+        self.recent: deque[bool] = deque(maxlen=TIE_WINDOW)  # whether each of the latest groups judged tied
         self.filtered: dict[str, int] = {}  # sandbox -> tied groups kept out since the last batch
         self.kept_out: list[Episode] = []  # their episodes, for the next batch's reward metrics
 
@@ -113,10 +135,26 @@ class Sieve:
         for g in plan.filtered:
             self.filtered[g[0].sandbox] = self.filtered.get(g[0].sandbox, 0) + 1
             self.kept_out.extend(g)
+            self.recent.append(True)
+        # A batch's groups are judged once, when it forms (a short plan leaves them ready, to be seen again).
+        self.recent.extend(self.tied(g) for g in plan.groups)
+
+    @property
+    def tie_rate(self) -> float:
+        return sum(self.recent) / len(self.recent) if self.recent else 0.0
+
+    def extra_groups(self, batch_groups: int) -> int:
+        """Groups a step may start beyond `batch_groups` (oversampling): as many as the recent tie rate p says
+        will tie, batch_groups * p / (1 - p), rounded up, at most `MAX_EXTRA_PER_GROUP` per batch group."""
+        most = MAX_EXTRA_PER_GROUP * batch_groups
+        rate = self.tie_rate
+        if not self.oversample or rate == 0.0:
+            return 0
+        return most if rate >= 1.0 else min(most, math.ceil(batch_groups * rate / (1.0 - rate) - 1e-9))
 
     def take(self, batch: Batch, capped: bool) -> Batch:
         batch.filtered, batch.capped, batch.sieved, self.filtered = self.filtered, capped, True, {}
-        batch.kept_out, self.kept_out = self.kept_out, []
+        batch.kept_out, self.kept_out, batch.tie_rate = self.kept_out, [], self.tie_rate
         return batch
 
 

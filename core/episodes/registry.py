@@ -322,7 +322,10 @@ class Registry:
             if len(self._groups.ready) < self.batch_groups:
                 return None
             coming = self.admission.coming(self._pool())  # sandboxes able to deliver a group soon
-            return self._groups.take(coming, current_versions, max_staleness, self.sieve, self.books)
+            batch = self._groups.take(coming, current_versions, max_staleness, self.sieve, self.books)
+            if self.sieve is not None:  # the ties it just saw move the room for the next refills
+                self.admission.extra_groups = self.sieve.extra_groups(self.batch_groups)
+            return batch
 
     def trained_groups(self) -> dict[str, int]:
         """Groups trained so far per sandbox (the mix quotas' ledger)."""

@@ -96,7 +96,8 @@ class CoreRun:
         if self.trainers:
             self.server.registry.admit_within(cfg.trainer.max_staleness)
             if cfg.trainer.dynamic_sampling == "filter":  # tied groups never reach the trainers (core.episodes.batching)
-                self.server.registry.sieve = Sieve(cfg.trainer.tie_tolerance, cfg.trainer.max_refills)
+                self.server.registry.sieve = Sieve(cfg.trainer.tie_tolerance, cfg.trainer.max_refills,
+                                                 cfg.trainer.oversample)
             self.server.allow_anonymous = False  # during training every generation belongs to an episode: 401
         self.failure: BaseException | None = None  # what ended the run early (local clients crashed), if anything
         self._failed_in_a_row = 0  # train steps that failed since the last one that did not

@@ -11,6 +11,7 @@ import pytest
 
 from core.config_io import load_config
 from core.episodes.batching import Batch, Sieve, assemble
+from core.episodes.errors import Refusal
 from core.episodes.registry import Registry
 from core.episodes.wire import OpenEpisode
 from core.records import Call, Episode
@@ -63,7 +64,7 @@ def test_a_tied_group_never_reaches_the_trainer_and_its_slot_is_refilled_by_a_la
     assert all(g is not tied for g in batch.groups)
     assert batch.kept_out == tied and batch.episodes_scored == signal + later + tied  # scored, not trained
     assert batch.metrics() == {"train/groups_filtered": 1.0, "train/filter_capped": 0.0,
-                               "train/s/filtered_share": pytest.approx(1 / 3)}
+                               "train/s/filtered_share": pytest.approx(1 / 3), "train/tie_rate": pytest.approx(1 / 3)}
 
 
 def test_without_the_filter_a_tied_group_takes_a_slot():
@@ -164,3 +165,37 @@ def test_without_kept_out_groups_the_trainers_reward_mean_stands():
     batch = server.registry.take_batch({"policy": 0}, max_staleness=0)
     assert batch is not None and not batch.kept_out
     assert "reward/mean" not in RolloutMeter(server).metrics(batch)  # the trainer's own, over what it trained
+
+
+def test_oversampling_lets_a_step_start_the_groups_the_recent_tie_rate_expects_to_tie():
+    reg = Registry(lease_s=60, default_group_size=2, batch_groups=2)
+    reg.admit_within(max_staleness=0)
+    reg.sieve = Sieve(tolerance=1e-6, max_refills=8, oversample=True)
+
+    def opens(task: str) -> bool:
+        try:
+            reg.open(OpenEpisode(sandbox="s", task_id=task, group_size=2), {"policy": 0})
+            return True
+        except Refusal:
+            return False
+
+    finish(reg, "signal", [1.0, 0.0])
+    finish(reg, "tied", [0.0, 0.0])
+    assert not opens("third")  # before any tie was seen a step's room is its batch_groups
+    assert reg.take_batch({"policy": 0}, max_staleness=0) is None  # the tied group is kept out
+    # One tied group of one judged: the room doubles (at most one extra per batch group) to 4 groups: the
+    # ready one with signal and three new, where without oversampling one refill would start.
+    assert reg.sieve.tie_rate == 1.0 and reg.admission.extra_groups == 2
+    assert opens("refill") and opens("spare") and opens("another spare") and not opens("one too many")
+
+
+def test_extra_groups_follow_the_tie_rate_and_stay_zero_without_oversampling():
+    sieve = Sieve(tolerance=1e-6, max_refills=8, oversample=True)
+    assert sieve.extra_groups(4) == 0  # nothing judged yet
+    sieve.recent.extend([True] * 3 + [False] * 9)  # a quarter tie: 4 * 1/3 = 1.33 more expected to tie
+    assert sieve.extra_groups(4) == 2
+    sieve.recent.extend([False] * 16)
+    assert sieve.extra_groups(4) == 0
+    off = Sieve(tolerance=1e-6, max_refills=8)
+    off.recent.extend([True] * 16)
+    assert off.extra_groups(4) == 0
