@@ -17,7 +17,8 @@ that did, with how many), trained tokens per second, the groups dynamic sampling
 (`train/groups_filtered`, summed over the run) and the mean `train/mismatch_kl`. The last line:
 `learning: <arm>=<median s>/<median steps> ...` (`-` where no seed reached the threshold). `--records DIR`
 (the folder a comparison prints) keeps its runs that logged steps and runs the rest, so a comparison
-cut short or with a failed run is finished without running again what it has.
+cut short or with a failed run is finished without running again what it has. `--parallel N` runs N
+at a time, the arms of one seed side by side (the same load for each; the steps do not depend on it).
 
     .venv/bin/python bench/learning.py [--config configs/smollm2-oneword.yaml] [--steps 40] [--out bench/out]
     .venv/bin/python bench/learning.py --config configs/smollm2-guess.yaml --from-log run.log
@@ -123,6 +124,27 @@ def summary(runs: list[list[dict[str, float]]], threshold: float, window: int) -
             "mismatch_kl": statistics.mean(kl) if kl else float("nan")}
 
 
+def run_jobs(jobs: list[tuple[str, list[str]]], parallel: int, env: dict[str, str]) -> None:
+    """Each (name, command) as its own process, `parallel` at a time; a run that fails is reported and
+    left out of its arm (its seed counts as logging no step), the others go on."""
+    waiting, running = list(jobs), {}
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            name, cmd = waiting.pop(0)
+            print(f"== {name}", flush=True)
+            running[name] = subprocess.Popen(cmd, env=env)
+        for name, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[name]
+                print(f"== {name}: {'done' if proc.returncode == 0 else f'exited with {proc.returncode}'}", flush=True)
+        time.sleep(1.0)
+
+
+def steps_of(record: Path) -> list[dict[str, float]]:
+    """A comparison run's kept metrics per step; none when it failed before writing them."""
+    return json.loads(record.read_text())["steps"] if record.is_file() else []
+
+
 def spread(xs: list[float], fmt: str) -> str:
     """median [min-max]; `fmt` applies to floats (the median of an even count of steps is one)."""
     if not xs:
@@ -134,24 +156,23 @@ def spread(xs: list[float], fmt: str) -> str:
 def compare(args: argparse.Namespace) -> None:
     arms = {"default": []} | {arm: [s for s in arm.split(";") if s] for arm in args.options}
     out = args.records or Path(tempfile.mkdtemp(prefix="learning-"))
-    rows: dict[str, dict[str, object]] = {}
-    for name, sets in arms.items():
-        runs = []
-        for seed in args.seeds:
-            record = out / f"{len(rows)}-{seed}.json"
-            if record.is_file() and json.loads(record.read_text())["steps"]:  # --records: done before, kept
-                runs.append(json.loads(record.read_text())["steps"])
+    record = lambda index, seed: out / f"{index}-{seed}.json"  # noqa: E731  (one arm's run of one seed)
+    jobs = []  # seed-major: with --parallel, the arms of one seed run side by side, under the same load
+    for seed in args.seeds:
+        for index, (name, sets) in enumerate(arms.items()):
+            done = record(index, seed)
+            if done.is_file() and json.loads(done.read_text())["steps"]:  # --records: done before, kept
                 continue
-            cmd = [sys.executable, __file__, "--config", args.config, "--json", str(record), "--out", str(out),
-                   "--set", f"trainer.seed={seed}", "--set", f"trainer.checkpoint_dir={out}/ckpt-{len(rows)}-{seed}",
-                   "--set", f"telemetry.tracking_uri=sqlite:///{out}/mlflow.db"]
+            cmd = [sys.executable, __file__, "--config", args.config, "--json", str(done), "--out", str(out),
+                   "--set", f"trainer.seed={seed}", "--set", f"trainer.checkpoint_dir={out}/ckpt-{index}-{seed}",
+                   "--set", f"telemetry.tracking_uri=sqlite:///{out}/mlflow-{index}-{seed}.db"]
             settings = (*COMPARISON_SETTINGS, *one_step_in_flight(args.config), *args.overrides, *sets)
             cmd += [a for s in settings for a in ("--set", s)]
             cmd += ["--steps", str(args.steps)] if args.steps else []
-            print(f"== {name} seed {seed}", flush=True)
-            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-            runs.append(json.loads(record.read_text())["steps"])
-        rows[name] = summary(runs, args.threshold, args.window)
+            jobs.append((f"{name} seed {seed}", cmd))
+    run_jobs(jobs, args.parallel, {**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    rows = {name: summary([steps_of(record(index, seed)) for seed in args.seeds], args.threshold, args.window)
+            for index, name in enumerate(arms)}
     print(f"\nrecords: {out}")
     print(f"threshold: rolling {args.window}-step mean reward >= {args.threshold}; seeds {args.seeds}; "
           f"{args.config}, {args.steps or 'config'} steps")
@@ -198,6 +219,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--window", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--parallel", type=int, default=1, help="comparison runs at once (the arms of a seed side by side)")
     ap.add_argument("--records", type=Path, help="the folder of an earlier comparison with the same arms: "
                                                  "its finished runs are kept, the others run")
     args = ap.parse_args()
