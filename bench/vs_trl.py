@@ -16,7 +16,9 @@ then, over the seeds of each arm, the median (and range) of those seconds and st
 `vs_trl_seeds: <arm> learning_per_s=<TRL's median seconds over ours> steps_ratio=<our median steps over
 TRL's>` (issue 43), and `vs_trl: onpolicy_ratio=<x> async_ratio=<y>` (completions/s over TRL's, first seed).
 Every seed of either side trains on the same tasks in the same order; the seed varies the samples (TRL's
-`seed`, swarmrl's `trainer.seed` with `engine.repeatable_sampling`, so a seed repeats step for step).
+`seed`, swarmrl's `trainer.seed` with `engine.repeatable_sampling`). A TRL seed repeats step for step; a
+swarmrl seed repeats for some steps and then parts (continuous batching changes the logits' last bits:
+docs/benchmarks.md, "swarmrl against TRL on a quiet host"), so read its seeds as draws.
 TRL comes from the optional `bench` extra: `make bench-setup`.
 
     .venv/bin/python bench/vs_trl.py [--arms trl swarmrl-onpolicy ...] [--steps 12] [--seeds 0 1 2]
