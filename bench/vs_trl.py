@@ -166,10 +166,9 @@ def run_swarmrl(arm: str, steps: int, seed: int, out: Path, report) -> dict:
         # with more, the opens it holds back race for each step's room, so which tasks a step trains (and
         # a seed's rewards) would depend on timing. At exactly one step's worth on-policy, the client's next
         # two tasks are the next step's, as TRL's dataloader deals them. (Dynamic sampling's refill still
-        # takes whichever held task's open reaches the room first; its oversampling may start up to twice a
-        # step's groups, so its client may have that many in flight.)
-        "clients": [{"agent": "addition", "concurrency": (staleness + 1) * PROMPTS * GENERATIONS
-                     * (2 if "dynamic_sampling" in TRAINER_EXTRA.get(arm, {}) else 1)}],
+        # takes whichever held task's open reaches the room first. `trainer.oversample` would need room for
+        # up to twice a step's groups in flight.)
+        "clients": [{"agent": "addition", "concurrency": (staleness + 1) * PROMPTS * GENERATIONS}],
         "telemetry": {"tracking_uri": f"sqlite:///{out}/mlflow.db", "experiment": "vs-trl"},
     })
     # Clients run as their own processes (`clients[].isolate`, the default): they import the task by

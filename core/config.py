@@ -224,7 +224,7 @@ class TrainerConfig(Strict):
     dynamic_sampling: Literal["off", "filter"] = "off"
     tie_tolerance: float = Field(1e-6, ge=0)  # rewards within this of each other tie: float noise, not signal
     max_refills: int = Field(16, ge=0)  # = 4 batches of the default batch_groups: a task tied that often is saturated
-    oversample: bool = True  # under filter: start the groups the recent tie rate expects to tie beside the batch
+    oversample: bool = False  # under filter: start the expected ties' refills beside the batch (no gain on CPU)
     # Warn when a step's train/mismatch_kl (k3 of the sampler against the trainer on the sampled tokens,
     # core/train/mismatch.py) exceeds this; "stop" also fails the step, so max_failed_steps such steps end
     # the run. None: not watched. prime-rl's FP8 regression moved it 0.0038 -> 0.0059; a sampler at the

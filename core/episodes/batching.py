@@ -18,12 +18,15 @@ and the batch carries the kept-out episodes (`Batch.kept_out`) to the step's rew
 count them (`Batch.episodes_scored`): a mean over the trained groups alone would leave out every group
 tied at 0 early and at 1 late, and move `reward/mean` by the filter instead of by the policy.
 
-Oversampling (`trainer.oversample`, on under the filter): a refill found only once a tied group has
+Oversampling (`trainer.oversample`, opt-in under the filter): a refill found only once a tied group has
 finished costs a whole extra rollout, one after the other. The sieve keeps the tie rate of the last
 `TIE_WINDOW` groups it judged, and `Sieve.extra_groups` turns it into the groups admission control
 lets start beyond `batch_groups` per step (`core.episodes.admission`), so the refills expected are
 generated beside the batch (DAPO over-samples the same way). What is left over on-policy is stale once
 the weights move and is dropped, counted in `episodes/wasted_frac`; with no ties seen, nothing extra.
+Which of the extra groups train is whichever finish first, so an oversampled run does not repeat step
+for step; and on a CPU, where a decode step's cost grows with its rows, it did not pay
+(docs/benchmarks.md): it is off by default.
 """
 
 from __future__ import annotations
