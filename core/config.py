@@ -217,10 +217,9 @@ class TrainerConfig(Strict):
     # optimizer fed a zero loss) does; "skip" changes nothing and keeps the weight version. No-op before
     # the first real step (Adam has no moments yet). tests/core/test_trl_parity.py shows the difference.
     no_signal_steps: Literal["momentum", "skip"] = "momentum"
-    # Dynamic sampling (core/episodes/batching.py): "filter" keeps a group whose rewards tie (within
-    # tie_tolerance) out of the trainer's batch and fills its slot from the groups that keep arriving
-    # (DAPO); it still counts for scoring (A/B verdicts, reward metrics). After max_refills tied groups in
-    # a row the batch trains the groups with signal it has, so a saturated task cannot stall the run.
+    # Dynamic sampling (core/episodes/batching.py): "filter" keeps a group whose rewards tie (within tie_tolerance)
+    # out of the trainer's batch, still scored, and refills its slot from the groups that keep arriving (DAPO);
+    # after max_refills tied groups in a row the batch trains what it has: a saturated task cannot stall the run.
     dynamic_sampling: Literal["off", "filter"] = "off"
     tie_tolerance: float = Field(1e-6, ge=0)  # rewards within this of each other tie: float noise, not signal
     max_refills: int = Field(16, ge=0)  # = 4 batches of the default batch_groups: a task tied that often is saturated

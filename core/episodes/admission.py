@@ -6,9 +6,8 @@ the staleness budget allows, `max_staleness + 1` steps, one fewer while an overl
 between taking its batch and its weight sync; a step's worth is `batch_groups`, plus the extra groups
 dynamic sampling's oversampling expects to tie (`extra_groups`, from `core.episodes.batching.Sieve`).
 An episode that completes a started group is always admitted, so a partial group can never block the
-trainer. Each active sandbox (one that tried to
-open within a lease) gets its share of that room, so a fast sandbox cannot fill the budget the
-trainer is waiting on another one to use.
+trainer. Each active sandbox (one that tried to open within a lease) gets its share of that room, so
+a fast sandbox cannot fill the budget the trainer is waiting on another one to use.
 
 Back-pressure: clients that outrun the trainer (more than `READY_FACTOR` batches of ready groups)
 wait, and so does a sandbox above its mix share of what is buffered and in flight.

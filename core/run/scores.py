@@ -32,13 +32,11 @@ def judged_metrics(episodes: list[Episode]) -> dict[str, float]:
     judged = {ep.sandbox for ep in episodes if ep.score is not None}
     if not judged:
         return {}
-    values: dict[str, list[float]] = {}
+    values = _scores_by_sandbox(episodes)
     agent: dict[str, list[float]] = {}
     failed: dict[str, float] = {}
     cost: dict[str, list[tuple[int, int]]] = {}  # judged sandbox -> (calls, completion tokens) per episode
     for ep in episodes:
-        if (value := scored(ep)) is not None:
-            values.setdefault(ep.sandbox, []).append(value)
         if ep.score is not None:
             failed[ep.sandbox] = failed.get(ep.sandbox, 0.0) + ep.metrics.get("judge/failed", 0.0)
             cost.setdefault(ep.sandbox, []).append((len(ep.calls), sum(len(c.completion_ids) for c in ep.calls)))
@@ -65,12 +63,18 @@ def unjudged_reward_metrics(episodes: list[Episode]) -> dict[str, float]:
     (`core.episodes.batching`). A batch with judged episodes is `judged_metrics`'s: nothing here."""
     if any(ep.score is not None for ep in episodes):
         return {}
-    values: dict[str, list[float]] = {}
-    for ep in episodes:
-        if (value := scored(ep)) is not None:
-            values.setdefault(ep.sandbox, []).append(value)
+    values = _scores_by_sandbox(episodes)
     out = {f"reward/{sandbox}/mean": sum(v) / len(v) for sandbox, v in values.items()}
     if values:
         every = [x for v in values.values() for x in v]
         out["reward/mean"] = sum(every) / len(every)
     return out
+
+
+def _scores_by_sandbox(episodes: list[Episode]) -> dict[str, list[float]]:
+    """Each sandbox's `scored` values, over the episodes that have one."""
+    values: dict[str, list[float]] = {}
+    for ep in episodes:
+        if (value := scored(ep)) is not None:
+            values.setdefault(ep.sandbox, []).append(value)
+    return values
