@@ -131,9 +131,10 @@ def test_concurrent_calls_cannot_both_slip_under_max_calls(live_server, tmp_path
         return sorted(r.status_code for r in answers)
 
     codes = asyncio.run(race())
-    # One call was admitted; the three beyond max_calls are refused, and the first of them ends the episode, so
-    # the admitted call's reply is refused too (409) unless it was recorded before: no reply to pick from either way.
-    assert codes.count(400) == 3 and set(codes) - {400} <= {200, 409}, codes
+    # One call was admitted; the first beyond max_calls is refused (400) and ends the episode, so a later one is
+    # refused as max_calls_exceeded or, reaching the episode after it ended, as an ended episode's (409); the
+    # admitted call's reply is refused too (409) unless it was recorded before: no reply to pick from either way.
+    assert codes.count(400) >= 1 and codes.count(200) <= 1 and set(codes) <= {200, 400, 409}, codes
     (failed,) = _ended(server)
     assert failed.score == FAILURE and len(failed.calls) <= 1
 

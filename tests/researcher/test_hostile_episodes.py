@@ -297,12 +297,13 @@ def test_an_agent_that_waits_for_new_weights_after_a_bad_reply_stays_in_the_cell
     late = [e for e in arith if "max_calls" in (e.abort_reason or "")]
     assert len(late) >= len(moved)
     # Its call after the wait was refused (max_calls) before it ran on the new weights, and the episode is
-    # counted with FAILURE in the cell of the weights it opened on, whatever it waited for.
+    # counted with FAILURE in the cell of the weights it opened on, whatever it waited for. (Its one recorded call
+    # may itself have run on newer weights than it opened on: a step can land between the open and that call.)
     for ep in late:
         opened = ep.opened_versions["policy"]
         assert ep.score == FAILURE
         assert cell_of(ep) == ("arith", ep.task_id, (("policy", opened),))
-        assert [c.version for c in ep.calls] == [opened]
+        assert len(ep.calls) == 1 and ep.calls[0].version >= opened
 
 
 # --- compiled files beside the judge --------------------------------------------------------------------------
