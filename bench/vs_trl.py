@@ -69,9 +69,10 @@ ARMS = {  # name -> (side, dtype, lora, max_staleness)
     "swarmrl-lora-async": ("swarmrl", "float32", True, 1),
     "swarmrl-bf16": ("swarmrl", "bfloat16", False, 0),
     "swarmrl-filter": ("swarmrl", "float32", False, 0),
+    "swarmrl-async-filter": ("swarmrl", "float32", False, 1),
 }
 # Trainer settings of an arm beyond the shared ones: dynamic sampling keeps tied groups out of the batch.
-TRAINER_EXTRA = {"swarmrl-filter": {"dynamic_sampling": "filter"}}
+TRAINER_EXTRA = {"swarmrl-filter": {"dynamic_sampling": "filter"}, "swarmrl-async-filter": {"dynamic_sampling": "filter"}}
 
 
 # The arms import their side inside (torch, TRL, the core): TRL is an optional extra, and the parent

@@ -8,11 +8,13 @@ Presets:
 - anything else is taken as a local Hugging Face model folder.
 
 Both presets get `chat_template()` (ChatML with Hermes-style tools), because SmolLM2's own template
-renders no tools. This module loads weights; it does not generate or train.
+renders no tools. This module loads weights, and makes a view of a loaded model that runs another attention implementation
+(`attention_view`: the trainer's tree batches, the engine's repeatable decode); it does not generate or train.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -256,3 +258,30 @@ def prepare_policy(model: torch.nn.Module, lora: LoraConfig | None) -> torch.nn.
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, peft_cfg)
+
+
+def attention_view(model: torch.nn.Module, implementation: str | None) -> torch.nn.Module:
+    """`model`, or a view of it that runs `implementation`: the same parameters and buffers, its own config.
+
+    transformers' attention layers look the implementation up in the config at every call, and the
+    engine decodes with the same module while the trainer runs (`max_staleness` >= 1). Switching
+    the shared config for a tree forward (flex_attention on CUDA) would switch the engine's kernel
+    mid-decode, so the trainer runs on a view instead, and so does the engine's repeatable decode
+    (`core.engine.batch_invariance`): a copy of the module tree that shares every parameter and buffer
+    (gradients land on the model's own parameters; weights loaded in place reach every view) and owns
+    its config. Views are made once per (model, implementation) and kept on the model; the model's
+    config is never written.
+    """
+    config = getattr(model, "config", None)
+    if config is None or implementation is None or implementation == getattr(config, "_attn_implementation", None):
+        return model
+    views = model.__dict__.setdefault("_swarmrl_attention_views", {})
+    if implementation not in views:
+        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+        shared[id(views)] = {}  # the view does not carry the model's cache of views
+        view = copy.deepcopy(model, memo=shared)
+        view.config._attn_implementation = implementation
+        views[implementation] = view
+    view = views[implementation]
+    view.train(model.training)
+    return view

@@ -8,7 +8,9 @@ only the new rows. The live region of every row is columns `[start, end)` of its
 the rows are left-padded, so each row attends to a contiguous tail `[first_col, end)`:
 
 - `append_rows` joins freshly prefilled rows below the running ones, right-aligned to `end`;
-- `decode_mask` opens column `end` for the token about to be fed and returns the mask view;
+- `decode_mask` opens column `end` for the token about to be fed and returns the mask view; asked for
+  more rows than are live, it also opens padding rows below them for that one forward (an engine that
+  wants every decode step's matrices at least that tall: `core.engine.hf`'s repeatable sampling);
 - `keep_rows` retires rows by moving the last survivors into the holes (only moved rows are copied)
   and drops columns no survivor attends to by moving `start`, without copying.
 
@@ -41,17 +43,17 @@ class _SlabLayer(DynamicLayer):
 
     def _refresh_views(self) -> None:
         o = self.owner
-        self.keys = self.keys_buf[: o.rows, :, o.start : o.end]
-        self.values = self.values_buf[: o.rows, :, o.start : o.end]
+        self.keys = self.keys_buf[: o.seen, :, o.start : o.end]
+        self.values = self.values_buf[: o.seen, :, o.start : o.end]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         o, t = self.owner, key_states.shape[-2]
         if o.end + t > self.keys_buf.shape[2]:
             raise RuntimeError("BatchCache: no room for the step's columns (decode_mask reserves them first)")
-        self.keys_buf[: o.rows, :, o.end : o.end + t] = key_states
-        self.values_buf[: o.rows, :, o.end : o.end + t] = value_states
-        keys = self.keys_buf[: o.rows, :, o.start : o.end + t]
-        values = self.values_buf[: o.rows, :, o.start : o.end + t]
+        self.keys_buf[: o.seen, :, o.end : o.end + t] = key_states
+        self.values_buf[: o.seen, :, o.end : o.end + t] = value_states
+        keys = self.keys_buf[: o.seen, :, o.start : o.end + t]
+        values = self.values_buf[: o.seen, :, o.start : o.end + t]
         self.keys, self.values = keys, values
         return keys, values
 
@@ -64,6 +66,7 @@ class BatchCache(Cache):
         super().__init__(layers=[])
         self.max_rows = max_rows
         self.rows = 0
+        self.seen = 0  # the rows the next forward sees: the live ones, and any padding rows decode_mask opened
         self.start = self.end = 0  # the live columns of every row
         self.first_col: list[int] = []  # per row, the first column it attends to
         self.mask_buf: torch.Tensor | None = None
@@ -92,20 +95,29 @@ class BatchCache(Cache):
         self.mask_buf[lo:hi, new_start : self.end - t] = 0
         self.mask_buf[lo:hi, self.end - t : self.end] = mask.to(self.mask_buf.device)
         self.first_col += [self.end - int(k) for k in mask.sum(1).tolist()]  # a CPU tensor: no device sync
-        self.rows, self.start = hi, new_start
+        self.rows = self.seen = hi
+        self.start = new_start
         self._refresh()
 
     @torch.inference_mode()
-    def decode_mask(self) -> torch.Tensor:
-        """Reserve the column of the token about to be fed, open it for every row and return the mask."""
-        if self.end + 1 > self.mask_buf.shape[1]:
-            self._reallocate(None, rows=self.rows, width=self.width, room=1)
+    def decode_mask(self, rows: int = 0) -> torch.Tensor:
+        """Reserve the column of the token about to be fed, open it for every row and return the mask, of
+        at least `rows` rows: rows beyond the live ones are padding for this one forward, their buffer rows
+        whatever a retired row left (their outputs are the caller's to drop; no row's output depends on
+        another's), their whole live region open so that their attention has something to weigh."""
+        seen = max(self.rows, rows)
+        if self.end + 1 > self.mask_buf.shape[1] or seen > self.mask_buf.shape[0]:
+            self._reallocate(None, rows=seen, width=self.width, room=1)
         self.mask_buf[: self.rows, self.end] = 1
-        return self.mask_buf[: self.rows, self.start : self.end + 1]
+        self.mask_buf[self.rows : seen, self.start : self.end + 1] = 1
+        self.seen = seen
+        self._refresh()
+        return self.mask_buf[:seen, self.start : self.end + 1]
 
     def advance(self, t: int = 1) -> None:
         """After a forward that fed `t` tokens per row: those columns are now part of the live region."""
         self.end += t
+        self.seen = self.rows
         self._refresh()
 
     @torch.inference_mode()
@@ -128,7 +140,7 @@ class BatchCache(Cache):
                 layer.values_buf[dst, :, cols] = layer.values_buf[src, :, cols]
             self.mask_buf[dst, cols] = self.mask_buf[src, cols]
         self.first_col = [self.first_col[i] for i in order]
-        self.rows = n
+        self.rows = self.seen = n
         if n:  # columns no surviving row attends to are dead weight: drop them from the left
             self.start = max(self.start, min(self.first_col))
         self._refresh()

@@ -11,8 +11,12 @@ Sampling is per row (temperature, top_p, stop strings, seed); stop strings are m
 incrementally decoded text (`core.engine.detokenize`), so one whose characters span tokens matches.
 Logprobs are those of the tempered distribution the row sampled from (`scoring_temperature`,
 within `scoring_top_p`'s nucleus), so the trainer can score the same policy. A seeded row (a
-request's seed, or every request under `engine.repeatable_sampling`) draws from its own generator, so its tokens do not depend on which rows
-share its batch; the others share the run's stream. A decode step reads the device once.
+request's seed, or every request under `engine.repeatable_sampling`) draws from its own generator; the
+others share the run's stream. Under repeatable sampling a row's logits do not depend on which rows share
+its batch either, to the last bit: each distinct prompt is prefilled on its own (left padding beside a
+longer prompt changes the order of its attention's sums), a decode step attends each row over its own
+columns only, and one of fewer rows than the linear layers need to be batch-invariant runs padded to that
+many (`core.engine.batch_invariance`). A decode step reads the device once.
 A request whose prefill or sampling fails (a NaN row of logits from a diverged model, say) gets its
 own `GenerationError` and the rows already decoding go on; at most `max_batch` rows are active.
 A temperature below `GREEDY_BELOW` decodes greedily, and a top_p so small that it rounds to zero
@@ -36,9 +40,11 @@ from transformers import DynamicCache
 from core.config import EngineConfig
 from core.engine import Generation, GenerationError, is_greedy, scoring_temperature, scoring_top_p
 from core.engine.batch_cache import BatchCache
+from core.engine.batch_invariance import ROW_ATTENTION, invariant_rows
 from core.engine.detokenize import IncrementalText, StopMatcher
 from core.engine.sampling import sample_batch
 from core.engine.worker import IDLE_POLL_S, Request, WorkerEngine, resolve, stop_ids
+from core.models import attention_view
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,11 @@ class HFEngine(WorkerEngine):
         # The model's device (`models[].device`): the running batch's KV cache and mask live there;
         # ids and a prefill's mask are built on the CPU row by row, and only a forward pass's inputs move.
         self.device = next(model.parameters()).device
+        # What decodes: the model, or under repeatable sampling a view of it (same weights) whose attention
+        # is row by row, fed at least `decode_rows` rows (`core.engine.batch_invariance`); prefills run the
+        # model itself, one prompt at a time.
+        self.decoder = attention_view(model, ROW_ATTENTION) if self.repeatable else model
+        self.decode_rows = invariant_rows(model, cfg.max_batch) if self.repeatable else 1
         self.stats = {"batches": 0, "max_rows": 0, "tokens": 0}
         self._start()
 
@@ -106,7 +117,13 @@ class HFEngine(WorkerEngine):
     def _admit(self, reqs: list[Request], rows: list[_Row], cache: BatchCache | None):
         """Prefill `reqs`, sample their first tokens and join them to the running batch. A prefill or
         first sample that raises is retried one request at a time, so only the request that cannot be
-        admitted fails; running rows are untouched (nothing of theirs changes before `_merge`)."""
+        admitted fails; running rows are untouched (nothing of theirs changes before `_merge`). Under
+        repeatable sampling each distinct prompt is admitted on its own (no padding beside another)."""
+        prompts = {tuple(r.prompt_ids): None for r in reqs}
+        if self.repeatable and len(prompts) > 1:
+            for prompt in prompts:
+                rows, cache = self._admit([r for r in reqs if tuple(r.prompt_ids) == prompt], rows, cache)
+            return rows, cache
         try:
             new_rows, new_cache, new_mask, last_logits = self._prefill(reqs)
             self._sample(new_rows, last_logits)
@@ -183,14 +200,15 @@ class HFEngine(WorkerEngine):
 
     @torch.inference_mode()
     def _decode(self, rows: list[_Row], cache: BatchCache) -> None:
-        ids = torch.tensor([[r.token_ids[-1]] for r in rows], dtype=torch.long)
-        positions = torch.tensor([[r.position] for r in rows], dtype=torch.long)
-        out = self.model(input_ids=ids.to(self.device), attention_mask=cache.decode_mask(),
+        padding = max(0, self.decode_rows - len(rows))
+        ids = torch.tensor([[r.token_ids[-1]] for r in rows] + [[self.pad_id]] * padding, dtype=torch.long)
+        positions = torch.tensor([[r.position] for r in rows] + [[0]] * padding, dtype=torch.long)
+        out = self.decoder(input_ids=ids.to(self.device), attention_mask=cache.decode_mask(len(rows) + padding),
                          position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
         cache.advance(1)
         for r in rows:
             r.position += 1
-        self._sample(rows, out.logits[:, -1, :])
+        self._sample(rows, out.logits[: len(rows), -1, :])
 
     def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """One token for every row, sampled on the model's device in one batch (`core.engine.sampling`).

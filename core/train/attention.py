@@ -23,8 +23,6 @@ This module builds masks and picks the attention; it does not score tokens (``co
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 try:  # torch >= 2.5; without it only the dense mask exists
@@ -131,29 +129,3 @@ def tree_attention_mask(predictor_index: Predictors, implementation: str | None,
         if block_mask is not None:
             return block_mask, FLEX_ATTENTION
     return additive(dense_tree_mask(predictor_index, device), dtype), implementation
-
-
-def attention_view(model: torch.nn.Module, implementation: str | None) -> torch.nn.Module:
-    """`model`, or a view of it that runs `implementation`: the same parameters and buffers, its own config.
-
-    transformers' attention layers look the implementation up in the config at every call, and the
-    engine decodes with the same module while the trainer runs (`max_staleness` >= 1). Switching
-    the shared config for a tree forward (flex_attention on CUDA) would switch the engine's kernel
-    mid-decode, so the trainer runs on a view instead: a copy of the module tree that shares every
-    parameter and buffer (gradients land on the model's own parameters) and owns its config. Views
-    are made once per (model, implementation) and kept on the model; the model's config is never
-    written.
-    """
-    config = getattr(model, "config", None)
-    if config is None or implementation is None or implementation == getattr(config, "_attn_implementation", None):
-        return model
-    views = model.__dict__.setdefault("_swarmrl_attention_views", {})
-    if implementation not in views:
-        shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-        shared[id(views)] = {}  # the view does not carry the model's cache of views
-        view = copy.deepcopy(model, memo=shared)
-        view.config._attn_implementation = implementation
-        views[implementation] = view
-    view = views[implementation]
-    view.train(model.training)
-    return view

@@ -30,13 +30,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from core.engine.sampling import nucleus as nucleus_of
+from core.models import attention_view
 from core.train.timelines import Sample
-from core.train.attention import (
-    TREE_ATTENTION_IMPLEMENTATIONS,
-    attention_view,
-    flex_by_default,
-    tree_attention_mask,
-)
+from core.train.attention import TREE_ATTENTION_IMPLEMENTATIONS, flex_by_default, tree_attention_mask
 
 __all__ = ["TREE_ATTENTION_IMPLEMENTATIONS", "MicroBatch", "pack", "token_logprobs"]
 

@@ -17,7 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from core.records import Call
 from core.train.timelines import Sample, merge_calls
-from core.train.attention import attention_view, dense_tree_mask, flex_tree_mask, tree_attention_mask
+from core.models import attention_view
+from core.train.attention import dense_tree_mask, flex_tree_mask, tree_attention_mask
 from core.train.packing import MicroBatch, pack, token_logprobs
 
 VOCAB = 300
