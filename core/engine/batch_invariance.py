@@ -15,11 +15,12 @@ this project's CPUs: docs/benchmarks.md, "Repeatable sampling to the last bit"):
 `row_attention` is registered with transformers under `ROW_ATTENTION` (the sdpa mask builder makes its
 masks); the engine decodes through `core.models.attention_view(model, ROW_ATTENTION)`, so the model's
 own config, and the trainer, keep theirs. A forward of more than one query token (a prefill) or without
-a mask is SDPA as transformers runs it. Deliberately not here: the padding rows and prefilling each
-prompt alone (`core.engine.hf`), and any GPU kernel's invariance (cuBLAS may split a reduction by shape:
-`invariant_rows` then finds no height below the batch's, and the engine decodes every step that tall).
-It costs a call per distinct row length and layer, and on a GPU a device read of the mask per layer:
-it is for repeatable runs, not for throughput.
+a mask is SDPA as transformers runs it. Deliberately not here: the padding rows, and prefilling prompts
+only beside prompts of their own length (`core.engine.hf`); any GPU kernel's invariance (cuBLAS may
+split a reduction by shape: `invariant_rows` then finds no height below the batch's, and the engine
+decodes every step that tall). It costs an SDPA call per distinct row length and layer, and on a GPU a
+device read of the mask per layer: it is for repeatable runs, not for throughput (docs/benchmarks.md
+has the price).
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ def row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
         return sdpa_attention_forward(module, query, key[:, :, -length:], value[:, :, -length:], None, **kwargs)
     out = None
     for length in sorted(set(lengths)):
-        index = torch.tensor([i for i, n in enumerate(lengths) if n == length], device=query.device)
+        rows = [i for i, n in enumerate(lengths) if n == length]
+        # Rows admitted together sit next to each other: a slice is a view, an index a copy of their keys.
+        index = slice(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else \
+            torch.tensor(rows, device=query.device)
         part, _ = sdpa_attention_forward(module, query[index], key[index, :, -length:], value[index, :, -length:],
                                          None, **kwargs)
         if out is None:

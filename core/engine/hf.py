@@ -13,8 +13,8 @@ Logprobs are those of the tempered distribution the row sampled from (`scoring_t
 within `scoring_top_p`'s nucleus), so the trainer can score the same policy. A seeded row (a
 request's seed, or every request under `engine.repeatable_sampling`) draws from its own generator; the
 others share the run's stream. Under repeatable sampling a row's logits do not depend on which rows share
-its batch either, to the last bit: each distinct prompt is prefilled on its own (left padding beside a
-longer prompt changes the order of its attention's sums), a decode step attends each row over its own
+its batch either, to the last bit: prompts are prefilled only beside prompts of their own length (left
+padding beside a longer one changes the order of its attention's sums), a decode step attends each row over its own
 columns only, and one of fewer rows than the linear layers need to be batch-invariant runs padded to that
 many (`core.engine.batch_invariance`). A decode step reads the device once.
 A request whose prefill or sampling fails (a NaN row of logits from a diverged model, say) gets its
@@ -118,11 +118,11 @@ class HFEngine(WorkerEngine):
         """Prefill `reqs`, sample their first tokens and join them to the running batch. A prefill or
         first sample that raises is retried one request at a time, so only the request that cannot be
         admitted fails; running rows are untouched (nothing of theirs changes before `_merge`). Under
-        repeatable sampling each distinct prompt is admitted on its own (no padding beside another)."""
-        prompts = {tuple(r.prompt_ids): None for r in reqs}
-        if self.repeatable and len(prompts) > 1:
-            for prompt in prompts:
-                rows, cache = self._admit([r for r in reqs if tuple(r.prompt_ids) == prompt], rows, cache)
+        repeatable sampling the prompts of each length are admitted on their own (none is left-padded)."""
+        lengths = {len(r.prompt_ids): None for r in reqs}
+        if self.repeatable and len(lengths) > 1:
+            for length in lengths:
+                rows, cache = self._admit([r for r in reqs if len(r.prompt_ids) == length], rows, cache)
             return rows, cache
         try:
             new_rows, new_cache, new_mask, last_logits = self._prefill(reqs)

@@ -1,9 +1,9 @@
 """Repeatable sampling to the last bit: under `engine.repeatable_sampling` a request's tokens and logprobs
 are the same bits whichever requests share its decode steps (alone, beside prompts of other lengths, with
-the batch's tail down to one row, joining late), because each prompt is prefilled alone, decode attention
-runs each row over its own columns (`row_attention`) and a short decode step is padded to the height from
-which the linear layers are batch-invariant (`invariant_rows`). Without it the same requests part in
-their last bits (the control case)."""
+the batch's tail down to one row, joining late), because prompts are prefilled only beside prompts of
+their length, decode attention runs each row over its own columns (`row_attention`) and a short decode
+step is padded to the height from which the linear layers are batch-invariant (`invariant_rows`).
+Without it the same requests part in their last bits (the control case)."""
 
 from __future__ import annotations
 
