@@ -8,8 +8,9 @@ Presets:
 - anything else is taken as a local Hugging Face model folder.
 
 Both presets get `chat_template()` (ChatML with Hermes-style tools), because SmolLM2's own template
-renders no tools. This module loads weights, and makes a view of a loaded model that runs another attention implementation
-(`attention_view`: the trainer's tree batches, the engine's repeatable decode); it does not generate or train.
+renders no tools. This module loads weights, and makes a view of a loaded model that runs another
+attention implementation (`attention_view`: the trainer's tree batches, the engine's repeatable
+decode); it does not generate or train.
 """
 
 from __future__ import annotations

@@ -43,9 +43,6 @@ def row_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tenso
     allowed = allowed if allowed.dtype == torch.bool else allowed == 0
     # A row of the engine's batch cache is left-padded: it attends to its last `length` columns.
     lengths = allowed.sum(-1).tolist()
-    if len(set(lengths)) == 1:
-        length = lengths[0]
-        return sdpa_attention_forward(module, query, key[:, :, -length:], value[:, :, -length:], None, **kwargs)
     out = None
     for length in sorted(set(lengths)):
         rows = [i for i, n in enumerate(lengths) if n == length]

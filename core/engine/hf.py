@@ -12,11 +12,11 @@ incrementally decoded text (`core.engine.detokenize`), so one whose characters s
 Logprobs are those of the tempered distribution the row sampled from (`scoring_temperature`,
 within `scoring_top_p`'s nucleus), so the trainer can score the same policy. A seeded row (a
 request's seed, or every request under `engine.repeatable_sampling`) draws from its own generator; the
-others share the run's stream. Under repeatable sampling a row's logits do not depend on which rows share
-its batch either, to the last bit: prompts are prefilled only beside prompts of their own length (left
-padding beside a longer one changes the order of its attention's sums), a decode step attends each row over its own
-columns only, and one of fewer rows than the linear layers need to be batch-invariant runs padded to that
-many (`core.engine.batch_invariance`). A decode step reads the device once.
+others share the run's stream. Under repeatable sampling a row's logits do not depend on which rows
+share its batch either, to the last bit: prompts are prefilled only beside prompts of their own length
+(left padding beside a longer one changes the order of its attention's sums), a decode step attends
+each row over its own columns only, and one of fewer rows than the linear layers need to be
+batch-invariant runs padded to that many (`core.engine.batch_invariance`). A decode step reads the device once.
 A request whose prefill or sampling fails (a NaN row of logits from a diverged model, say) gets its
 own `GenerationError` and the rows already decoding go on; at most `max_batch` rows are active.
 A temperature below `GREEDY_BELOW` decodes greedily, and a top_p so small that it rounds to zero
@@ -76,7 +76,7 @@ class HFEngine(WorkerEngine):
         self.device = next(model.parameters()).device
         # What decodes: the model, or under repeatable sampling a view of it (same weights) whose attention
         # is row by row, fed at least `decode_rows` rows (`core.engine.batch_invariance`); prefills run the
-        # model itself, one prompt at a time.
+        # model itself (`_admit` groups them by prompt length).
         self.decoder = attention_view(model, ROW_ATTENTION) if self.repeatable else model
         self.decode_rows = invariant_rows(model, cfg.max_batch) if self.repeatable else 1
         self.stats = {"batches": 0, "max_rows": 0, "tokens": 0}
