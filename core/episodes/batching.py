@@ -87,6 +87,27 @@ class Batch:
         decides training, never scoring."""
         return self.episodes + self.kept_out
 
+    def put_in_stable_order(self) -> None:
+        """Order the batch by what its episodes are, not by when they finished: groups by (sandbox, task, code
+        version), episodes by ordinal, kept-out episodes likewise. Float sums over a batch (reward/mean, the
+        gradient) depend on the order of their terms, so a run that repeats its episodes
+        (`engine.repeatable_sampling`) then logs the same rewards and feeds its trainer the same samples.
+        Two groups of one task in one batch (a task list shorter than the groups in flight deals a task
+        again before its first group has finished) are cut again from their episodes in ordinal order: which
+        finished episode joined which group was timing. (A cut may make a tied group: it trains with zero
+        advantage.)"""
+        by_group: dict[tuple[str, str, str], list[list[Episode]]] = {}
+        for g in self.groups:
+            by_group.setdefault(g[0].train_group, []).append(g)
+        self.groups = []
+        for key in sorted(by_group):
+            same = by_group[key]
+            episodes = sorted((e for g in same for e in g), key=lambda e: e.ordinal)
+            for size in sorted(len(g) for g in same):
+                self.groups.append(episodes[:size])
+                episodes = episodes[size:]
+        self.kept_out = sorted(self.kept_out, key=lambda e: (e.sandbox, e.task_id, e.ordinal))
+
     def by_version(self) -> dict[tuple[str, str], list[Episode]]:
         """The batch's scored episodes by (sandbox, client code version; "unknown" when the client sent none)."""
         out: dict[tuple[str, str], list[Episode]] = {}

@@ -265,7 +265,7 @@ class CoreRun:
                 batch = registry.take_batch(self.server.versions(), self.cfg.trainer.max_staleness)
                 if batch is not None:
                     taken = time.perf_counter()
-                    batch.groups = _in_stable_order(batch.groups)
+                    batch.put_in_stable_order()
                     outcomes = self._train_batch(batch)
                     self.step += 1
             if batch is None:
@@ -377,15 +377,6 @@ class CoreRun:
                 policy.engine.resume(policy.version + 1 if updated else None)
         outcome.timings = {"time/sync_s": synced, "time/train_s": time.perf_counter() - started - synced}
         return outcome
-
-
-def _in_stable_order(groups: list[list[Episode]]) -> list[list[Episode]]:
-    """A batch's groups by (sandbox, task, ordinal), each group's episodes by ordinal: not the order they
-    finished in. Float sums over a batch (reward/mean, the gradient) depend on the order of their terms,
-    so a run that repeats its episodes (`engine.repeatable_sampling`) then logs the same rewards and
-    feeds its trainer the same samples in the same order."""
-    ordered = [sorted(group, key=lambda e: e.ordinal) for group in groups]
-    return sorted(ordered, key=lambda g: (g[0].sandbox, g[0].task_id, g[0].ordinal))
 
 
 def _timed(spent: list[float], fn, *args):

@@ -4,7 +4,7 @@ Why two runs of one seed parted before (issue 43): without `engine.repeatable_sa
 concurrent calls draw from one random stream in the order they arrive, so which episode gets which
 draw is timing (docs/benchmarks.md, "Repeatable sampling": parted at step 1); bench/vs_trl.py's runs had
 it off. With it on every call's seed comes from (seed, sandbox, task, ordinal, call, choice), the batch's
-groups are trained in a stable order (`core.run.loop`), and on-policy (`max_staleness: 0`) admission
+groups are trained in a stable order (`Batch.put_in_stable_order`), and on-policy (`max_staleness: 0`) admission
 lets only one step's groups be in flight, so the batches are the same groups. This runs the tiny
 model's letters task with the issue's new paths on, dynamic sampling's refills and AdamW's momentum
 on batches without signal, and checks that two runs of one seed earn the same rewards step by step.
